@@ -1,0 +1,3 @@
+from fleetwise.cli import main
+
+raise SystemExit(main())

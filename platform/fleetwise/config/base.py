@@ -1,0 +1,11 @@
+"""Shared pydantic base: every config section forbids unknown keys and is immutable."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    """A config section. Unknown keys are errors (a typo must never be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)

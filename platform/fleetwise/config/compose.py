@@ -1,0 +1,156 @@
+"""Hydra composition: command-line overrides + conf/ + recipes/ -> a plain dict.
+
+Hydra's own errors (unknown group option, a key that is not in the config, bad override syntax)
+become `Problem`s like every validation error, so the user sees one format and exit code 2.
+When composition fails, every override is tried on its own so that all bad ones are reported,
+not only the first.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from fleetwise.config.problems import ConfigError, Problem, did_you_mean
+
+PRIMARY = "config"
+
+
+def config_dir() -> Path:
+    """conf/ inside an installed wheel (fleetwise/conf), else the checkout's conf/."""
+    here = Path(__file__).resolve()
+    packaged = here.parents[1] / "conf"
+    return packaged if packaged.is_dir() else here.parents[3] / "conf"
+
+
+def group_options(group: str) -> list[str]:
+    """Options of a config group, e.g. 'recipe' -> ['ctr/tiny', ..., 'resnet/tiny']."""
+    root = config_dir() / group
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+
+
+def _is_group_override(text: str) -> bool:
+    key = text.lstrip("+~").split("=", 1)[0]
+    return "." not in key or "/" in key
+
+
+def _compose(overrides: list[str], *, hydra_cfg: bool = False) -> Any:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="fleetwise"):
+        return compose(PRIMARY, overrides=overrides, return_hydra_config=hydra_cfg)
+
+
+def _to_dict(cfg: Any) -> dict[str, Any]:
+    from omegaconf import OmegaConf, open_dict
+
+    recipe = str(cfg.hydra.runtime.choices.get("recipe", ""))
+    with open_dict(cfg):
+        del cfg["hydra"]  # holds interpolations only a running Hydra app can resolve
+    data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    assert isinstance(data, dict)
+    data["recipe"] = recipe
+    return data
+
+
+def compose_config(overrides: list[str]) -> dict[str, Any]:
+    """Compose the config for `overrides`; raise ConfigError listing every Hydra-level problem."""
+    data, problems = compose_partial(overrides)
+    if problems:
+        raise ConfigError(problems)
+    return data
+
+
+def compose_partial(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
+    """Compose with every override Hydra accepts, and explain the ones it rejects.
+
+    Returning the partial config lets validation report its own problems in the same run."""
+    try:
+        return _to_dict(_compose(list(overrides), hydra_cfg=True)), []
+    except Exception as first:  # noqa: BLE001 - diagnosed below, then reported as problems
+        problems, accepted = diagnose(list(overrides), first)
+        try:
+            return _to_dict(_compose(accepted, hydra_cfg=True)), problems
+        except Exception:  # noqa: BLE001
+            return {}, problems
+
+
+def diagnose(overrides: list[str], first: BaseException) -> tuple[list[Problem], list[str]]:
+    """Try overrides one at a time (group choices first) and explain each one Hydra rejects."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    accepted: list[str] = []
+    problems: list[Problem] = []
+    ordered = sorted(overrides, key=lambda o: not _is_group_override(o))
+    for text in ordered:
+        try:
+            parser.parse_overrides([text])
+        except Exception as exc:  # noqa: BLE001
+            problems.append(
+                Problem(
+                    text.split("=", 1)[0] or text,
+                    f"cannot parse override {text!r}: {_first_line(exc)}",
+                    "write key=value (lists as key=[a,b], strings with spaces quoted); "
+                    "see https://hydra.cc/docs/advanced/override_grammar/basic/",
+                )
+            )
+            continue
+        try:
+            _compose(accepted + [text])
+            accepted.append(text)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(_explain(text, exc, accepted))
+    if not problems:  # the combination failed although each override alone was fine
+        problems.append(Problem("<overrides>", _first_line(first), "check the overrides together"))
+    return problems, accepted
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _explain(text: str, exc: BaseException, accepted: list[str]) -> Problem:
+    from omegaconf import OmegaConf
+
+    message = str(exc)
+    key = text.lstrip("+~").split("=", 1)[0]
+    value = text.split("=", 1)[1] if "=" in text else ""
+    missing = re.search(r"Could not find '([^']+)'", message)
+    if missing and _is_group_override(text):
+        group = key.split("@")[0]
+        options = group_options(group) if (config_dir() / group).is_dir() else []
+        if not options:
+            groups = sorted(p.name for p in config_dir().iterdir() if p.is_dir())
+            return Problem(
+                group,
+                f"unknown config group '{group}'.{did_you_mean(group, groups)}",
+                f"config groups are: {', '.join(groups)}",
+            )
+        return Problem(
+            group,
+            f"unknown option '{value}' for '{group}'.{did_you_mean(value, options)}",
+            f"choose one of: {', '.join(options)}",
+        )
+    if "not in struct" in message or "Could not override" in message or "Could not delete" in message:
+        parent, _, leaf = key.rpartition(".")
+        try:
+            base = _compose(accepted)
+            node = OmegaConf.select(base, parent) if parent else base
+            known = sorted(str(k) for k in node) if node is not None and hasattr(node, "keys") else []
+        except Exception:  # noqa: BLE001
+            known = []
+        if known:
+            return Problem(
+                key,
+                f"unknown key '{leaf}' in '{parent or '<root>'}'.{did_you_mean(leaf, known)}",
+                f"valid keys under {parent or 'the root'}: {', '.join(known)}",
+            )
+        return Problem(key, f"unknown config section '{parent}'", "check the spelling of the key")
+    if "Multiple values for" in message:
+        return Problem(key, f"'{key}' is given twice", "keep one override per key")
+    return Problem(key or text, _first_line(exc), "check this override")

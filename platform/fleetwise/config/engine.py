@@ -1,0 +1,45 @@
+"""Which PyTorch mechanism implements the data-parallel part of a layout.
+
+Shared by the planner (memory and communication accounting) and the runtime (what it wraps the
+model in), so that both always agree. No torch import here.
+
+| layout                                  | engine  | PyTorch mechanism                                         |
+|-----------------------------------------|---------|-----------------------------------------------------------|
+| dp = sharding = 1                       | none    | plain module                                              |
+| dp > 1, mp = 1, no sharding             | ddp     | DistributedDataParallel (no_sync while accumulating)      |
+| sharding_stage 1 (ZeRO-1)               | zero1   | DDP over dp×sharding + ZeroRedundancyOptimizer (sharding) |
+| sharding_stage 2 (ZeRO-2)               | fsdp    | fully_shard(reshard_after_forward=False) on (dp, sharding) |
+| sharding_stage 3 (ZeRO-3)               | fsdp    | fully_shard(reshard_after_forward=True) on (dp, sharding)  |
+| dp > 1 with mp > 1, no sharding         | fsdp    | fully_shard on (dp, sharding=1): HSDP that only replicates |
+
+FSDP2 always stores parameters sharded between steps, so "stage 2" here differs from ZeRO-2 on
+paper (which keeps whole parameters on every rank): parameters are gathered once per forward and
+kept until the backward is done, instead of being re-gathered for the backward as in stage 3.
+DDP cannot wrap DTensor (tensor-parallel) parameters, which is why dp × mp goes through FSDP.
+"""
+
+from __future__ import annotations
+
+from fleetwise.config.layout import Layout
+
+
+def dp_engine(layout: Layout, sharding_stage: int | None) -> str:
+    if layout.sharding > 1:
+        return "zero1" if sharding_stage == 1 else "fsdp"
+    if layout.dp > 1:
+        return "fsdp" if layout.mp > 1 else "ddp"
+    return "none"
+
+
+def reshard_after_forward(sharding_stage: int | None) -> bool:
+    """ZeRO-3 frees gathered parameters after each forward; stage 2 (and replication) keeps them."""
+    return sharding_stage == 3
+
+
+def optimizer_state_factor(name: str, momentum: float) -> int:
+    """fp32 state tensors per parameter: AdamW 2 (exp_avg, exp_avg_sq), Adagrad 1, SGD 1 with momentum."""
+    if name == "adamw":
+        return 2
+    if name == "adagrad":
+        return 1
+    return 1 if momentum > 0 else 0

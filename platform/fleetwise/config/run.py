@@ -1,0 +1,134 @@
+"""The whole job: RunConfig ties model, data, optimizer, training, strategy and hardware together.
+
+Workers and library code receive a validated `RunConfig`, never a raw DictConfig.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field
+
+from fleetwise.config.base import Section
+from fleetwise.config.hardware import HardwareConfig
+from fleetwise.config.model import ModelConfig
+from fleetwise.config.strategy import StrategyConfig
+
+
+class DataConfig(Section):
+    source: Literal["synthetic", "token_file", "image_folder", "image_array"] = Field(
+        "synthetic", description="synthetic (seeded, layout-independent) or a file reader."
+    )
+    path: str | None = Field(
+        None, description="token_file: .bin of token ids (+ .json meta); image_*: folder or .npz."
+    )
+    seed: int = Field(1234, description="Seed of the synthetic data and of masking.")
+    num_samples: int = Field(
+        1_000_000, ge=1, description="Synthetic: distinct samples before the stream repeats (an epoch)."
+    )
+    zipf_alpha: float = Field(1.1, gt=1, description="CTR synthetic ids: Zipf exponent of id popularity.")
+
+
+class OptimConfig(Section):
+    name: Literal["sgd", "adamw", "adagrad"] = Field("adamw", description="Optimizer of dense parameters.")
+    lr: float = Field(gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled (AdamW) or L2 (SGD) weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW/Adagrad epsilon.")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum.")
+    schedule: Literal["constant", "cosine"] = Field("cosine", description="LR schedule after warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr as a fraction of lr.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Max global gradient norm (null: no clipping).")
+
+
+class TrainConfig(Section):
+    global_batch_size: int = Field(ge=1, description="Samples per optimizer step, whole job.")
+    micro_batch_size: int = Field(ge=1, description="Samples per forward/backward on one rank.")
+    accumulate_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Micro-batches per step per data-parallel rank (pipeline: micro-batches in flight).",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Compute dtype (params stay fp32)."
+    )
+    steps: int = Field(ge=1, description="Optimizer steps to run.")
+    seed: int = Field(42, description="Seed of the model initialisation.")
+    log_interval: int = Field(1, ge=1, description="Steps between console lines.")
+    warmup_steps_excluded: int = Field(
+        2, ge=0, description="Leading steps left out of throughput summaries (start-up, allocator warm-up)."
+    )
+
+
+class LaunchConfig(Section):
+    nnodes: Annotated[str, BeforeValidator(str)] = Field(
+        "1", description="Nodes in the rendezvous: N, or MIN:MAX for elastic jobs."
+    )
+    node_rank: int = Field(0, ge=0, description="This node's rank (static multi-node launch).")
+    rdzv_endpoint: str = Field(
+        "127.0.0.1:0", description="host:port of the c10d rendezvous (port 0: pick a free one)."
+    )
+    rdzv_id: str | None = Field(
+        None, description="Rendezvous id shared by all nodes of one job (default: run name)."
+    )
+    max_restarts: int = Field(0, ge=0, description="torchrun restarts of the whole group after a failure.")
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="A collective that hangs longer fails the job."
+    )
+    monitor_interval_s: float = Field(0.5, gt=0, description="How often torchrun checks its workers.")
+
+
+class RunDirConfig(Section):
+    dir: str | None = Field(None, description="Run directory (default: Hydra's output dir).")
+    name: str | None = Field(
+        None, description="Run name shown in MLflow (default: recipe-strategy-hardware)."
+    )
+
+
+class CheckpointConfig(Section):
+    interval: int = Field(0, ge=0, description="Save every N steps (0: only at the end when enabled).")
+    enabled: bool = Field(False, description="Write checkpoints at all.")
+    keep: int = Field(2, ge=1, description="Newest complete checkpoints kept.")
+    resume: Literal["none", "auto"] | str = Field(
+        "none", description="none, auto (newest complete checkpoint of run.dir), or a checkpoint path."
+    )
+
+
+class TrackingConfig(Section):
+    enabled: bool = Field(True, description="Log the run to MLflow from rank 0.")
+    experiment: str = Field("fleetwise", description="MLflow experiment name.")
+    system_metrics: bool = Field(True, description="Log CPU/RAM/GPU through MLflow's system metrics.")
+
+
+class FaultConfig(Section):
+    """Test hooks to inject failures; they never fire unless set."""
+
+    kill_rank: int | None = Field(None, ge=0, description="Rank that fails (test hook).")
+    at_step: int | None = Field(None, ge=1, description="Step at which it fails.")
+    mode: Literal["raise", "exit", "sigkill"] = Field("raise", description="How it fails.")
+    on_nonfinite: Literal["abort", "skip"] = Field(
+        "abort", description="NaN/Inf loss or gradient: abort or skip the step."
+    )
+
+
+class PlanCheckConfig(Section):
+    memory_check: Literal["error", "warn", "off"] = Field(
+        "error", description="What validate/train do when the plan does not fit in device memory."
+    )
+
+
+class RunConfig(Section):
+    recipe: str = Field(description="Recipe the job was composed from, e.g. gpt/tiny.")
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig
+    train: TrainConfig
+    strategy: StrategyConfig
+    hardware: HardwareConfig
+    launch: LaunchConfig = LaunchConfig()
+    run: RunDirConfig = RunDirConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    fault: FaultConfig = FaultConfig()
+    plan: PlanCheckConfig = PlanCheckConfig()
