@@ -1,0 +1,89 @@
+"""Pipeline arithmetic: which layers each stage holds, micro-batches in flight, and the bubble.
+
+Stage placement follows torch.distributed.pipelining: with v chunks per rank, chunk c of the
+pp·v chunks runs on rank c mod pp ("loop" placement: interleaved 1F1B, looped BFS, interleaved
+zero bubble), except ZBV which folds the chunks into a V (rank r holds chunks r and 2pp-1-r).
+"""
+
+from __future__ import annotations
+
+from fleetwise.config.strategy import INTERLEAVED_SCHEDULES
+
+
+def split_layers(num_layers: int, stages: int, explicit: list[int] | None = None) -> list[int]:
+    """Layers per chunk: the explicit split, or as even as possible (earlier chunks take the extra)."""
+    if explicit is not None:
+        return list(explicit)
+    base, extra = divmod(num_layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)]
+
+
+def chunk_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
+    """Pipeline rank that runs each chunk (index = chunk)."""
+    chunks = pp * virtual
+    if schedule == "ZBV_zero_bubble":
+        return [c if c < pp else 2 * pp - 1 - c for c in range(chunks)]
+    return [c % pp for c in range(chunks)]
+
+
+def chunks_in_flight(schedule: str, pp: int, virtual: int, n: int, rank: int) -> dict[int, int]:
+    """Micro-batches whose activations a rank holds at its peak, per local chunk index.
+
+    From the schedules' warm-up phases in torch.distributed.pipelining:
+    - GPipe runs every forward before any backward: n per chunk.
+    - 1F1B: stage r does min(n, pp - r) forwards before its first backward.
+    - Looped BFS: all n micro-batches of every local chunk before the backwards.
+    - Interleaved 1F1B: warm-up of (v-1)·pp + 2·(pp-1-r) chunk-forwards, +1 in steady state
+      (Narayanan et al. 2021); interleaved zero bubble uses 1·(pp-1-r) and then keeps the inputs
+      of deferred weight-gradient steps, counted as the same total.
+    - ZBV: rank r starts 2(pp-r)-1+r forwards of its first chunk and pp of its second.
+    Counts are in chunk-forwards; each chunk holds 1/v of the rank's layers.
+    """
+    if pp == 1:
+        return {0: 1}
+    if schedule == "GPipe":
+        return {0: n}
+    if schedule == "1F1B":
+        return {0: min(n, pp - rank)}
+    if schedule == "looped_BFS":
+        return {c: n for c in range(virtual)}
+    if schedule == "ZBV_zero_bubble":
+        return {0: min(n, 2 * (pp - rank) - 1 + rank), 1: min(n, pp)}
+    # interleaved: distribute the warm-up chunk-forwards over the local chunks, earliest first
+    per_round = n // max(1, n // pp)
+    factor = 2 if schedule == "interleaved_1F1B" else 1
+    total = min((virtual - 1) * per_round + factor * (pp - 1 - rank) + 1, n * virtual)
+    counts = {c: 0 for c in range(virtual)}
+    c, left = 0, total
+    while left > 0:
+        take = min(per_round, left, n - counts[c])
+        counts[c] += take
+        left -= take
+        c = (c + 1) % virtual
+    return counts
+
+
+def bubble_fraction(schedule: str, pp: int, virtual: int, n: int) -> float:
+    """Idle fraction of a pipeline step, assuming equal stage times and backward = 2 × forward.
+
+    GPipe and 1F1B: (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al. 2021).
+    Interleaved with v chunks: (p-1)/(v·m+p-1) (Narayanan et al. 2021, section 2.2.2).
+    Zero-bubble schedules (Qi et al. 2024) fill the bubble with weight-gradient work; with
+    F = B_input = B_weight the ZB-H1/interleaved variant keeps a third of the interleaved bubble
+    and ZB-V about none once m >= 2p. These are the planner's estimates; `scripts/bench.py`
+    measures each schedule.
+    """
+    if pp == 1:
+        return 0.0
+    if schedule in ("GPipe", "1F1B"):
+        return (pp - 1) / (n + pp - 1)
+    interleaved = (pp - 1) / (virtual * n + pp - 1)
+    if schedule == "interleaved_zero_bubble":
+        return interleaved / 3
+    if schedule == "ZBV_zero_bubble":
+        return 0.0 if n >= 2 * pp else (pp - 1) / (2 * n + pp - 1) / 3
+    return interleaved
+
+
+def is_interleaved(schedule: str) -> bool:
+    return schedule in INTERLEAVED_SCHEDULES

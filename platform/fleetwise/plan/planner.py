@@ -1,0 +1,443 @@
+"""The analytic planner: memory per device, FLOPs, communication, bubble and step time.
+
+Everything here is arithmetic on the validated config (no torch). Sources of the formulas:
+- Memory of model states: ZeRO (Rajbhandari et al. 2020, section 3): fp32 params 4 B, grads 4 B,
+  optimizer k·4 B per parameter, divided by the sharding degree as each stage shards them; mapped
+  onto what FSDP2 / DDP / ZeroRedundancyOptimizer actually keep (see config/engine.py).
+- Activations: Korthikanti et al. 2022 per-layer accounting, redone for this engine (plan/units.py),
+  times the micro-batches each pipeline schedule keeps in flight (plan/pipeline.py).
+- FLOPs: 2 FLOPs per multiply-add, training = 3 × forward (Kaplan et al. 2020; Narayanan et al.
+  2021 eq. 3 without recompute): 6·N·tokens + attention 12·L·s·h·tokens for transformers.
+- Communication: ring collectives (all-reduce moves 2(n-1)/n of the buffer per device,
+  all-gather and reduce-scatter (n-1)/n), Thakur et al. 2005.
+- Time: compute at `matmul_efficiency` × peak, stretched by the pipeline bubble, plus the
+  communication that is not overlapped with compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fleetwise.config.engine import dp_engine, optimizer_state_factor, reshard_after_forward
+from fleetwise.config.layout import Layout
+from fleetwise.config.model import CTRModel, ERNIEModel, TransformerModel
+from fleetwise.config.run import RunConfig
+from fleetwise.config.strategy import CollectiveStrategy, PSStrategy
+from fleetwise.config.validate import layout_of
+from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, split_layers
+from fleetwise.plan.units import Unit, masked_per_sample, model_units
+
+FP32 = 4
+
+
+@dataclass
+class Memory:
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    total: float = 0.0
+
+    def as_ints(self) -> dict[str, int]:
+        return {k: int(round(v)) for k, v in asdict(self).items()}
+
+
+@dataclass
+class Plan:
+    world_size: int
+    mesh: dict[str, int]
+    params: int
+    batch: dict[str, int]
+    memory_bytes: dict[str, int]
+    device_memory_bytes: int
+    fits: bool
+    flops_per_step: float
+    bubble_fraction: float
+    step_time_s: float
+    mfu: float
+    # beyond the contract
+    engine: str = "none"
+    precision: str = "fp32"
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
+    time_s: dict[str, float] = field(default_factory=dict)
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    ps: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage assignment
+
+
+def assign_units(cfg: RunConfig, layout: Layout) -> list[list[Unit]]:
+    """Units of each pipeline chunk (pp × virtual_stages chunks; one chunk without pipelining)."""
+    s = cfg.strategy
+    assert isinstance(s, CollectiveStrategy)
+    units = model_units(cfg.model)
+    chunks = layout.pp * s.virtual_stages if layout.pp > 1 else 1
+    first, blocks, last = _ends(units)
+    split = split_layers(len(blocks), chunks, s.layer_split if layout.pp > 1 else None)
+    out, i = [], 0
+    for c, count in enumerate(split):
+        chunk = list(blocks[i : i + count])
+        i += count
+        if c == 0:
+            chunk = first + chunk
+        if c == chunks - 1:
+            chunk = chunk + last
+        out.append(chunk)
+    return out
+
+
+def _ends(units: list[Unit]) -> tuple[list[Unit], list[Unit], list[Unit]]:
+    first = [u for u in units if u.kind == "embedding"]
+    blocks = [u for u in units if u.kind == "block"]
+    last = [u for u in units if u.kind == "head"]
+    return first, blocks, last
+
+
+# --------------------------------------------------------------------------------------------------
+# Collective plan
+
+
+def _act_bytes(precision: str) -> tuple[int, int]:
+    """(bytes of matmul outputs, bytes of the residual stream / norm inputs) under autocast."""
+    return (FP32, FP32) if precision == "fp32" else (2, FP32)
+
+
+def _rank_memory(
+    cfg: RunConfig, layout: Layout, chunks: list[list[Unit]], ranks: list[int], rank: int, n: int
+) -> tuple[Memory, float]:
+    """Peak memory of pipeline rank `rank` and its parameter count (after mp split, before sharding)."""
+    s = cfg.strategy
+    assert isinstance(s, CollectiveStrategy)
+    mp, sh, b = layout.mp, layout.sharding, cfg.train.micro_batch_size
+    engine = dp_engine(layout, s.sharding_stage)
+    local = [c for c, r in enumerate(ranks) if r == rank]
+    units = [u for c in local for u in chunks[c]]
+    p = sum(u.params_on_rank(mp) for u in units)
+    k = optimizer_state_factor(cfg.optim.name, cfg.optim.momentum)
+    mixed = cfg.train.precision != "fp32"
+    offloaded = s.offload and cfg.hardware.device_type == "cuda" and engine == "fsdp"
+    pipelined = layout.pp > 1
+    accumulating = n > 1 or pipelined
+
+    mem = Memory()
+    shard = sh if engine == "fsdp" else 1
+    resting = 0.0 if offloaded else FP32 * p / shard
+    gather_bytes = 2 if mixed else FP32  # FSDP MixedPrecisionPolicy gathers in the compute dtype
+    if engine == "fsdp":
+        if reshard_after_forward(s.sharding_stage) and not pipelined:
+            biggest = max((u.params_on_rank(mp) for u in units), default=0.0)
+            working = 2 * gather_bytes * biggest  # the unit in use and the prefetched next one
+        else:  # stage 2 / replication, and any pipelined FSDP (kept gathered across micro-batches)
+            working = gather_bytes * p
+        mem.params = resting + working
+        grads_sharded = 0.0 if offloaded else FP32 * p / sh
+        # Under a pipeline schedule FSDP accumulates unsharded gradients until the last micro-batch.
+        mem.grads = grads_sharded + (FP32 * p if pipelined else 0.0)
+        mem.optimizer = 0.0 if offloaded else k * FP32 * p / sh
+    else:
+        mem.params = FP32 * p + (2 * p if mixed else 0.0)  # + autocast's low-precision weight cache
+        mem.grads = FP32 * p
+        mem.optimizer = k * FP32 * p / (sh if engine == "zero1" else 1)
+
+    split_bytes, whole_bytes = _act_bytes(cfg.train.precision)
+    flight = chunks_in_flight(s.schedule, layout.pp, s.virtual_stages if pipelined else 1, n, rank)
+    acts, transient = 0.0, 0.0
+    for i, c in enumerate(local):
+        for u in chunks[c]:
+            a = u.saved(s.recompute)
+            per_sample = (
+                (a.split / mp) * split_bytes
+                + (a.sp / mp if s.sequence_parallel else a.sp) * whole_bytes
+                + a.whole * whole_bytes
+            )
+            acts += flight.get(i, 1) * b * per_sample
+            transient = max(transient, b * u.transient.elements(mp, s.sequence_parallel) * FP32)
+            if s.recompute != "none" and u.kind == "block":  # one block re-materialised in backward
+                full = u.saved("none")
+                transient = max(
+                    transient,
+                    b * (full.split / mp * split_bytes + full.sp * whole_bytes + full.whole * whole_bytes),
+                )
+    mem.activations = acts + transient
+
+    # Peak of forward/backward vs peak of the optimizer step (foreach AdamW keeps about one
+    # parameter-sized temporary).
+    grads_live = mem.grads if (accumulating or engine in ("ddp", "zero1")) else 0.0
+    fwd_bwd = mem.params + mem.optimizer + grads_live + mem.activations
+    if not accumulating and engine not in ("ddp", "zero1"):
+        fwd_bwd = max(fwd_bwd, mem.params + mem.optimizer + mem.grads + transient)
+    step_params = resting if engine == "fsdp" else mem.params
+    step_grads = (0.0 if offloaded else FP32 * p / sh) if engine == "fsdp" else mem.grads
+    step_temp = (FP32 * p / (sh if engine != "ddp" else 1)) if k == 2 else 0.0
+    opt_step = step_params + step_grads + mem.optimizer + step_temp
+    mem.total = max(fwd_bwd, opt_step)
+    return mem, p
+
+
+def _flops_per_sample(cfg: RunConfig, units: list[Unit]) -> float:
+    """Training FLOPs per sample: 3 × forward (backward = 2 × forward)."""
+    return 3 * sum(u.fwd_flops for u in units)
+
+
+def _collective_plan(cfg: RunConfig) -> Plan:
+    s = cfg.strategy
+    assert isinstance(s, CollectiveStrategy)
+    layout = layout_of(cfg)
+    hw, t = cfg.hardware, cfg.train
+    n = t.accumulate_steps or 1
+    b = t.micro_batch_size
+    chunks = assign_units(cfg, layout)
+    v = s.virtual_stages if layout.pp > 1 else 1
+    ranks = chunk_ranks(s.schedule, layout.pp, v) if layout.pp > 1 else [0]
+    engine = dp_engine(layout, s.sharding_stage)
+
+    per_rank = [_rank_memory(cfg, layout, chunks, ranks, r, n) for r in range(layout.pp)]
+    worst = max(range(layout.pp), key=lambda r: per_rank[r][0].total)
+    mem = per_rank[worst][0]
+
+    all_units = [u for c in chunks for u in c]
+    params = sum(u.params for u in all_units)
+    flops_per_step = t.global_batch_size * _flops_per_sample(cfg, all_units)
+
+    # --- time ---------------------------------------------------------------------------------
+    peak = hw.peak_flops(t.precision)
+    rate = peak * hw.matmul_efficiency
+    recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1.0}[s.recompute]
+    stage_time = []
+    for r in range(layout.pp):
+        units = [u for c, rr in enumerate(ranks) if rr == r for u in chunks[c]]
+        fwd = sum(u.fwd_flops for u in units)
+        block_fwd = sum(u.fwd_flops for u in units if u.kind == "block")
+        stage_time.append(n * b * (3 * fwd + recompute_extra * block_fwd) / layout.mp / rate)
+    bubble = bubble_fraction(s.schedule, layout.pp, v, n)
+    compute = max(stage_time)
+    pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
+
+    comm, calls = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
+    bw = {dim: _bandwidth(cfg, layout, dim) for dim in ("dp", "sharding", "mp", "pp")}
+    comm_time = {dim: comm[dim] / bw[dim] + calls[dim] * hw.comm_latency_us * 1e-6 for dim in comm}
+    # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with backward compute on GPUs
+    # (separate streams). On a CPU the same cores run both, so nothing is hidden.
+    overlappable = comm_time["dp"] + comm_time["sharding"]
+    hidden = min(overlappable, (2 / 3) * compute) if hw.device_type == "cuda" else 0.0
+    exposed = comm_time["mp"] + comm_time["pp"] + overlappable - hidden
+    step = pipelined_compute + exposed
+    mfu = flops_per_step / (step * layout.world_size * peak) if step > 0 else 0.0
+
+    stages = []
+    for r in range(layout.pp):
+        units = [u for c, rr in enumerate(ranks) if rr == r for u in chunks[c]]
+        stages.append(
+            {
+                "rank": r,
+                "chunks": [c for c, rr in enumerate(ranks) if rr == r],
+                "layers": sum(1 for u in units if u.kind == "block"),
+                "params_per_device": int(per_rank[r][1] / (layout.sharding if engine == "fsdp" else 1)),
+                "memory_total_bytes": int(per_rank[r][0].total),
+                "compute_s": stage_time[r],
+            }
+        )
+    device_mem = hw.memory_per_device_bytes
+    tokens = cfg.model.seq_len if isinstance(cfg.model, TransformerModel) else 0
+    notes = []
+    if s.offload and hw.device_type == "cpu":
+        notes.append("offload keeps state in host memory, which on a CPU device is the same memory")
+    if isinstance(cfg.model, ERNIEModel):
+        notes.append(f"ERNIE's MLM head runs on {masked_per_sample(cfg.model)} masked positions per sequence")
+    return Plan(
+        world_size=layout.world_size,
+        mesh=layout.as_dict(),
+        params=int(params),
+        batch={
+            "global_batch_size": t.global_batch_size,
+            "micro_batch_size": b,
+            "accumulate_steps": n,
+            "num_microbatches": n,
+        },
+        memory_bytes=mem.as_ints(),
+        device_memory_bytes=device_mem,
+        fits=mem.total <= device_mem,
+        flops_per_step=float(flops_per_step),
+        bubble_fraction=bubble,
+        step_time_s=step,
+        mfu=mfu,
+        engine=engine,
+        precision=t.precision,
+        samples_per_s=t.global_batch_size / step if step else 0.0,
+        tokens_per_s=t.global_batch_size * tokens / step if step else 0.0,
+        comm_bytes_per_step={k: int(v) for k, v in comm.items()},
+        time_s={
+            "compute": compute,
+            "bubble": pipelined_compute - compute,
+            **{f"comm_{k}": v for k, v in comm_time.items()},
+            "comm_hidden": hidden,
+        },
+        stages=stages,
+        notes=notes,
+    )
+
+
+def _bandwidth(cfg: RunConfig, layout: Layout, dim: str) -> float:
+    hw = cfg.hardware
+    crosses = layout.span(dim) > hw.devices_per_node and hw.nodes > 1
+    return (hw.inter_node_gbps if crosses else hw.intra_node_gbps) * 1e9
+
+
+def _comm(
+    cfg: RunConfig, layout: Layout, chunks: list[list[Unit]], ranks: list[int], p: float, n: int, engine: str
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Bytes one device sends per step, and collective calls, per mesh dimension (worst pp rank)."""
+    s = cfg.strategy
+    assert isinstance(s, CollectiveStrategy)
+    b = cfg.train.micro_batch_size
+    act = 2 if cfg.train.precision != "fp32" else FP32
+    gather = 2 if cfg.train.precision != "fp32" else FP32
+    dp, sh, mp, pp = layout.dp, layout.sharding, layout.mp, layout.pp
+    vol = {"dp": 0.0, "sharding": 0.0, "mp": 0.0, "pp": 0.0}
+    calls = {"dp": 0, "sharding": 0, "mp": 0, "pp": 0}
+    grad_bytes = FP32 * p
+    units_per_rank = [[u for c, r in enumerate(ranks) if r == rank for u in chunks[c]] for rank in range(pp)]
+    worst_units = max(units_per_rank, key=lambda us: sum(u.params for u in us))
+    n_units = max(1, len(worst_units))
+
+    if engine == "ddp":
+        vol["dp"] = 2 * (dp - 1) / dp * grad_bytes  # one all-reduce per step (no_sync while accumulating)
+        calls["dp"] = 1
+    elif engine == "zero1":
+        group = dp * sh
+        vol["dp"] = 2 * (group - 1) / group * grad_bytes
+        vol["sharding"] = (sh - 1) / sh * FP32 * p  # broadcast of each rank's updated partition
+        calls["dp"], calls["sharding"] = 1, sh
+    elif engine == "fsdp":
+        gathers = 1 if (not reshard_after_forward(s.sharding_stage) or pp > 1) else 2
+        scatters = 1 if pp > 1 else n  # pipelined FSDP reduce-scatters once, after the last micro-batch
+        gathers_per_step = gathers if pp > 1 else gathers * n
+        vol["sharding"] = (sh - 1) / sh * (gathers_per_step * gather * p + scatters * grad_bytes)
+        calls["sharding"] = (gathers_per_step + scatters) * n_units if sh > 1 else 0
+        vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh  # HSDP: all-reduce of the shards across replicas
+        calls["dp"] = n_units if dp > 1 else 0
+    if mp > 1:
+        per_micro = 0.0
+        for u in worst_units:
+            per_call = b * u.boundary_elements * act
+            count = 2 * u.mp_allreduces + (
+                u.mp_allreduces if (s.recompute == "full" and u.kind == "block") else 0
+            )
+            per_micro += count * per_call
+            calls["mp"] += count * n
+        vol["mp"] = n * 2 * (mp - 1) / mp * per_micro
+    if pp > 1:
+        local_chunks = max(1, len(chunks) // pp)
+        boundary = max((u.boundary_elements for u in worst_units), default=0.0)
+        vol["pp"] = n * local_chunks * 2 * b * boundary * act  # activations forward, gradients back
+        calls["pp"] = n * local_chunks * 2
+    return vol, calls
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameter-server plan
+
+
+def expected_unique(num_rows: int, draws: int, alpha: float) -> float:
+    """Expected distinct ids among `draws` samples of a Zipf(alpha) law over `num_rows` ids:
+    sum_i 1 - (1 - p_i)^draws."""
+    import numpy as np
+
+    ranks = np.arange(1, num_rows + 1, dtype=np.float64)
+    p = ranks**-alpha
+    p /= p.sum()
+    return float(np.sum(-np.expm1(draws * np.log1p(-p))))
+
+
+def _ps_plan(cfg: RunConfig) -> Plan:
+    s = cfg.strategy
+    assert isinstance(s, PSStrategy)
+    m, t, hw = cfg.model, cfg.train, cfg.hardware
+    units = model_units(m)
+    params = sum(u.params for u in units)
+    k = optimizer_state_factor(cfg.optim.name, cfg.optim.momentum)
+    sparse_k = 1 if s.sparse_optimizer == "adagrad" else 0
+    n = t.accumulate_steps or 1
+    b = t.micro_batch_size
+
+    sparse_rows = 0
+    pulled_rows = 0.0
+    row_width = 0
+    if isinstance(m, CTRModel):
+        row_width = m.embedding_dim + 1  # embedding + first-order weight
+        for table in m.sparse_tables:
+            if table.distributed:
+                sparse_rows += table.num_embeddings
+                pulled_rows += expected_unique(table.num_embeddings, b, cfg.data.zipf_alpha)
+    sparse_params = sparse_rows * row_width
+    dense_params = params - sparse_params
+    server_bytes = (FP32 * dense_params * (1 + k) + FP32 * sparse_params * (1 + sparse_k)) / s.num_servers
+    acts = sum(u.saved("none").total for u in units) * b * FP32
+    trainer_bytes = FP32 * dense_params * 2 + FP32 * pulled_rows * row_width * 2 + acts
+    pull = FP32 * (dense_params + pulled_rows * row_width) * n  # per trainer per step
+    push = pull
+    flops_per_step = t.global_batch_size * 3 * sum(u.fwd_flops for u in units)
+    peak = hw.peak_flops(t.precision)
+    compute = n * b * 3 * sum(u.fwd_flops for u in units) / (peak * hw.matmul_efficiency)
+    comm_time = (pull + push) / (hw.intra_node_gbps * 1e9) + 2 * n * s.num_servers * hw.comm_latency_us * 1e-6
+    step = compute + comm_time
+    world = s.num_servers + s.num_trainers
+    worst = max(server_bytes, trainer_bytes)
+    mem = Memory(
+        params=FP32 * dense_params,
+        grads=FP32 * dense_params,
+        optimizer=0.0,
+        activations=acts + FP32 * pulled_rows * row_width * 2,
+        total=worst,
+    )
+    return Plan(
+        world_size=world,
+        mesh={"pp": 1, "dp": s.num_trainers, "sharding": 1, "mp": 1},
+        params=int(params),
+        batch={
+            "global_batch_size": t.global_batch_size,
+            "micro_batch_size": b,
+            "accumulate_steps": n,
+            "num_microbatches": n,
+        },
+        memory_bytes=mem.as_ints(),
+        device_memory_bytes=hw.memory_per_device_bytes,
+        fits=worst <= hw.memory_per_device_bytes,
+        flops_per_step=float(flops_per_step),
+        bubble_fraction=0.0,
+        step_time_s=step,
+        mfu=flops_per_step / (step * s.num_trainers * peak) if step else 0.0,
+        engine="ps",
+        precision=t.precision,
+        samples_per_s=t.global_batch_size / step if step else 0.0,
+        comm_bytes_per_step={"pull": int(pull), "push": int(push)},
+        time_s={"compute": compute, "comm_ps": comm_time},
+        ps={
+            "num_servers": s.num_servers,
+            "num_trainers": s.num_trainers,
+            "dense_params": int(dense_params),
+            "sparse_rows": int(sparse_rows),
+            "sparse_params": int(sparse_params),
+            "server_bytes": int(server_bytes),
+            "trainer_bytes": int(trainer_bytes),
+            "rows_pulled_per_step": pulled_rows * n,
+            "sparse_bytes_pulled_per_step": int(FP32 * pulled_rows * row_width * n),
+            "sparse_table_bytes": int(FP32 * sparse_params),
+        },
+    )
+
+
+def make_plan(cfg: RunConfig) -> Plan:
+    """Plan a resolved, valid config."""
+    if isinstance(cfg.strategy, PSStrategy):
+        return _ps_plan(cfg)
+    return _collective_plan(cfg)

@@ -1,0 +1,130 @@
+"""Human-readable output of problems and plans (rich)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from fleetwise.config.problems import Problem
+from fleetwise.config.run import RunConfig
+from fleetwise.plan.planner import Plan
+from fleetwise.plan.remedies import Remedy
+
+GIB = 1024**3
+
+
+def gib(n: float) -> str:
+    """Bytes with a binary unit that keeps 3 significant digits (12.3 MiB, 39.4 GiB)."""
+    for unit, size in (("TiB", 1024**4), ("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:,.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def print_problems(console: Console, problems: list[Problem]) -> None:
+    noun = "problem" if len(problems) == 1 else "problems"
+    console.print(f"[bold red]✗ invalid config: {len(problems)} {noun}[/]")
+    for p in problems:
+        console.print(f"  [bold]{p.loc}[/]: {p.msg}", highlight=False, soft_wrap=True)
+        console.print(f"    [green]fix:[/] {p.hint}", highlight=False, soft_wrap=True)
+
+
+def describe_job(cfg: RunConfig, plan: Plan) -> str:
+    m = plan.mesh
+    layout = (
+        ""
+        if cfg.strategy.name == "ps"
+        else f" (pp {m['pp']} × dp {m['dp']} × sharding {m['sharding']} × mp {m['mp']})"
+    )
+    return f"{cfg.recipe} · {cfg.strategy.name}{layout} · {cfg.hardware.name} × {plan.world_size}"
+
+
+def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Remedy]) -> None:
+    console = Console(width=max(console.width, 120)) if not console.is_terminal else console
+    console.print(f"[bold]fleetwise plan[/] · {describe_job(cfg, plan)}", highlight=False)
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold cyan", no_wrap=True)
+    t.add_column()
+    b = plan.batch
+    m = plan.mesh
+    if plan.ps is None:
+        t.add_row(
+            "mesh",
+            f"pp {m['pp']} × dp {m['dp']} × sharding {m['sharding']} × mp {m['mp']} = "
+            f"{plan.world_size} ranks · engine {plan.engine} · {plan.precision}",
+        )
+        t.add_row(
+            "batch",
+            f"global {b['global_batch_size']} = micro {b['micro_batch_size']} × accumulate "
+            f"{b['accumulate_steps']} × dp {m['dp']} × sharding {m['sharding']}",
+        )
+    else:
+        ps = plan.ps
+        t.add_row(
+            "roles", f"{ps['num_servers']} servers + {ps['num_trainers']} trainers · {cfg.strategy.mode}"
+        )
+        t.add_row(
+            "batch",
+            f"global {b['global_batch_size']} = micro {b['micro_batch_size']} × accumulate "
+            f"{b['accumulate_steps']} × trainers {ps['num_trainers']}",
+        )
+    t.add_row("params", count(plan.params))
+    mem = plan.memory_bytes
+    verdict = "[green]fits[/]" if plan.fits else "[bold red]does NOT fit[/]"
+    t.add_row("memory/device", f"{gib(mem['total'])} of {gib(plan.device_memory_bytes)} · {verdict}")
+    t.add_row(
+        "",
+        f"params {gib(mem['params'])} · grads {gib(mem['grads'])} · optimizer {gib(mem['optimizer'])}"
+        f" · activations {gib(mem['activations'])}",
+    )
+    if len(plan.stages) > 1:
+        worst = max(plan.stages, key=lambda s: s["memory_total_bytes"])
+        t.add_row(
+            "",
+            f"worst pipeline rank {worst['rank']} ({worst['layers']} layers); per rank: "
+            + ", ".join(gib(s["memory_total_bytes"]) for s in plan.stages[:8])
+            + (" …" if len(plan.stages) > 8 else ""),
+        )
+    if plan.ps is not None:
+        ps = plan.ps
+        t.add_row(
+            "servers",
+            f"{gib(ps['server_bytes'])} each · sparse table {gib(ps['sparse_table_bytes'])} "
+            f"({count(ps['sparse_rows'])} rows)",
+        )
+        t.add_row(
+            "pull/step",
+            f"{count(ps['rows_pulled_per_step'])} rows = "
+            f"{gib(ps['sparse_bytes_pulled_per_step'])} of the sparse tables per trainer",
+        )
+    t.add_row("flops/step", f"{plan.flops_per_step:.3e}")
+    if plan.mesh["pp"] > 1:
+        t.add_row("bubble", f"{plan.bubble_fraction:.1%} ({cfg.strategy.schedule})")
+    comm = " · ".join(f"{k} {gib(v)}" for k, v in plan.comm_bytes_per_step.items() if v)
+    if comm:
+        t.add_row("comm/step", comm + " (bytes sent per device)")
+    parts = " · ".join(f"{k} {seconds(v)}" for k, v in plan.time_s.items() if v)
+    t.add_row("step time", f"{seconds(plan.step_time_s)} ({parts})")
+    rate = f"{plan.samples_per_s:,.1f} samples/s"
+    if plan.tokens_per_s:
+        rate += f" · {plan.tokens_per_s:,.0f} tokens/s"
+    t.add_row("throughput", f"{rate} · MFU {plan.mfu:.1%}")
+    for note in plan.notes:
+        t.add_row("note", note)
+    console.print(t)
+    if not plan.fits and remedies:
+        console.print("[bold]cheapest remedies:[/]")
+        for r in remedies:
+            console.print(f"  {r.describe()}", highlight=False)

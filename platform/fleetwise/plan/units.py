@@ -1,0 +1,306 @@
+"""A model as a chain of units (embedding, blocks, head) with analytic sizes.
+
+Each unit knows, per sample and without torch: its parameters (split into the part tensor
+parallelism divides by mp and the part every mp rank replicates), its forward matmul FLOPs, and
+the activation elements it keeps for backward under each recompute mode. The pipeline planner
+assigns units to stages; the memory, FLOPs and time models sum them.
+
+Parameter counts mirror the model code in `fleetwise.models` exactly (a test builds every tiny
+model with torch and compares). Activation counts follow what PyTorch's autograd saves for our
+modules (the accounting of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", redone for this engine: separate q/k/v projections, fused SDPA that saves
+q, k, v, its output and a log-sum-exp instead of the s×s attention matrix, no dropout masks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fleetwise.config.model import CTRModel, ERNIEModel, GPTModel, ModelConfig, ResNetModel, TransformerModel
+
+
+@dataclass(frozen=True)
+class Acts:
+    """Saved activation elements per sample: `split` is divided by mp, `sp` by mp only under
+    sequence parallelism, `whole` is kept in full by every mp rank."""
+
+    split: float = 0.0
+    sp: float = 0.0
+    whole: float = 0.0
+
+    def elements(self, mp: int, sequence_parallel: bool) -> float:
+        return self.split / mp + (self.sp / mp if sequence_parallel else self.sp) + self.whole
+
+    @property
+    def total(self) -> float:
+        return self.split + self.sp + self.whole
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    kind: str  # "embedding" | "block" | "head"
+    params_split: int = 0  # divided by mp under tensor parallelism
+    params_whole: int = 0  # replicated on every mp rank
+    fwd_flops: float = 0.0  # per sample, matmul/conv FLOPs of the forward pass (2 per multiply-add)
+    acts: dict[str, Acts] = field(default_factory=dict)  # recompute mode -> saved activations
+    transient: Acts = Acts()  # short-lived peak on top of the saved ones (e.g. logits and their grad)
+    attn_flops: float = 0.0  # per sample, attention score/context FLOPs (part of fwd_flops)
+    mp_allreduces: int = 0  # tensor-parallel all-reduces of a (seq, hidden) activation per forward
+    boundary_elements: float = 0.0  # elements per sample sent to the next pipeline stage
+
+    @property
+    def params(self) -> int:
+        return self.params_split + self.params_whole
+
+    def params_on_rank(self, mp: int) -> float:
+        return self.params_split / mp + self.params_whole
+
+    def saved(self, recompute: str) -> Acts:
+        return self.acts.get(recompute, self.acts.get("none", Acts()))
+
+
+# ------------------------------------------------------------------------------------------------
+# Transformers
+
+
+def _transformer_block(m: TransformerModel) -> Unit:
+    s, h, f, a = m.seq_len, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
+    # q, k, v and fc1 are column-parallel (weight and bias split); out-proj and fc2 are row-parallel
+    # (weight split, bias replicated); both layer norms are replicated.
+    split = 4 * h * h + 2 * h * f + 3 * h + f
+    whole = 2 * h + 4 * h
+    none = Acts(
+        # q, k, v; SDPA output and log-sum-exp; the re-laid-out context (out-proj input); fc1 output
+        # (GELU input) and GELU output (fc2 input).
+        split=3 * s * h + s * h + a * s + s * h + 2 * s * f,
+        # the inputs of the two layer norms (sequence parallel shards them)
+        sp=2 * s * h,
+        # the outputs of the two layer norms, saved by the column-parallel linears that read them
+        # (gathered in full under sequence parallelism); LN mean/rstd
+        whole=2 * s * h + 4 * s,
+    )
+    selective = Acts(
+        # selective checkpointing keeps matmul and attention outputs and recomputes norms and GELU
+        split=3 * s * h + s * h + a * s + s * f,
+        sp=s * h,  # block input
+        whole=2 * s * h,  # out-proj and fc2 outputs (row-parallel partial sums)
+    )
+    full = Acts(sp=s * h)  # only the block input; the block is recomputed during backward
+    attn = 2 * 2 * s * s * h  # QK^T and scores·V, counted as full (non-causal) matmuls
+    return Unit(
+        name="block",
+        kind="block",
+        params_split=split,
+        params_whole=whole,
+        fwd_flops=2 * s * (4 * h * h + 2 * h * f) + attn,
+        attn_flops=attn,
+        acts={"none": none, "selective": selective, "full": full},
+        mp_allreduces=2,
+        boundary_elements=s * h,
+    )
+
+
+def _gpt_units(m: GPTModel) -> list[Unit]:
+    s, h, v = m.seq_len, m.hidden_size, m.padded_vocab_size
+    emb = Unit(
+        "embedding",
+        "embedding",
+        params_split=v * h,
+        params_whole=s * h,
+        mp_allreduces=1,
+        boundary_elements=s * h,
+    )
+    head = Unit(
+        "head",
+        "head",
+        params_split=h * v,  # LM head, column-parallel over the vocabulary (untied)
+        params_whole=2 * h,  # final layer norm
+        fwd_flops=2 * s * h * v,
+        # final LN input; LN output (saved by the LM head); log-softmax output (vocab-parallel)
+        acts={"none": Acts(split=s * v, sp=s * h, whole=s * h + 2 * s)},
+        transient=Acts(split=2 * s * v),  # logits, then the gradient of the logits
+    )
+    return [emb] + [_transformer_block(m) for _ in range(m.num_layers)] + [head]
+
+
+def _ernie_units(m: ERNIEModel) -> list[Unit]:
+    s, h, v = m.seq_len, m.hidden_size, m.padded_vocab_size
+    k = masked_per_sample(m)
+    emb = Unit(
+        "embedding",
+        "embedding",
+        params_split=v * h,
+        params_whole=s * h + m.type_vocab_size * h + 2 * h,  # positions, token types, embedding LN
+        acts={"none": Acts(sp=s * h, whole=2 * s)},  # embedding LN input
+        mp_allreduces=1,
+        boundary_elements=s * h,
+    )
+    head = Unit(
+        "head",
+        "head",
+        # MLM head on the masked positions only: dense h->h + GELU + LN (replicated), then a
+        # vocab-parallel decoder with bias.
+        params_split=h * v + v,
+        params_whole=h * h + h + 2 * h,
+        fwd_flops=2 * k * (h * h + h * v),
+        acts={"none": Acts(split=k * v, whole=4 * k * h + 2 * k)},
+        transient=Acts(split=2 * k * v),
+    )
+    return [emb] + [_transformer_block(m) for _ in range(m.num_layers)] + [head]
+
+
+def masked_per_sample(m: ERNIEModel) -> int:
+    """Positions predicted per sequence: the masking picks whole words/spans up to this budget."""
+    return max(1, round(m.seq_len * m.mask_prob))
+
+
+# ------------------------------------------------------------------------------------------------
+# ResNet (torchvision layout: convolutions without bias, BatchNorm after each, stride on the 3x3)
+
+
+def _conv_out(size: int, kernel: int, stride: int, pad: int) -> int:
+    return (size + 2 * pad - kernel) // stride + 1
+
+
+def _resnet_units(m: ResNetModel) -> list[Unit]:
+    w, size, cin = m.base_width, m.image_size, m.in_channels
+    expansion = 4 if m.block == "bottleneck" else 1
+    units: list[Unit] = []
+
+    # Stem: conv 7x7/2, BN, ReLU, maxpool 3x3/2.
+    s1 = _conv_out(size, 7, 2, 3)
+    s2 = _conv_out(s1, 3, 2, 1)
+    units.append(
+        Unit(
+            "stem",
+            "embedding",
+            params_whole=49 * cin * w + 2 * w,
+            fwd_flops=2 * 49 * cin * w * s1 * s1,
+            # input image, conv output (BN input), ReLU output (maxpool input); maxpool indices (int64 = 2)
+            acts={"none": Acts(whole=cin * size * size + 2 * w * s1 * s1 + 2 * w * s2 * s2)},
+            boundary_elements=w * s2 * s2,
+        )
+    )
+    inplanes, spatial = w, s2
+    for stage, blocks in enumerate(m.layers):
+        planes = w * 2**stage
+        for i in range(blocks):
+            stride = 2 if (stage > 0 and i == 0) else 1
+            out = _conv_out(spatial, 3, stride, 1)
+            down = stride != 1 or inplanes != planes * expansion
+            if m.block == "basic":
+                params = 9 * inplanes * planes + 9 * planes * planes + 4 * planes
+                flops = 2 * 9 * (inplanes * planes + planes * planes) * out * out
+                saved = 4 * planes * out * out  # conv1 out, ReLU1 out, conv2 out, block output
+            else:
+                params = inplanes * planes + 9 * planes * planes + 4 * planes * planes + 2 * planes * 6
+                flops = 2 * (
+                    inplanes * planes * spatial * spatial
+                    + 9 * planes * planes * out * out
+                    + 4 * planes * planes * out * out
+                )
+                saved = 2 * planes * spatial * spatial + 2 * planes * out * out + 8 * planes * out * out
+            if down:
+                params += inplanes * planes * expansion + 2 * planes * expansion
+                flops += 2 * inplanes * planes * expansion * out * out
+                saved += planes * expansion * out * out
+            units.append(
+                Unit(
+                    f"layer{stage + 1}.{i}",
+                    "block",
+                    params_whole=params,
+                    fwd_flops=flops,
+                    acts={
+                        "none": Acts(whole=saved),
+                        "selective": Acts(whole=saved),
+                        "full": Acts(whole=inplanes * spatial * spatial),
+                    },
+                    boundary_elements=planes * expansion * out * out,
+                )
+            )
+            inplanes, spatial = planes * expansion, out
+    units.append(
+        Unit(
+            "head",
+            "head",
+            params_whole=inplanes * m.num_classes + m.num_classes,
+            fwd_flops=2 * inplanes * m.num_classes,
+            acts={"none": Acts(whole=inplanes * spatial * spatial + inplanes + m.num_classes)},
+            transient=Acts(whole=2 * m.num_classes),
+        )
+    )
+    return units
+
+
+# ------------------------------------------------------------------------------------------------
+# CTR (DeepFM / Wide&Deep)
+
+
+def ctr_mlp_dims(m: CTRModel) -> list[int]:
+    return [len(m.sparse_tables) * m.embedding_dim + m.num_dense_features, *m.mlp_hidden, 1]
+
+
+def _ctr_units(m: CTRModel) -> list[Unit]:
+    fields = len(m.sparse_tables)
+    rows = sum(t.num_embeddings for t in m.sparse_tables)
+    dims = ctr_mlp_dims(m)
+    mlp = sum(a * b + b for a, b in zip(dims, dims[1:], strict=False))
+    mlp_flops = 2 * sum(a * b for a, b in zip(dims, dims[1:], strict=False))
+    return [
+        Unit(
+            "embedding",
+            "embedding",
+            # per table: k-dim embedding + 1-dim first-order weight; dense first-order linear (+bias)
+            params_whole=rows * (m.embedding_dim + 1) + m.num_dense_features + 1,
+            acts={"none": Acts(whole=fields * (m.embedding_dim + 1))},
+        ),
+        Unit(
+            "mlp",
+            "block",
+            params_whole=mlp,
+            fwd_flops=mlp_flops + 4 * fields * m.embedding_dim,
+            acts={"none": Acts(whole=2 * sum(dims[1:]) + dims[0])},
+        ),
+    ]
+
+
+def model_units(m: ModelConfig) -> list[Unit]:
+    if isinstance(m, GPTModel):
+        return _gpt_units(m)
+    if isinstance(m, ERNIEModel):
+        return _ernie_units(m)
+    if isinstance(m, ResNetModel):
+        return _resnet_units(m)
+    return _ctr_units(m)
+
+
+def total_params(m: ModelConfig) -> int:
+    return sum(u.params for u in model_units(m))
+
+
+def tokens_per_sample(m: ModelConfig) -> int:
+    return m.seq_len if isinstance(m, TransformerModel) else 0
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def largest(values: list[float]) -> float:
+    return max(values) if values else 0.0
+
+
+__all__ = [
+    "Acts",
+    "Unit",
+    "model_units",
+    "total_params",
+    "tokens_per_sample",
+    "masked_per_sample",
+    "ctr_mlp_dims",
+    "ceil_div",
+    "largest",
+    "math",
+]
