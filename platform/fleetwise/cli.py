@@ -1,0 +1,206 @@
+"""The `fleetwise` command: validate | plan | train | … over Hydra overrides.
+
+    fleetwise validate [OVERRIDES…] [--json]   exit 0 valid, 2 invalid (every problem listed)
+    fleetwise plan     [OVERRIDES…] [--json]   the analytic plan (exit 2 if the config is invalid)
+
+Heavy imports (torch, mlflow) stay out of validate/plan: they load inside the commands that use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from fleetwise.config.problems import ConfigError, Problem, did_you_mean
+
+EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+
+
+@dataclass
+class Preflight:
+    """A composed, validated, resolved config and its plan; or the problems found on the way."""
+
+    cfg: object | None = None
+    plan: object | None = None
+    problems: list[Problem] | None = None
+    remedies: list | None = None
+
+
+def preflight(overrides: list[str], *, launching: bool = False, enforce_memory: bool = True) -> Preflight:
+    from fleetwise.config.validate import load_config
+    from fleetwise.plan import make_plan
+    from fleetwise.plan.remedies import remedies
+
+    try:
+        cfg = load_config(overrides, launching=launching)
+    except ConfigError as err:
+        return Preflight(problems=err.problems)
+    plan = make_plan(cfg)
+    fixes = [] if plan.fits else remedies(cfg)
+    problems: list[Problem] = []
+    if not plan.fits and enforce_memory and cfg.plan.memory_check == "error":
+        problems.append(memory_problem(plan, fixes))
+    return Preflight(cfg=cfg, plan=plan, problems=problems, remedies=fixes)
+
+
+def memory_problem(plan, fixes) -> Problem:
+    from fleetwise.plan.render import gib
+
+    m = plan.memory_bytes
+    cures = "; ".join(r.describe() for r in fixes) or "a larger device, or fewer layers per device"
+    return Problem(
+        "hardware.memory_per_device_gib",
+        f"the worst device needs {gib(m['total'])} (params {gib(m['params'])}, grads {gib(m['grads'])}, "
+        f"optimizer {gib(m['optimizer'])}, activations {gib(m['activations'])}) but has "
+        f"{gib(plan.device_memory_bytes)}",
+        f"cheapest remedies: {cures}; or plan.memory_check=warn to launch anyway",
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# argument parsing shared by the config commands
+
+
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"fleetwise {prog}", description=description, add_help=False)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option, key=value, +key=value")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--cfg", "-c", choices=["job", "hydra", "all"], help="print the composed config and exit")
+    p.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations")
+    p.add_argument("--help", "-h", action="store_true", help="show groups, options and examples")
+    return p
+
+
+def _print_cfg(overrides: list[str], which: str, resolve: bool) -> int:
+    from omegaconf import OmegaConf, open_dict
+
+    from fleetwise.config.compose import _compose
+
+    try:
+        cfg = _compose(overrides, hydra_cfg=which != "job")
+    except Exception as exc:  # noqa: BLE001
+        from fleetwise.config.compose import diagnose
+
+        return _report_invalid(diagnose(overrides, exc)[0], as_json=False)
+    if which == "hydra":
+        cfg = cfg.hydra
+    elif which == "job":
+        with open_dict(cfg):
+            cfg.pop("hydra", None)
+    print(OmegaConf.to_yaml(cfg, resolve=resolve and which == "job"), end="")
+    return EXIT_OK
+
+
+def print_help(command: str | None = None) -> int:
+    from fleetwise.config.compose import config_dir, group_options
+
+    console = Console()
+    console.print("[bold]fleetwise[/]: declarative distributed training for PyTorch\n")
+    console.print("usage: fleetwise COMMAND [OVERRIDES…] [--json] [--cfg job] [--help]\n")
+    console.print("[bold]commands[/]")
+    for name, (_, text) in COMMANDS.items():
+        console.print(f"  {name:<10} {text}", highlight=False)
+    console.print("\n[bold]config groups[/] (choose one option each, e.g. strategy=hybrid)")
+    for group in sorted(p.name for p in config_dir().iterdir() if p.is_dir()):
+        console.print(f"  {group:<10} {', '.join(group_options(group))}", highlight=False)
+    console.print(
+        "\n[bold]overrides[/] set any key: train.steps=50 strategy.pp_degree=4 hardware.nodes=16; "
+        "+key=value adds a key; --cfg job prints the composed config.\n"
+        "[bold]examples[/]\n"
+        "  fleetwise plan recipe=gpt/gpt3_175b strategy=hybrid hardware=a100 hardware.nodes=128 "
+        "strategy.mp_degree=8 strategy.pp_degree=16\n"
+        "  fleetwise validate recipe=gpt/tiny strategy=hybrid strategy.pp_degree=2 strategy.mp_degree=2 --json",
+        highlight=False,
+    )
+    return EXIT_OK
+
+
+def _report_invalid(problems: list[Problem], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"valid": False, "errors": [p.to_dict() for p in problems]}, indent=2))
+    else:
+        from fleetwise.plan.render import print_problems
+
+        print_problems(Console(stderr=True), problems)
+    return EXIT_INVALID
+
+
+# ------------------------------------------------------------------------------------------------
+# commands
+
+
+def cmd_validate(argv: list[str]) -> int:
+    args = _parser(
+        "validate", "Check a config; exit 0 if valid, 2 with every problem otherwise."
+    ).parse_intermixed_args(argv)
+    if args.help:
+        return print_help("validate")
+    if args.cfg:
+        return _print_cfg(args.overrides, args.cfg, args.resolve)
+    pf = preflight(args.overrides)
+    if pf.problems:
+        return _report_invalid(pf.problems, args.json)
+    if args.json:
+        print(json.dumps({"valid": True, "errors": []}, indent=2))
+    else:
+        from fleetwise.plan.render import describe_job, gib
+
+        plan = pf.plan
+        Console().print(
+            f"[bold green]✓ valid[/]: {describe_job(pf.cfg, plan)} · memory/device "
+            f"{gib(plan.memory_bytes['total'])} of {gib(plan.device_memory_bytes)}",
+            highlight=False,
+        )
+    return EXIT_OK
+
+
+def cmd_plan(argv: list[str]) -> int:
+    args = _parser(
+        "plan", "Print the analytic plan: mesh, memory, FLOPs, bubble, step time."
+    ).parse_intermixed_args(argv)
+    if args.help:
+        return print_help("plan")
+    if args.cfg:
+        return _print_cfg(args.overrides, args.cfg, args.resolve)
+    pf = preflight(args.overrides, enforce_memory=False)
+    if pf.problems:
+        return _report_invalid(pf.problems, args.json)
+    if args.json:
+        out = pf.plan.to_dict()
+        out["remedies"] = [r.to_dict() for r in pf.remedies]
+        print(json.dumps(out, indent=2))
+    else:
+        from fleetwise.plan.render import print_plan
+
+        print_plan(Console(), pf.cfg, pf.plan, pf.remedies)
+    return EXIT_OK
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
+    "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        return print_help()
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        Console(stderr=True).print(
+            f"[bold red]✗ unknown command {command!r}.{did_you_mean(command, COMMANDS)}[/] "
+            f"Commands: {', '.join(COMMANDS)}",
+            highlight=False,
+        )
+        return EXIT_INVALID
+    return COMMANDS[command][0](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The console script as users run it: exit codes, JSON contracts, no torch on the fast path."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def run(bin_, *args, cwd=None):
+    return subprocess.run([bin_, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_validate_ok_and_json(fleetwise_bin):
+    r = run(fleetwise_bin, "validate", "recipe=gpt/tiny")
+    assert r.returncode == 0, r.stderr
+    assert "valid" in r.stdout
+    r = run(fleetwise_bin, "validate", "recipe=gpt/tiny", "--json")
+    assert json.loads(r.stdout) == {"valid": True, "errors": []}
+
+
+def test_validate_bad_degrees_exits_2_with_every_factor_and_no_traceback(fleetwise_bin):
+    r = run(fleetwise_bin, "validate", "recipe=gpt/tiny", "strategy.dp_degree=3")
+    assert r.returncode == 2
+    out = r.stdout + r.stderr
+    assert "Traceback" not in out
+    for word in (
+        "sharding_degree(1)",
+        "dp_degree(3)",
+        "mp_degree(1)",
+        "pp_degree(1)",
+        "world_size(8)",
+        "fix:",
+    ):
+        assert word in out
+    r = run(fleetwise_bin, "validate", "strategy.dp_degree=3", "train.stepz=2", "--json")
+    assert r.returncode == 2
+    report = json.loads(r.stdout)
+    assert report["valid"] is False
+    assert {e["loc"] for e in report["errors"]} == {"strategy", "train.stepz"}
+    assert all(set(e) == {"loc", "msg", "hint"} for e in report["errors"])
+
+
+@pytest.mark.parametrize(
+    "args", [("strategy=nope",), ("train.steps=[1,",), ("recipe=gpt/none",), ("+bogus.key=1",)]
+)
+def test_hydra_errors_are_reported_like_config_errors(fleetwise_bin, args):
+    r = run(fleetwise_bin, "validate", *args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "fix:" in r.stderr
+
+
+def test_plan_json_follows_the_contract(fleetwise_bin):
+    r = run(
+        fleetwise_bin,
+        "plan",
+        "recipe=gpt/gpt3_175b",
+        "strategy=hybrid",
+        "hardware=a100",
+        "hardware.nodes=128",
+        "strategy.mp_degree=8",
+        "strategy.pp_degree=16",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    for key in (
+        "world_size",
+        "mesh",
+        "params",
+        "batch",
+        "memory_bytes",
+        "device_memory_bytes",
+        "fits",
+        "flops_per_step",
+        "bubble_fraction",
+        "step_time_s",
+        "mfu",
+    ):
+        assert key in plan
+    assert plan["world_size"] == 1024
+    assert plan["mesh"] == {"pp": 16, "dp": 8, "sharding": 1, "mp": 8}
+    assert all(isinstance(v, int) for v in plan["mesh"].values())
+    assert set(plan["batch"]) >= {
+        "global_batch_size",
+        "micro_batch_size",
+        "accumulate_steps",
+        "num_microbatches",
+    }
+    assert set(plan["memory_bytes"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    assert plan["batch"]["accumulate_steps"] == 1536 // 8
+    assert plan["fits"] is True
+
+
+def test_plan_human_output_is_a_table(fleetwise_bin):
+    r = run(fleetwise_bin, "plan", "recipe=gpt/gpt3_1.3b")
+    assert r.returncode == 0
+    for word in ("mesh", "memory/device", "step time", "MFU"):
+        assert word in r.stdout
+
+
+def test_plan_of_invalid_config_exits_2(fleetwise_bin):
+    assert run(fleetwise_bin, "plan", "strategy.dp_degree=3").returncode == 2
+
+
+def test_plan_that_does_not_fit_shows_remedies(fleetwise_bin):
+    r = run(
+        fleetwise_bin,
+        "plan",
+        "recipe=gpt/gpt3_175b",
+        "strategy.pp_degree=8",
+        "strategy.recompute=none",
+        "--json",
+    )
+    plan = json.loads(r.stdout)
+    assert r.returncode == 0 and plan["fits"] is False
+    assert plan["remedies"] and any(x["fits"] for x in plan["remedies"])
+    r = run(
+        fleetwise_bin, "validate", "recipe=gpt/gpt3_175b", "strategy.pp_degree=8", "strategy.recompute=none"
+    )
+    assert r.returncode == 2 and "remedies" in r.stderr
+
+
+def test_help_lists_groups_and_cfg_job_prints_config(fleetwise_bin):
+    r = run(fleetwise_bin, "--help")
+    assert r.returncode == 0
+    for group in ("strategy", "hardware", "recipe", "model", "data", "optim"):
+        assert group in r.stdout
+    assert "gpt/gpt3_175b" in r.stdout
+    r = run(fleetwise_bin, "plan", "strategy=hybrid", "strategy.pp_degree=2", "--cfg", "job")
+    assert r.returncode == 0
+    assert "pp_degree: 2" in r.stdout and "name: hybrid" in r.stdout
+
+
+def test_unknown_command_exits_2(fleetwise_bin):
+    r = run(fleetwise_bin, "plna")
+    assert r.returncode == 2 and "plan" in r.stderr
+
+
+def test_validate_and_plan_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "from fleetwise.cli import main\n"
+        "assert main(['validate', 'recipe=gpt/gpt3_1.3b']) == 0\n"
+        "assert main(['plan', 'recipe=gpt/gpt3_175b', '--json']) == 0\n"
+        "assert main(['validate', 'strategy.dp_degree=3']) == 2\n"
+        "heavy = sorted(m for m in ('torch', 'mlflow') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_plan_starts_fast(fleetwise_bin):
+    # The issue's target is 1.5 s on this machine; allow slack for a loaded CI box.
+    best = min(_timed(fleetwise_bin) for _ in range(3))
+    assert best < 3.0, best
+
+
+def _timed(bin_):
+    t = time.perf_counter()
+    r = run(bin_, "plan", "recipe=gpt/gpt3_1.3b")
+    assert r.returncode == 0
+    return time.perf_counter() - t

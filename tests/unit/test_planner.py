@@ -1,0 +1,139 @@
+"""Planner numbers against values computed by hand (the arithmetic is spelled out here)."""
+
+import pytest
+from conftest import compose
+
+from fleetwise.plan import make_plan
+from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, split_layers
+
+
+def plan_of(*overrides):
+    cfg, problems = compose(*overrides)
+    assert problems == [], problems
+    return cfg, make_plan(cfg)
+
+
+def test_tiny_gpt_parameter_count():
+    # V=256 (already a multiple of 64), h=64, s=32, L=4, f=256
+    emb_and_head = 2 * 256 * 64
+    positions = 32 * 64
+    per_layer = 4 * 64 * 64 + 2 * 64 * 256 + 9 * 64 + 256  # q,k,v,o + fc1,fc2 + biases/LNs
+    assert per_layer == 49_984
+    _, plan = plan_of("recipe=gpt/tiny")
+    assert plan.params == emb_and_head + positions + 4 * per_layer + 2 * 64 == 234_880
+
+
+def test_gpt3_175b_parameters_and_flops():
+    _, plan = plan_of("recipe=gpt/gpt3_175b")
+    h, L, s, v = 12288, 96, 2048, 50304  # vocab 50257 padded to a multiple of 64
+    per_layer = 12 * h * h + 13 * h
+    assert plan.params == L * per_layer + 2 * v * h + s * h + 2 * h == 175_222_972_416
+    # model FLOPs: tokens × (6 × matmul params + 12·L·s·h attention)
+    n_matmul = L * 12 * h * h + v * h
+    tokens = 1536 * s
+    assert plan.flops_per_step == pytest.approx(tokens * (6 * n_matmul + 12 * L * s * h), rel=1e-12)
+    assert plan.flops_per_step == pytest.approx(3.386e18, rel=1e-3)
+
+
+@pytest.mark.parametrize("recipe,params", [("resnet/resnet50", 25_557_032), ("resnet/resnet101", 44_549_160)])
+def test_resnet_parameter_counts_match_torchvision(recipe, params):
+    _, plan = plan_of(f"recipe={recipe}")
+    assert plan.params == params
+
+
+def test_resnet50_forward_is_4_1_gmacs():
+    _, plan = plan_of("recipe=resnet/resnet50")
+    per_sample_fwd = plan.flops_per_step / 256 / 3
+    assert per_sample_fwd / 2 == pytest.approx(4.09e9, rel=0.01)
+
+
+def test_ddp_memory_of_tiny_gpt_by_hand():
+    cfg, plan = plan_of("recipe=gpt/tiny")
+    p = 234_880
+    params, grads, adam = 4 * p, 4 * p, 8 * p
+    b, s, h, f, a, v, L = 2, 32, 64, 256, 4, 256, 4
+    block = (3 * s * h + s * h + a * s + s * h + 2 * s * f) + 2 * s * h + (2 * s * h + 4 * s)
+    head = s * v + s * h + (s * h + 2 * s)
+    saved = 4 * b * (L * block + head)
+    logits_transient = 4 * b * 2 * s * v
+    m = plan.memory_bytes
+    assert (m["params"], m["grads"], m["optimizer"]) == (params, grads, adam)
+    assert m["activations"] == saved + logits_transient
+    # DDP keeps its gradient buckets, so the forward/backward peak holds everything at once.
+    assert m["total"] == params + grads + adam + saved + logits_transient
+    assert plan.engine == "ddp"
+    assert plan.comm_bytes_per_step["dp"] == int(2 * 7 / 8 * grads)
+
+
+def test_sharding_stages_shrink_model_states():
+    totals = {}
+    for stage in (1, 2, 3):
+        _, plan = plan_of("recipe=gpt/gpt3_1.3b", f"strategy.sharding_stage={stage}")
+        totals[stage] = plan.memory_bytes
+    # stage 1 and 2/3 all shard the AdamW state 8 ways
+    assert totals[1]["optimizer"] == totals[2]["optimizer"] == totals[3]["optimizer"]
+    # stage 1 keeps whole fp32 gradients, stages 2/3 an eighth of them
+    assert totals[1]["grads"] == 8 * totals[2]["grads"]
+    # stage 3 gathers two layers at a time instead of the whole model
+    assert totals[3]["params"] < totals[2]["params"]
+
+
+def test_tensor_and_pipeline_parallel_divide_parameters():
+    _, p1 = plan_of("recipe=gpt/gpt3_13b")  # mp 8 × pp 2
+    per_rank = [st["params_per_device"] for st in p1.stages]
+    assert len(per_rank) == 2
+    assert sum(per_rank) * 8 == pytest.approx(p1.params, rel=0.01)  # replicated LNs/biases are tiny
+
+
+def test_pipeline_schedule_arithmetic():
+    assert split_layers(10, 4) == [3, 3, 2, 2]
+    assert split_layers(8, 2, [5, 3]) == [5, 3]
+    assert chunk_ranks("interleaved_1F1B", 2, 2) == [0, 1, 0, 1]
+    assert chunk_ranks("ZBV_zero_bubble", 2, 2) == [0, 1, 1, 0]
+    assert bubble_fraction("1F1B", 4, 1, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("GPipe", 4, 1, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("interleaved_1F1B", 4, 2, 8) == pytest.approx(3 / 19)
+    assert chunks_in_flight("GPipe", 4, 1, 8, 0) == {0: 8}
+    assert chunks_in_flight("1F1B", 4, 1, 8, 0) == {0: 4}
+    assert chunks_in_flight("1F1B", 4, 1, 8, 3) == {0: 1}
+    # interleaved, pp=2, v=2, n=4, rank 0: warm-up (v-1)·pp + 2(pp-1-r) = 4 chunk-forwards, +1
+    assert sum(chunks_in_flight("interleaved_1F1B", 2, 2, 4, 0).values()) == 5
+
+
+def test_gpipe_keeps_more_activations_than_1f1b():
+    base = (
+        "recipe=gpt/tiny",
+        "strategy=pp",
+        "strategy.pp_degree=2",
+        "strategy.dp_degree=4",
+        "train.global_batch_size=64",
+    )
+    _, gpipe = plan_of(*base, "strategy.schedule=GPipe")
+    _, ofob = plan_of(*base, "strategy.schedule=1F1B")
+    assert gpipe.batch["num_microbatches"] == 8
+    assert gpipe.memory_bytes["activations"] > 3 * ofob.memory_bytes["activations"]
+
+
+def test_recompute_full_keeps_only_block_inputs():
+    _, none = plan_of("recipe=gpt/gpt3_175b", "strategy.recompute=none")
+    _, full = plan_of("recipe=gpt/gpt3_175b", "strategy.recompute=full")
+    assert full.memory_bytes["activations"] < none.memory_bytes["activations"] / 3
+    assert full.step_time_s > none.step_time_s  # one more forward per block
+
+
+def test_step_time_and_mfu_are_consistent():
+    cfg, plan = plan_of("recipe=gpt/gpt3_1.3b")
+    peak = cfg.hardware.peak_flops("bf16")
+    assert plan.mfu == pytest.approx(plan.flops_per_step / (plan.step_time_s * plan.world_size * peak))
+    assert plan.tokens_per_s == pytest.approx(512 * 2048 / plan.step_time_s)
+
+
+def test_parameter_server_plan_counts_server_shards_and_pulled_rows():
+    cfg, plan = plan_of("recipe=ctr/tiny")
+    ps = plan.ps
+    assert ps["sparse_rows"] == 5000 + 3000 + 100 + 300
+    assert ps["sparse_params"] == ps["sparse_rows"] * 9  # embedding_dim 8 + first-order weight
+    # Zipf ids: a micro-batch of 32 touches at most 32 rows per table, far fewer than the table.
+    assert 0 < ps["rows_pulled_per_step"] <= 4 * 32 * plan.batch["accumulate_steps"]
+    assert ps["sparse_bytes_pulled_per_step"] < ps["sparse_table_bytes"] / 10
+    assert plan.world_size == 4
