@@ -57,8 +57,12 @@ class ImageFolder:
     def __init__(self, root: str | Path, image_size: int):
         root = Path(root)
         classes = sorted(p for p in root.iterdir() if p.is_dir())
-        self.files = [(f, c) for c, d in enumerate(classes) for f in sorted(d.iterdir())
-                      if f.suffix.lower() in IMAGE_SUFFIXES]
+        self.files = [
+            (f, c)
+            for c, d in enumerate(classes)
+            for f in sorted(d.iterdir())
+            if f.suffix.lower() in IMAGE_SUFFIXES
+        ]
         self.size = image_size
         self.num_samples = len(self.files)
 

@@ -29,7 +29,7 @@ class StepBatches:
     def microbatches(self, step: int) -> list[dict[str, torch.Tensor]]:
         whole = self.source.batch(self.indices(step))
         b = self.micro_batch_size
-        return [{k: v[i * b:(i + 1) * b] for k, v in whole.items()} for i in range(self.num_microbatches)]
+        return [{k: v[i * b : (i + 1) * b] for k, v in whole.items()} for i in range(self.num_microbatches)]
 
     def whole(self, step: int) -> dict[str, torch.Tensor]:
         """All of this rank's micro-batches stacked (a pipeline schedule splits them itself)."""

@@ -20,8 +20,17 @@ from fleetwise.data.tokens import sample_rng
 IGNORE = -100
 
 
-def mask_sequence(tokens: np.ndarray, words: np.ndarray, rng: np.random.Generator, *, unit: str, budget: int,
-                  max_span_words: int, mask_id: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+def mask_sequence(
+    tokens: np.ndarray,
+    words: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    unit: str,
+    budget: int,
+    max_span_words: int,
+    mask_id: int,
+    vocab: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """Mask one sequence; `words[i]` is the word index of token i (non-decreasing)."""
     if unit == "token":
         units = [np.array([i]) for i in range(len(tokens))]
@@ -34,7 +43,7 @@ def mask_sequence(tokens: np.ndarray, words: np.ndarray, rng: np.random.Generato
             units, w = [], 0
             while w < len(word_spans):
                 k = int(rng.integers(1, max_span_words + 1))
-                units.append(np.concatenate(word_spans[w:w + k]))
+                units.append(np.concatenate(word_spans[w : w + k]))
                 w += k
     selected: list[int] = []
     for u in rng.permutation(len(units)):
@@ -58,8 +67,18 @@ def mask_sequence(tokens: np.ndarray, words: np.ndarray, rng: np.random.Generato
 class MaskedLM:
     """Wraps a token source (synthetic or file) into ERNIE's masked-LM batches."""
 
-    def __init__(self, source, *, seq_len: int, vocab_size: int, masking: str, mask_prob: float,
-                 max_span_words: int, seed: int, space_id: int | None = None):
+    def __init__(
+        self,
+        source,
+        *,
+        seq_len: int,
+        vocab_size: int,
+        masking: str,
+        mask_prob: float,
+        max_span_words: int,
+        seed: int,
+        space_id: int | None = None,
+    ):
         self.source, self.seq_len, self.vocab = source, seq_len, vocab_size
         self.masking, self.max_span_words, self.seed = masking, max_span_words, seed
         self.budget = max(1, round(seq_len * mask_prob))
@@ -80,8 +99,14 @@ class MaskedLM:
             rng = sample_rng(self.seed + 1, idx)  # masking draws differ from the token draws
             words = self._words(seqs[row], rng)
             toks[row], labels[row] = mask_sequence(
-                seqs[row], words, rng, unit=self.masking, budget=self.budget,
-                max_span_words=self.max_span_words, mask_id=self.mask_id, vocab=self.vocab,
+                seqs[row],
+                words,
+                rng,
+                unit=self.masking,
+                budget=self.budget,
+                max_span_words=self.max_span_words,
+                mask_id=self.mask_id,
+                vocab=self.vocab,
             )
         types = (np.arange(self.seq_len) >= self.seq_len // 2).astype(np.int64)
         return {

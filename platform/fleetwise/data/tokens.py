@@ -21,7 +21,13 @@ class SyntheticTokens:
     a demo run visibly learns; the noise keeps the optimum away from zero."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int, num_samples: int, noise: float = 0.15):
-        self.vocab, self.seq_len, self.seed, self.num_samples, self.noise = vocab_size, seq_len, seed, num_samples, noise
+        self.vocab, self.seq_len, self.seed, self.num_samples, self.noise = (
+            vocab_size,
+            seq_len,
+            seed,
+            num_samples,
+            noise,
+        )
         self.successor = np.random.default_rng([seed, 2**31]).permutation(vocab_size)
 
     def sequences(self, indices: np.ndarray, length: int) -> np.ndarray:
@@ -60,7 +66,7 @@ class TokenFile:
 
     def sequences(self, indices: np.ndarray, length: int) -> np.ndarray:
         starts = indices * self.seq_len
-        return np.stack([np.asarray(self.tokens[s:s + length], dtype=np.int64) for s in starts])
+        return np.stack([np.asarray(self.tokens[s : s + length], dtype=np.int64) for s in starts])
 
     def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         seq = torch.from_numpy(self.sequences(indices, self.seq_len + 1))

@@ -23,13 +23,13 @@ class ERNIEEmbedding(nn.Module):
         super().__init__()
         self.word = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(seq_len, hidden)
-        self.type = nn.Embedding(type_vocab, hidden)
+        self.segment = nn.Embedding(type_vocab, hidden)  # not `type`: nn.Module.type() exists
         self.norm = nn.LayerNorm(hidden)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, tokens: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.drop(self.norm(self.word(tokens) + self.pos(positions) + self.type(token_types)))
+        return self.drop(self.norm(self.word(tokens) + self.pos(positions) + self.segment(token_types)))
 
 
 class MLMHead(nn.Module):

@@ -51,8 +51,14 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)
-                  and not p.name.endswith(".tmp") and (p / "fleetwise.json").exists())
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name.startswith(STEP_PREFIX)
+        and not p.name.endswith(".tmp")
+        and (p / "fleetwise.json").exists()
+    )
 
 
 def prune(run_dir: Path, keep: int) -> None:

@@ -8,6 +8,7 @@ reported before anything heavy starts.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -73,8 +74,10 @@ def gpu_problem(cfg: RunConfig) -> str | None:
     need = nproc_per_node(cfg)
     if found >= need:
         return None
-    return (f"hardware={cfg.hardware.name} runs {need} CUDA devices per node, but this machine has {found}. "
-            "Train here with hardware=cpu (validate and plan work for any profile).")
+    return (
+        f"hardware={cfg.hardware.name} runs {need} CUDA devices per node, but this machine has {found}. "
+        "Train here with hardware=cpu (validate and plan work for any profile)."
+    )
 
 
 def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
@@ -85,10 +88,21 @@ def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
         cmd.append("--standalone")  # c10d rendezvous on a free local port
     else:
         rdzv_id = launch.rdzv_id or cfg.run.name or run_dir.name
-        cmd += [f"--nnodes={launch.nnodes}", f"--node-rank={launch.node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={rdzv_id}"]
-    cmd += [f"--max-restarts={launch.max_restarts}", f"--monitor-interval={launch.monitor_interval_s}",
-            f"--log-dir={run_dir / 'logs' / 'torchrun'}", "-m", WORKER, str(run_dir)]
+        cmd += [
+            f"--nnodes={launch.nnodes}",
+            f"--node-rank={launch.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={host}:{port}",
+            f"--rdzv-id={rdzv_id}",
+        ]
+    cmd += [
+        f"--max-restarts={launch.max_restarts}",
+        f"--monitor-interval={launch.monitor_interval_s}",
+        f"--log-dir={run_dir / 'logs' / 'torchrun'}",
+        "-m",
+        WORKER,
+        str(run_dir),
+    ]
     return cmd
 
 
@@ -111,8 +125,9 @@ class Follower:
         return complete
 
 
-def launch_job(cfg: RunConfig, plan: Plan, run_dir: Path, argv: list[str], console: Console,
-               on_poll=None) -> JobResult:
+def launch_job(
+    cfg: RunConfig, plan: Plan, run_dir: Path, argv: list[str], console: Console, on_poll=None
+) -> JobResult:
     write_run_dir(run_dir, cfg, plan, argv)
     cmd = torchrun_command(cfg, run_dir)
     env = dict(os.environ)
@@ -124,7 +139,9 @@ def launch_job(cfg: RunConfig, plan: Plan, run_dir: Path, argv: list[str], conso
     records: list[dict] = []
     with (run_dir / "logs" / "launcher.log").open("ab") as launcher_log:
         # a session of its own: the whole process tree can be stopped together (no orphans)
-        proc = subprocess.Popen(cmd, stdout=launcher_log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=launcher_log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             while True:
                 done = proc.poll() is not None
@@ -155,53 +172,54 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait(grace_s)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
 def root_cause(run_dir: Path, returncode: int) -> str:
-    """The first failure of the job: the earliest error file a rank wrote (@record), else the
-    failure summary torchrun printed (hard exits and signals leave no error file)."""
-    found = []
-    for path in glob.glob(str(run_dir / "logs" / "torchrun" / "**" / "error.json"), recursive=True):
+    """The first failure of the job, as torchrun observed it ("Root Cause" in its report): the rank
+    and its exception message (from the error file @record wrote), or its exit code / signal when
+    it died without one (os._exit, SIGKILL, OOM killer)."""
+    cause = _torchrun_root_cause(run_dir / "logs" / "launcher.log")
+    if cause is None:
+        return f"torchrun exited with code {returncode}; see {run_dir / 'logs'}"
+    rank, code, error_file = cause
+    message = _error_file_message(Path(error_file)) if error_file and error_file != "<N/A>" else None
+    if message:
+        return f"rank {rank} failed: {message}"
+    if code.lstrip("-").isdigit() and int(code) < 0:
         try:
-            info = json.loads(Path(path).read_text())["message"]
-            msg = info["message"] if isinstance(info, dict) else str(info)
-            stamp = int(info.get("extraInfo", {}).get("timestamp", 0)) if isinstance(info, dict) else 0
-            found.append((stamp, path, msg))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    if found:
-        _, path, msg = min(found)
-        rank = _rank_of_error_file(run_dir, Path(path))
-        return f"rank {rank} failed: {msg.strip().splitlines()[-1] if msg.strip() else msg}"
-    summary = _torchrun_summary(run_dir / "logs" / "launcher.log")
-    return summary or f"torchrun exited with code {returncode}; see {run_dir / 'logs'}"
+            name = signal.Signals(-int(code)).name
+        except ValueError:
+            name = f"signal {-int(code)}"
+        return f"rank {rank} was killed by {name}"
+    return f"rank {rank} died with exit code {code} (no Python exception: see logs/rank_{rank}.log)"
 
 
-def _rank_of_error_file(run_dir: Path, path: Path) -> str:
-    # torchrun layout: logs/torchrun/<run id>/attempt_<k>/<local rank>/error.json
-    return path.parent.name
-
-
-def _torchrun_summary(launcher_log: Path) -> str | None:
+def _torchrun_root_cause(launcher_log: Path) -> tuple[str, str, str] | None:
     try:
         text = launcher_log.read_text(errors="replace")
     except OSError:
         return None
-    lines = [ln.strip() for ln in text.splitlines()]
-    failure = {}
-    for ln in lines:
-        for key in ("rank", "exitcode", "error_file", "traceback"):
-            if ln.startswith(f"{key}") and ":" in ln:
-                failure.setdefault(key, ln.split(":", 1)[1].strip())
-    if "exitcode" not in failure:
+    marker = text.rfind("Root Cause (first observed failure)")
+    if marker < 0:
         return None
-    code = failure["exitcode"]
-    how = f"exit code {code}"
-    if "Signal" in failure.get("traceback", "") or code.startswith("-"):
-        how = failure.get("traceback", f"signal {code}")
-    return f"rank {failure.get('rank', '?').split()[0]} died ({how})"
+    fields = {}
+    for line in text[marker:].splitlines()[1:]:
+        key, sep, value = line.strip().partition(":")
+        if sep and key.strip() in ("rank", "exitcode", "error_file"):
+            fields.setdefault(key.strip(), value.strip())
+    if "rank" not in fields:
+        return None
+    return fields["rank"].split()[0], fields.get("exitcode", "?").split()[0], fields.get("error_file", "")
+
+
+def _error_file_message(path: Path) -> str | None:
+    try:
+        info = json.loads(path.read_text())["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    msg = (info.get("message") if isinstance(info, dict) else str(info)) or ""
+    lines = [ln for ln in msg.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else None

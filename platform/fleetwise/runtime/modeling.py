@@ -68,8 +68,16 @@ def build_source(cfg: RunConfig):
             return base
         from fleetwise.data.masking import MaskedLM
 
-        return MaskedLM(base, seq_len=m.seq_len, vocab_size=m.vocab_size, masking=m.masking,
-                        mask_prob=m.mask_prob, max_span_words=m.max_span_words, seed=d.seed, space_id=space)
+        return MaskedLM(
+            base,
+            seq_len=m.seq_len,
+            vocab_size=m.vocab_size,
+            masking=m.masking,
+            mask_prob=m.mask_prob,
+            max_span_words=m.max_span_words,
+            seed=d.seed,
+            space_id=space,
+        )
     if isinstance(m, ResNetModel):
         from fleetwise.data.images import ImageArray, ImageFolder, SyntheticImages
 

@@ -13,7 +13,9 @@ from torch.distributed.tensor import DTensor
 from fleetwise.config.run import OptimConfig, TrainConfig
 
 
-def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig, *, zero_group=None) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: list[nn.Parameter], cfg: OptimConfig, *, zero_group=None
+) -> torch.optim.Optimizer:
     """Weight decay applies to matrices (ndim >= 2), not to biases and norms (as in GPT-2/nanoGPT).
 
     zero_group: shard the optimizer state across this process group (ZeRO stage 1, with
@@ -26,14 +28,21 @@ def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig, *, zero_group=
         cls, kwargs = torch.optim.SGD, {"momentum": cfg.momentum}
     else:
         cls, kwargs = torch.optim.Adagrad, {"eps": cfg.eps}
+    groups = [
+        g
+        for g in (
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        )
+        if g["params"]
+    ]
     if zero_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        # ZeroRedundancyOptimizer takes one flat list; decay is applied to all of it.
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=zero_group, lr=cfg.lr,
-                                       weight_decay=cfg.weight_decay, **kwargs)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return cls([g for g in groups if g["params"]], lr=cfg.lr, **kwargs)
+        return ZeroRedundancyOptimizer(
+            groups, optimizer_class=cls, process_group=zero_group, lr=cfg.lr, **kwargs
+        )
+    return cls(groups, lr=cfg.lr, **kwargs)
 
 
 def lr_factor(done: int, optim: OptimConfig, train: TrainConfig) -> float:

@@ -124,7 +124,9 @@ def dp_mesh(mesh: DeviceMesh, cfg: RunConfig) -> DeviceMesh:
     return mesh["dp", "sharding"] if layout.dp > 1 else mesh["sharding"]
 
 
-def _data_parallel(part: nn.Module, cfg: RunConfig, mesh: DeviceMesh, engine: str, device: torch.device) -> nn.Module:
+def _data_parallel(
+    part: nn.Module, cfg: RunConfig, mesh: DeviceMesh, engine: str, device: torch.device
+) -> nn.Module:
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     if engine == "none":
@@ -133,7 +135,9 @@ def _data_parallel(part: nn.Module, cfg: RunConfig, mesh: DeviceMesh, engine: st
         group = mesh["dp"].get_group() if engine == "ddp" else flat_group(mesh, ("dp", "sharding"))
         # gradient_as_bucket_view: grads live in DDP's buckets, no second copy of the gradients
         return DistributedDataParallel(
-            part, process_group=group, gradient_as_bucket_view=True,
+            part,
+            process_group=group,
+            gradient_as_bucket_view=True,
             device_ids=[device.index] if device.type == "cuda" else None,
         )
     # FSDP2: shard each block, then the root (embedding, head). A pipelined chunk keeps its
@@ -169,8 +173,10 @@ def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device:
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     group = mesh["pp"].get_group()
-    pm.stages = [P.PipelineStage(part, c, pm.num_chunks, device, group=group) for part, c in zip(pm.parts, pm.chunk_ids,
-                                                                                                 strict=True)]
+    pm.stages = [
+        P.PipelineStage(part, c, pm.num_chunks, device, group=group)
+        for part, c in zip(pm.parts, pm.chunk_ids, strict=True)
+    ]
     classes = {
         "GPipe": P.ScheduleGPipe,
         "1F1B": P.Schedule1F1B,

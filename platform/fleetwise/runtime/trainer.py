@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fleetwise.config.run import RunConfig
 from fleetwise.config.validate import layout_of
 from fleetwise.data.loader import StepBatches
+from fleetwise.runtime.faults import inject_fault
 from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv, build_mesh
 from fleetwise.runtime.modeling import build_source
@@ -40,8 +41,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train)
         self.pp_group = self.mesh["pp"].get_group() if layout.pp > 1 else None
         dp_rank = self.coords["dp"] * layout.sharding + self.coords["sharding"]
-        self.data = StepBatches(build_source(cfg), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                                cfg.train.accumulate_steps, dp_rank, layout.data_parallel_size)
+        self.data = StepBatches(
+            build_source(cfg),
+            cfg.train.global_batch_size,
+            cfg.train.micro_batch_size,
+            cfg.train.accumulate_steps,
+            dp_rank,
+            layout.data_parallel_size,
+        )
         self.memory = TensorPeak(env.device)
         self.metrics_path = run_dir / "metrics.jsonl"
         self.step = 0
@@ -74,7 +81,7 @@ class Trainer:
             losses: list[torch.Tensor] = []
             with self._loss_context(), self.autocast():
                 self.model.schedule.step(*args, target=target, losses=losses if self.model.has_last else None)
-            return torch.stack([x.detach().float() for x in losses]).mean() if self.model.has_last else None
+            return torch.stack([_plain(x) for x in losses]).mean() if self.model.has_last else None
 
         (part,) = self.model.parts
         micro = self.data.microbatches(step)
@@ -88,7 +95,7 @@ class Trainer:
                     loss = spec.loss(out, mb[spec.label].to(self.env.device))
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += loss.detach().float()
+            total += _plain(loss)
         return total / n
 
     def _sync_context(self, part, last: bool):
@@ -107,6 +114,7 @@ class Trainer:
         start = time.perf_counter()
         with self.memory.measure(step, self.model.parts, self.optimizer):
             loss = self.forward_backward(step)
+            inject_fault(self.cfg.fault, self.env.rank, step, self.env.restart)
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
             norm = grad_norm(self.params, self.pp_group)
@@ -125,11 +133,18 @@ class Trainer:
         elapsed = time.perf_counter() - start
         return self._reduce(step, loss, float(norm), lr, elapsed)
 
-    def _reduce(self, step: int, loss: torch.Tensor | None, norm: float, lr: float, elapsed: float) -> dict[str, float]:
+    def _reduce(
+        self, step: int, loss: torch.Tensor | None, norm: float, lr: float, elapsed: float
+    ) -> dict[str, float]:
         """Gather one small vector per rank on rank 0 (one collective per step) and derive the metrics."""
         mine = torch.tensor(
-            [float(loss) if (loss is not None and self.reports_loss) else 0.0, 1.0 if self.reports_loss else 0.0,
-             elapsed, float(self.memory.peak), float(rss_peak_bytes())],
+            [
+                float(loss) if (loss is not None and self.reports_loss) else 0.0,
+                1.0 if self.reports_loss else 0.0,
+                elapsed,
+                float(self.memory.peak),
+                float(rss_peak_bytes()),
+            ],
             dtype=torch.float64,
         )
         world = self.env.world_size
@@ -166,7 +181,7 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------------------------------------
-    def fit(self, on_step=None) -> None:
+    def fit(self) -> None:
         steps = self.cfg.train.steps
         while self.step < steps:
             step = self.step + 1
@@ -177,13 +192,23 @@ class Trainer:
                     f.write(json.dumps(metrics) + "\n")
                 if step % self.cfg.train.log_interval == 0 or step == steps:
                     log.info(format_step(metrics, steps))
-            if on_step is not None:
-                on_step(step)
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A detached local scalar (a vocabulary-parallel loss is a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    loss = loss.detach()
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).float()
 
 
 def format_step(m: dict[str, float], steps: int) -> str:
     """nanoGPT-style: the numbers a user wants, nothing else."""
-    rate = f"{m['perf/tokens_per_s']:,.0f} tok/s" if "perf/tokens_per_s" in m else f"{m['perf/samples_per_s']:,.1f} samples/s"
+    rate = (
+        f"{m['perf/tokens_per_s']:,.0f} tok/s"
+        if "perf/tokens_per_s" in m
+        else f"{m['perf/samples_per_s']:,.1f} samples/s"
+    )
     return (
         f"step {m['step']}/{steps} | loss {m['train/loss']:.4f} | {m['perf/step_time_s'] * 1e3:.0f} ms | {rate}"
         f" | mfu {m['perf/mfu']:.1%} | mem {m['memory/peak_bytes_max'] / 2**20:.1f} MiB"
