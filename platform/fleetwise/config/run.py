@@ -106,7 +106,9 @@ class FaultConfig(Section):
 
     kill_rank: int | None = Field(None, ge=0, description="Rank that fails (test hook).")
     at_step: int | None = Field(None, ge=1, description="Step at which it fails.")
-    mode: Literal["raise", "exit", "sigkill"] = Field("raise", description="How it fails.")
+    mode: Literal["raise", "exit", "sigkill", "hang", "nan"] = Field(
+        "raise", description="How it fails: exception, os._exit, SIGKILL, hang, or a NaN gradient."
+    )
     on_nonfinite: Literal["abort", "skip"] = Field(
         "abort", description="NaN/Inf loss or gradient: abort or skip the step."
     )
