@@ -73,6 +73,9 @@ class LaunchConfig(Section):
         None, description="Rendezvous id shared by all nodes of one job (default: run name)."
     )
     max_restarts: int = Field(0, ge=0, description="torchrun restarts of the whole group after a failure.")
+    rdzv_last_call_s: int = Field(
+        30, ge=1, description="Elastic jobs: after MIN nodes joined, wait this long for more before starting."
+    )
     collective_timeout_s: float = Field(
         300.0, gt=0, description="A collective that hangs longer fails the job."
     )

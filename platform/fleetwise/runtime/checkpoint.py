@@ -157,7 +157,7 @@ def load(path: Path, trainer) -> int:
         state = {k: v for k, v in state.items() if not k.startswith("state.")}
     dcp.load(state, checkpoint_id=str(path))
     for part in parts:
-        prefix_free = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+        prefix_free = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
         own = get_model_state_dict(part)
         set_model_state_dict(part, {k: prefix_free[k] for k in own})
     if same_world:
@@ -177,6 +177,6 @@ def export(checkpoint: Path, out: Path) -> Path:
     dcp_to_torch_save(str(checkpoint), str(tmp))
     full = torch.load(tmp, weights_only=True)
     tmp.unlink()
-    model = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
+    model = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")}
     torch.save(model, out)
     return out

@@ -28,8 +28,12 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(
-        p for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(STEP_PREFIX) and not p.name.endswith(".tmp") and (p / META).exists()
+        p
+        for p in root.iterdir()
+        if p.is_dir()
+        and p.name.startswith(STEP_PREFIX)
+        and not p.name.endswith(".tmp")
+        and (p / META).exists()
     )
 
 
@@ -50,7 +54,9 @@ def verify(path: Path, cfg: RunConfig) -> list[Problem]:
     clear message before anything runs; nothing is deleted, so earlier checkpoints stay usable."""
     loc = "checkpoint.resume"
     older = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
-    fallback = f"resume from an earlier one: checkpoint.resume={older[-1]}" if older else "start a new run.dir"
+    fallback = (
+        f"resume from an earlier one: checkpoint.resume={older[-1]}" if older else "start a new run.dir"
+    )
     try:
         meta = json.loads((path / META).read_text())
         files = meta["files"]
@@ -64,15 +70,30 @@ def verify(path: Path, cfg: RunConfig) -> list[Problem]:
             return [Problem(loc, f"checkpoint {path.name} is missing {name}", fallback)]
         size = f.stat().st_size
         if size != entry["size"]:
-            return [Problem(loc, f"checkpoint {path.name}: {name} has {size} bytes, {entry['size']} were written "
-                            "(truncated or overwritten)", fallback)]
+            return [
+                Problem(
+                    loc,
+                    f"checkpoint {path.name}: {name} has {size} bytes, {entry['size']} were written "
+                    "(truncated or overwritten)",
+                    fallback,
+                )
+            ]
         if "sha256" in entry and hashlib.sha256(f.read_bytes()).hexdigest() != entry["sha256"]:
-            return [Problem(loc, f"checkpoint {path.name}: {name} is corrupted (checksum mismatch)", fallback)]
+            return [
+                Problem(loc, f"checkpoint {path.name}: {name} is corrupted (checksum mismatch)", fallback)
+            ]
     mine = cfg.model.model_dump(mode="json")
     theirs = meta.get("model", {})
     if mine != theirs:
         diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        shown = ", ".join(f"model.{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in diff[:4])
-        return [Problem(loc, f"checkpoint {path.name} holds a different model ({shown})",
-                        "resume with the recipe/model it was trained with, or start a new run.dir")]
+        shown = ", ".join(
+            f"model.{k}: checkpoint {theirs.get(k)!r} vs config {mine.get(k)!r}" for k in diff[:4]
+        )
+        return [
+            Problem(
+                loc,
+                f"checkpoint {path.name} holds a different model ({shown})",
+                "resume with the recipe/model it was trained with, or start a new run.dir",
+            )
+        ]
     return []

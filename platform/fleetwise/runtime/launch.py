@@ -93,6 +93,7 @@ def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
             f"--node-rank={launch.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={host}:{port}",
+            f"--rdzv-conf=last_call_timeout={launch.rdzv_last_call_s}",
             f"--rdzv-id={rdzv_id}",
         ]
     cmd += [
@@ -182,8 +183,13 @@ def root_cause(run_dir: Path, returncode: int) -> str:
     and its exception message (from the error file @record wrote), or its exit code / signal when
     it died without one (os._exit, SIGKILL, OOM killer)."""
     cause = _torchrun_root_cause(run_dir / "logs" / "launcher.log")
-    if cause is None:
-        return f"torchrun exited with code {returncode}; see {run_dir / 'logs'}"
+    if cause is None:  # torchrun itself failed (bad arguments, rendezvous): its last words
+        try:
+            lines = (run_dir / "logs" / "launcher.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        last = lines[-1].strip() if lines else ""
+        return f"torchrun exited with code {returncode}: {last} (see {run_dir / 'logs' / 'launcher.log'})"
     rank, code, error_file = cause
     message = _error_file_message(Path(error_file)) if error_file and error_file != "<N/A>" else None
     if message:

@@ -62,8 +62,14 @@ def attempt_store(rank: int, world: int, restart: int, timeout: timedelta) -> di
     count makes every attempt see only its own keys."""
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(host, port, world_size=world, is_master=(not agent_hosts and rank == 0),
-                          timeout=timeout, wait_for_workers=False)
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size=world,
+        is_master=(not agent_hosts and rank == 0),
+        timeout=timeout,
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(f"fleetwise/attempt_{restart}", store)
 
 

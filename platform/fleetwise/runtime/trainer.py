@@ -49,7 +49,9 @@ class Trainer:
             layout.data_parallel_size,
         )
         self.memory = TensorPeak(env.device)
-        self.named_params = [(clean_name(n), p) for part in self.model.parts for n, p in part.named_parameters()]
+        self.named_params = [
+            (clean_name(n), p) for part in self.model.parts for n, p in part.named_parameters()
+        ]
         self.skipped = 0
         self.metrics_path = run_dir / "metrics.jsonl"
         self.step = 0
@@ -141,13 +143,21 @@ class Trainer:
     def _non_finite(self, step: int, loss: torch.Tensor | None) -> None:
         """A NaN/Inf gradient (the global norm is reduced, so every rank sees it): name the first
         offending parameter over all ranks, then abort or skip the step as configured."""
-        local = next((name for name, p in self.named_params
-                      if p.grad is not None and not torch.isfinite(_local(p.grad)).all()), None)
+        local = next(
+            (
+                name
+                for name, p in self.named_params
+                if p.grad is not None and not torch.isfinite(_local(p.grad)).all()
+            ),
+            None,
+        )
         names: list[str | None] = [None] * self.env.world_size
         dist.all_gather_object(names, (self.env.rank, local))
         first = next(((r, n) for r, n in names if n is not None), None)
         where = f"parameter {first[1]!r} on rank {first[0]}" if first else "an unknown parameter"
-        loss_note = " (the loss is non-finite too)" if loss is not None and not torch.isfinite(loss).all() else ""
+        loss_note = (
+            " (the loss is non-finite too)" if loss is not None and not torch.isfinite(loss).all() else ""
+        )
         message = f"non-finite gradient at step {step}: first offending {where}{loss_note}"
         if self.cfg.fault.on_nonfinite == "abort":
             raise FloatingPointError(message + "; set fault.on_nonfinite=skip to skip such steps")

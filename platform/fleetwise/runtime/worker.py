@@ -74,13 +74,27 @@ def main(argv: list[str] | None = None) -> int:
     from fleetwise.runtime.trainer import Trainer
 
     imported = time.perf_counter()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.hardware.world_size:  # an elastic job started with fewer (or more) nodes
+        from fleetwise.config.validate import elastic_config
+
+        cfg = elastic_config(cfg, world)
+        log.info("elastic: %d ranks; data parallel degree is now %d", world, cfg.strategy.dp_degree)
     env = init_distributed(cfg)
     joined = time.perf_counter()
     trainer = Trainer(cfg, plan, env, run_dir)
     built = time.perf_counter()
-    log.info("rank %d/%d on %s, attempt %d; start-up: imports %.2f s, process group %.2f s, mesh+model+optimizer "
-             "%.2f s", env.rank, env.world_size, env.device, env.restart, imported - started, joined - imported,
-             built - joined)
+    log.info(
+        "rank %d/%d on %s, attempt %d; start-up: imports %.2f s, process group %.2f s, mesh+model+optimizer "
+        "%.2f s",
+        env.rank,
+        env.world_size,
+        env.device,
+        env.restart,
+        imported - started,
+        joined - imported,
+        built - joined,
+    )
     resume = find_resume(cfg, run_dir, restarting=env.restart > 0)
     if resume is not None:
         trainer.resume(resume)
