@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from fleetwise.config.problems import ConfigError, Problem, did_you_mean
+from fleetwise.tracking import commands as tracking  # light: mlflow loads inside the commands
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -184,6 +185,9 @@ def cmd_plan(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
     "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
+    "ui": (tracking.cmd_ui, "browse tracked runs in the MLflow UI (127.0.0.1:5000 by default)"),
+    "compare": (tracking.cmd_compare, "table and PNG chart of runs: throughput, MFU, peak vs predicted memory"),
+    "sync": (tracking.cmd_sync, "deliver metrics that did not reach MLflow (server down during a run)"),
 }
 
 
