@@ -479,7 +479,9 @@ class RunTracker:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+            # Its start/stop notes and its "failed to get run" during an outage would repeat what
+            # the tracker already tells the user once.
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.ERROR)
             monitor = SystemMetricsMonitor(self.state.run_id, resume_logging=resume, tracking_uri=self.uri)
             monitor.start()
             self._sysmon = monitor

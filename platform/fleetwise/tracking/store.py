@@ -32,11 +32,11 @@ MAX_PARAMS_TAGS_PER_BATCH = 100
 
 # A dead server must cost seconds, not minutes: MLflow's defaults (7 retries with exponential
 # back-off, 120 s timeout) would stall the launcher for ~4 minutes per call. The tracker keeps its
-# own spool and back-off, so one quick retry is enough. Values the user exported win.
+# own spool and back-off, so it needs no HTTP-level retries (which would also log a urllib3
+# warning per attempt). Values the user exported win.
 HTTP_DEFAULTS = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
 }
 
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
