@@ -186,10 +186,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
     "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
     "ui": (tracking.cmd_ui, "browse tracked runs in the MLflow UI (127.0.0.1:5000 by default)"),
-    "compare": (
-        tracking.cmd_compare,
-        "table and PNG chart of runs: throughput, MFU, peak vs predicted memory",
-    ),
+    "compare": (tracking.cmd_compare, "table + PNG of runs: throughput, MFU, peak vs predicted memory"),
     "sync": (tracking.cmd_sync, "deliver metrics that did not reach MLflow (server down during a run)"),
 }
 
