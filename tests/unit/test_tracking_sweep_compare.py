@@ -22,7 +22,6 @@ def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("store")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
-        mp.setenv("COLUMNS", "200")  # rich tables unwrapped in captured output
         from mlflow import MlflowClient
 
         yield MlflowClient(f"sqlite:///{root}/mlflow.db")

@@ -57,7 +57,7 @@ def cmd_ui(argv: list[str]) -> int:
         "--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)"
     )
     args = p.parse_args(argv)
-    console, err = Console(), Console(stderr=True)
+    console, err = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
     uri = tracking_uri()
     if uri.startswith(("http://", "https://", "databricks")):
         console.print(f"Runs are tracked by the server {uri} (MLFLOW_TRACKING_URI): open it in a browser.")
@@ -153,7 +153,7 @@ def cmd_compare(argv: list[str]) -> int:
         "--limit", type=int, default=20, help="at most this many runs of the experiment (default 20)"
     )
     args = p.parse_args(argv)
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     if args.run_ids and args.experiment:
         err.print("[bold red]✗ give run ids or --experiment, not both[/]")
         return EXIT_USAGE
@@ -178,9 +178,11 @@ def cmd_compare(argv: list[str]) -> int:
         return EXIT_FAIL
     rows = [row_from_run(r) for r in runs]
     title = f"{len(rows)} runs" + ("" if args.run_ids else f" of experiment {experiment!r}")
-    Console().print(rich_table(rows, title=title))
+    # Piped into a file or a CI log there is no terminal width to respect: never squash the table.
+    out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    out.print(rich_table(rows, title=title))
     chart = write_chart(rows, args.out, title=title)
-    Console().print(f"chart: {chart.resolve()}", highlight=False)
+    out.print(f"chart: {chart.resolve()}", highlight=False)
     return EXIT_OK
 
 
@@ -207,7 +209,7 @@ def cmd_sync(argv: list[str]) -> int:
     )
     p.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR")
     args = p.parse_args(argv)
-    console, err = Console(), Console(stderr=True)
+    console, err = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
 
     from fleetwise.tracking.spool import STATE_FILE, is_behind, load_state
 
