@@ -276,3 +276,24 @@ def test_tracking_never_imports_torch_and_the_cli_never_imports_mlflow_until_use
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _nvml_gpu() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _nvml_gpu(), reason="no NVIDIA GPU visible to NVML")
+def test_system_metrics_include_the_gpus_of_the_launchers_node(store, tmp_path):
+    t = tracker(make_run_dir(tmp_path, "run-gpu"), system_metrics=True)
+    run_id = t.start()
+    time.sleep(0.5)
+    t.finish("FINISHED")
+    metrics = store.get_run(run_id).data.metrics
+    assert "system/gpu_0_utilization_percentage" in metrics and "system/gpu_0_memory_usage_megabytes" in metrics
