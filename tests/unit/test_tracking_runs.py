@@ -296,4 +296,6 @@ def test_system_metrics_include_the_gpus_of_the_launchers_node(store, tmp_path):
     time.sleep(0.5)
     t.finish("FINISHED")
     metrics = store.get_run(run_id).data.metrics
-    assert "system/gpu_0_utilization_percentage" in metrics and "system/gpu_0_memory_usage_megabytes" in metrics
+    assert (
+        "system/gpu_0_utilization_percentage" in metrics and "system/gpu_0_memory_usage_megabytes" in metrics
+    )

@@ -44,6 +44,10 @@ def test_records_keep_numbers_only():
     )
     assert metric_values(record) == {"train/loss": 2.5, "perf/mfu": 0.0}
     assert parse_record(b"[1, 2]\n") is None and parse_record(b"not json\n") is None
+    import numpy as np
+
+    # summaries computed with numpy count as numbers too
+    assert metric_values({"a": np.float32(0.5), "b": np.int64(3)}) == {"a": 0.5, "b": 3.0}
 
 
 def test_state_round_trip_and_is_behind(tmp_path):

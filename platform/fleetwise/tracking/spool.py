@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -107,11 +108,7 @@ def parse_record(line: bytes) -> dict | None:
 
 def metric_values(record: dict) -> dict[str, float]:
     """The numeric entries of a record, as floats (booleans and strings are not metrics)."""
-    return {
-        k: float(v)
-        for k, v in record.items()
-        if k not in RESERVED_KEYS and isinstance(v, int | float) and not isinstance(v, bool)
-    }
+    return {k: float(v) for k, v in record.items() if k not in RESERVED_KEYS and number(v)}
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -141,8 +138,13 @@ def is_behind(run_dir: Path) -> bool:
     )
 
 
+def number(value: object) -> bool:
+    """A real number (numpy scalars included), but not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def finite(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return number(value) and math.isfinite(value)
 
 
 class RunDirLock:
