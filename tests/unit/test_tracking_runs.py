@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -173,6 +174,21 @@ def test_malformed_lines_are_skipped_and_a_refused_line_never_blocks_the_spool(s
         state.skipped_lines == 2 and state.delivered_lines == 7
     )  # garbage + refused; the blank line is neither
     assert len(messages.about("refused")) == 1
+    t.finish("FINISHED")
+
+
+def test_records_without_step_or_time_are_numbered_by_line_across_batches(store, tmp_path):
+    run_dir = make_run_dir(tmp_path, "run-no-step")
+    t = tracker(run_dir)
+    run_id = t.start()
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for i in range(200):  # 200 x 12 metrics: three log_batch calls
+            f.write(json.dumps({f"m{k}": float(i) for k in range(12)}) + "\n")
+    began = int(time.time() * 1000)
+    assert t.poll() == 200
+    hist = store.get_metric_history(run_id, "m7")
+    assert sorted((m.step, m.value) for m in hist) == [(i, float(i)) for i in range(200)]
+    assert all(m.timestamp >= began for m in hist)  # no "time" in the record: when it was shipped
     t.finish("FINISHED")
 
 

@@ -85,7 +85,10 @@ class _Line:
 
 
 class RunTracker:
-    """One MLflow run of one training job, owned by the launcher (see the module docstring)."""
+    """One MLflow run of one training job, owned by the launcher (see the module docstring).
+
+    Not thread-safe: call it from one thread (the launcher's loop). Its only thread is MLflow's
+    system-metrics sampler, which has its own client."""
 
     def __init__(
         self,
@@ -217,7 +220,7 @@ class RunTracker:
             return
         state = self.state
         if error:
-            error_file = self.run_dir / ERROR_FILE
+            error_file = (self.run_dir / ERROR_FILE).resolve()
             error_file.write_text(error if error.endswith("\n") else error + "\n")
             if str(error_file) not in state.pending_artifacts:
                 state.pending_artifacts.append(str(error_file))
@@ -377,7 +380,7 @@ class RunTracker:
         """Whole lines grouped so that a batch holds at most MAX_METRICS_PER_BATCH metrics."""
         from mlflow.entities import Metric
 
-        now = _now_ms()
+        now, first_line = _now_ms(), self.state.delivered_lines  # before any batch advances it
         batch: list[_Line] = []
         count = 0
         for i, (end, text) in enumerate(raw):
@@ -385,7 +388,7 @@ class RunTracker:
             line = _Line(end, malformed=record is None and bool(text.strip()))
             if record is not None:
                 stamp = int(record["time"] * 1000) if finite(record.get("time")) else now
-                step = int(record["step"]) if finite(record.get("step")) else self.state.delivered_lines + i
+                step = int(record["step"]) if finite(record.get("step")) else first_line + i
                 line.metrics = [
                     Metric(clean_key(k), v, stamp, step) for k, v in metric_values(record).items()
                 ]
