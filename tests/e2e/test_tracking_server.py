@@ -304,29 +304,30 @@ def test_fleetwise_ui_serves_the_local_store_and_stops_on_ctrl_c(fleetwise_bin, 
     assert (tmp_path / "mlflow.db").exists() and (tmp_path / "mlartifacts").is_dir()
 
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    ui = subprocess.Popen(
-        [fleetwise_bin, "ui", "--port", str(port)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    log = tmp_path / "ui.log"
+    with open(log, "w") as sink:
+        ui = subprocess.Popen(
+            [fleetwise_bin, "ui", "--port", str(port)],
+            cwd=tmp_path,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        url = f"http://127.0.0.1:{port}"
-        assert wait_until(lambda: _answers(url + "/health"), STARTUP_TIMEOUT_S, interval=0.25)
+        # Ready when it says so (it prints the URL once /health answers), not merely when /health does.
+        assert wait_until(lambda: f"MLflow UI: {url}" in log.read_text(), STARTUP_TIMEOUT_S, interval=0.25)
         with urllib.request.urlopen(f"{url}/api/2.0/mlflow/runs/get?run_id={run_id}", timeout=10) as r:
             assert r.status == 200 and run_id.encode() in r.read()
         listing = f"{url}/ajax-api/2.0/mlflow/artifacts/list?run_uuid={run_id}"
         with urllib.request.urlopen(listing, timeout=10) as r:
             assert b"config.yaml" in r.read()  # artifacts of the local store are served too
         ui.send_signal(signal.SIGINT)
-        out, _ = ui.communicate(timeout=30)
+        ui.wait(timeout=30)
     finally:
         if ui.poll() is None:
             ui.kill()
             ui.wait()
-    assert ui.returncode == 0, out
-    assert f"MLflow UI: {url}" in out
+    assert ui.returncode == 0, log.read_text()
     assert not _answers(url + "/health")  # the server went with it
