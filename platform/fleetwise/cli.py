@@ -144,7 +144,7 @@ def cmd_plan(argv: list[str]) -> int:
 
 def cmd_train(argv: list[str]) -> int:
     """Validate every sweep point (exit 2, nothing started), then run the job(s) through Hydra."""
-    from fleetwise.runtime import train_command as tc
+    from fleetwise import train as tc
 
     multirun = any(a in tc.MULTIRUN_FLAGS for a in argv)
     if any(a in ("-h", "--help") for a in argv):

@@ -229,6 +229,87 @@ def test_a_sweep_makes_a_parent_with_children(server, client, tmp_path):
     assert all(f"tiny-{s}" in table for s in ("dp", "sharding", "hybrid"))
 
 
+def _train(tmp_path, *args, experiment="e2e-train"):
+    """A real `fleetwise train` job (2 ranks) logging to the module's server."""
+    from conftest import run_cli
+
+    return run_cli(
+        "train",
+        "recipe=gpt/tiny",
+        "train.steps=4",
+        "hardware.devices_per_node=2",
+        f"tracking.experiment={experiment}",
+        *args,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.slow
+def test_a_training_job_logs_one_complete_run(server, client, tmp_path):
+    r = _train(tmp_path, f"run.dir={tmp_path / 'job'}", "run.name=tiny-dp")
+    assert r.returncode == 0, r.stderr
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("e2e-train").experiment_id],
+        filter_string="tags.mlflow.runName = 'tiny-dp'",
+    )
+    assert run.info.status == "FINISHED"
+    assert run.data.params["strategy.dp_degree"] == "2" and run.data.params["model.num_layers"] == "4"
+    tags = run.data.tags
+    assert (tags["fleetwise.recipe"], tags["fleetwise.strategy"], tags["fleetwise.world_size"]) == (
+        "gpt/tiny",
+        "dp",
+        "2",
+    )
+    for key in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/step_time_s",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "memory/peak_bytes_max",
+        "memory/peak_bytes_mean",
+        "memory/predicted_bytes",
+    ):
+        assert steps_of(client, run.info.run_id, key) == [1, 2, 3, 4], key
+    assert {"summary/step_time_median_s", "summary/memory_ratio", "summary/final_loss"} <= set(
+        run.data.metrics
+    )
+    paths = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "plan.json", "command.txt", "logs"} <= paths
+    logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
+    assert {"logs/rank_0.log", "logs/rank_1.log"} <= logs
+    assert run.info.run_id in r.stdout and "fleetwise ui" in r.stdout
+
+
+@pytest.mark.slow
+def test_a_training_job_whose_rank_dies_ends_failed_with_the_error(server, client, tmp_path):
+    r = _train(
+        tmp_path, f"run.dir={tmp_path / 'dies'}", "run.name=tiny-dies", "fault.kill_rank=1", "fault.at_step=2"
+    )
+    assert r.returncode != 0
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("e2e-train").experiment_id],
+        filter_string="tags.mlflow.runName = 'tiny-dies'",
+    )
+    assert run.info.status == "FAILED"
+    assert "injected fault on rank 1 at step 2" in run.data.tags["fleetwise.error"]
+    assert steps_of(client, run.info.run_id, "train/loss") == [1]
+
+
+@pytest.mark.slow
+def test_a_training_sweep_logs_a_parent_with_a_child_per_point(server, client, tmp_path):
+    r = _train(
+        tmp_path, "-m", "strategy=dp,sharding", f"run.dir={tmp_path / 'sweep'}", experiment="e2e-sweep2"
+    )
+    assert r.returncode == 0, r.stderr
+    parent_id = parent_run_id_for(tmp_path / "sweep")
+    experiment = client.get_experiment_by_name("e2e-sweep2").experiment_id
+    children = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'")
+    assert sorted(c.data.tags["fleetwise.strategy"] for c in children) == ["dp", "sharding"]
+    assert {"compare.png", "compare.md"} <= {a.path for a in client.list_artifacts(parent_id)}
+
+
 def test_batched_delivery_of_300_steps_x_12_metrics(server, client, tmp_path):
     run_dir = make_run_dir(tmp_path, "bench")
     t = job(run_dir, artifacts=[])

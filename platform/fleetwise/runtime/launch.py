@@ -127,8 +127,16 @@ class Follower:
 
 
 def launch_job(
-    cfg: RunConfig, plan: Plan, run_dir: Path, argv: list[str], console: Console, on_poll=None
+    cfg: RunConfig,
+    plan: Plan,
+    run_dir: Path,
+    argv: list[str],
+    console: Console,
+    on_started=None,
+    on_poll=None,
 ) -> JobResult:
+    """Start torchrun and follow it: rank 0's log to the console, metrics.jsonl into records;
+    `on_started` runs once the ranks are starting, `on_poll` on every turn of the loop."""
     write_run_dir(run_dir, cfg, plan, argv)
     cmd = torchrun_command(cfg, run_dir)
     env = dict(os.environ)
@@ -144,6 +152,8 @@ def launch_job(
             cmd, stdout=launcher_log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
+            if on_started is not None:
+                on_started()
             while True:
                 done = proc.poll() is not None
                 for line in rank0_log.lines():
@@ -163,7 +173,13 @@ def launch_job(
             if proc.poll() is None:
                 _stop(proc)
     error = None if proc.returncode == 0 else root_cause(run_dir, proc.returncode)
-    return JobResult(proc.returncode, run_dir, error, records)
+    return JobResult(proc.returncode, run_dir, error, latest_per_step(records))
+
+
+def latest_per_step(records: list[dict]) -> list[dict]:
+    """metrics.jsonl is append-only: steps re-run after a resume appear again; the last one counts."""
+    by_step = {r.get("step", i): r for i, r in enumerate(records)}
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

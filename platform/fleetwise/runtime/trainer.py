@@ -193,6 +193,7 @@ class Trainer:
         tokens_per_sample = getattr(cfg.model, "seq_len", 0) if cfg.model.family in ("gpt", "ernie") else 0
         metrics = {
             "step": step,
+            "time": time.time(),  # when the step ended (the tracker's timestamp if delivery is late)
             "train/loss": float(table[:, 0].sum() / table[:, 1].sum()),
             "train/lr": lr,
             "train/grad_norm": norm,
