@@ -168,10 +168,44 @@ def cmd_train(argv: list[str]) -> int:
     return tc.run_hydra(overrides, multirun)
 
 
+def cmd_checkpoint(argv: list[str]) -> int:
+    """`fleetwise checkpoint export RUN_DIR|CHECKPOINT [--out FILE]`: one consolidated state dict."""
+    p = argparse.ArgumentParser(prog="fleetwise checkpoint", description=cmd_checkpoint.__doc__)
+    sub = p.add_subparsers(dest="action", required=True)
+    ex = sub.add_parser("export", help="write the model of a sharded checkpoint as one torch.save file")
+    ex.add_argument(
+        "source", help="a run directory (its newest complete checkpoint) or a checkpoint directory"
+    )
+    ex.add_argument("--out", help="output file (default: <checkpoint>.pt)")
+    args = p.parse_args(argv)
+    from pathlib import Path
+
+    from fleetwise.runtime.checkpoint_files import META, complete_checkpoints
+
+    source = Path(args.source)
+    ckpt = source if (source / META).exists() else (complete_checkpoints(source) or [None])[-1]
+    console = Console(stderr=True)
+    if ckpt is None:
+        console.print(f"[bold red]✗[/] no complete checkpoint in {source}", highlight=False)
+        return EXIT_INVALID
+    out = Path(args.out) if args.out else ckpt.with_suffix(".pt")
+    from fleetwise.runtime.checkpoint import export
+
+    export(ckpt, out)
+    console.print(
+        f"[green]✓[/] {ckpt} -> {out} (model state dict: load with model.load_state_dict)", highlight=False
+    )
+    return EXIT_OK
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
     "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
     "train": (cmd_train, "run the job on torch.distributed (torchrun; -m for Hydra sweeps)"),
+    "checkpoint": (
+        cmd_checkpoint,
+        "checkpoint export RUN_DIR: one consolidated state dict for use elsewhere",
+    ),
     "ui": (tracking.cmd_ui, "browse tracked runs in the MLflow UI (127.0.0.1:5000 by default)"),
     "compare": (tracking.cmd_compare, "table + PNG of runs: throughput, MFU, peak vs predicted memory"),
     "sync": (tracking.cmd_sync, "deliver metrics that did not reach MLflow (server down during a run)"),

@@ -45,6 +45,7 @@ def check_points(points: list[list[str]]) -> list[Problem]:
         prefix = f"[{' '.join(point)}] " if len(points) > 1 else ""
         problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in pf.problems]
         if not pf.problems:
+            problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in resume_problems(pf.cfg)]
             gpu = gpu_problem(pf.cfg)
             if gpu:
                 problems.append(
@@ -55,6 +56,16 @@ def check_points(points: list[list[str]]) -> list[Problem]:
                     )
                 )
     return problems
+
+
+def resume_problems(cfg) -> list[Problem]:
+    """The checkpoint a job would resume from must be complete, intact and of the same model."""
+    from fleetwise.runtime.checkpoint_files import find_resume, verify
+
+    if cfg.checkpoint.resume == "none" or not cfg.run.dir:
+        return []
+    path = find_resume(cfg, Path(cfg.run.dir))
+    return verify(path, cfg) if path is not None else []
 
 
 _CODES: list[int] = []  # exit codes of jobs Hydra ran in this process

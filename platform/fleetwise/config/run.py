@@ -109,8 +109,8 @@ class FaultConfig(Section):
 
     kill_rank: int | None = Field(None, ge=0, description="Rank that fails (test hook).")
     at_step: int | None = Field(None, ge=1, description="Step at which it fails.")
-    mode: Literal["raise", "exit", "sigkill", "hang", "nan"] = Field(
-        "raise", description="How it fails: exception, os._exit, SIGKILL, hang, or a NaN gradient."
+    mode: Literal["raise", "exit", "sigkill", "hang", "nan_grad"] = Field(
+        "raise", description="How it fails: exception, os._exit, SIGKILL, hang, or a NaN gradient (nan_grad)."
     )
     on_nonfinite: Literal["abort", "skip"] = Field(
         "abort", description="NaN/Inf loss or gradient: abort or skip the step."

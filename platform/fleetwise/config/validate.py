@@ -818,6 +818,12 @@ def checkpoint_options(ctx: Context) -> Iterator[Problem]:
             f"interval={c.interval} but checkpoint.enabled=false",
             "set checkpoint.enabled=true",
         )
+    if c.resume == "auto" and not ctx.cfg.run.dir:
+        yield Problem(
+            "checkpoint.resume",
+            "resume=auto continues a run directory, but run.dir is not set",
+            "set run.dir=<the directory of the job to continue>",
+        )
     if c.resume not in ("none", "auto") and not Path(c.resume).exists():
         yield Problem(
             "checkpoint.resume",

@@ -53,7 +53,7 @@ def verify(path: Path, cfg: RunConfig) -> list[Problem]:
     """A checkpoint that is incomplete, truncated, corrupted, or from another model is refused with a
     clear message before anything runs; nothing is deleted, so earlier checkpoints stay usable."""
     loc = "checkpoint.resume"
-    older = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
+    older = [p for p in complete_checkpoints(path.parent.parent) if p.name < path.name]
     fallback = (
         f"resume from an earlier one: checkpoint.resume={older[-1]}" if older else "start a new run.dir"
     )

@@ -123,7 +123,7 @@ class Trainer:
                     self.scaler.unscale_(opt)
             norm = grad_norm(self.params, self.pp_group)
             lr = self.optimizers.lr
-            skipped = not torch.isfinite(norm).item() and not self.scaler  # fp16's scaler skips by itself
+            skipped = not self._all_finite(norm) and not self.scaler  # fp16's scaler skips by itself
             if skipped:
                 self._non_finite(step, loss)
                 self.optimizers.skip()
@@ -139,6 +139,15 @@ class Trainer:
             torch.cuda.synchronize(self.env.device)
         elapsed = time.perf_counter() - start
         return self._reduce(step, loss, float(norm), lr, elapsed)
+
+    def _all_finite(self, norm: torch.Tensor) -> bool:
+        """Whether every rank's gradients are finite. The norm is already global for sharded and
+        pipelined parameters, but replicated (DDP) gradients are reduced nowhere: a NaN on one rank
+        alone must still stop every rank, or they would take different paths and deadlock."""
+        flag = torch.isfinite(norm).to(torch.float32).reshape(1)
+        if self.env.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def _non_finite(self, step: int, loss: torch.Tensor | None) -> None:
         """A NaN/Inf gradient (the global norm is reduced, so every rank sees it): name the first
