@@ -1,0 +1,268 @@
+"""Parameter server for real: torchrun launches of 2 trainers + 2 servers on TensorPipe RPC.
+
+Four launches, assertions grouped per launch (each ~10-20 s on 2 cores):
+- sync, round_robin, sliced, one non-distributed table, trainer 1 slowed: equals single-process
+  training; only touched rows change; rows and blocks sit where the dispatch rule says; server
+  memory equals the plan; metrics, logs, loopback sockets, no orphans.
+- sync, hash_name, AdamW with clipping, sparse SGD, Wide&Deep: equals single-process training.
+- async with trainer 1 slowed: the loss falls and the job outpaces the sync launch above.
+- sync with trainer 1 killed mid-push: the servers keep the last complete step, nothing partial.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+import yaml
+from conftest import compose
+
+from fleetwise.data.ctr import SyntheticClicks, step_indices
+from fleetwise.models.ctr import CTRNet
+from fleetwise.plan.planner import make_plan
+from fleetwise.plan.ps import placement
+from fleetwise.runtime.ps.reference import load_shards, train_single_process
+
+pytestmark = pytest.mark.slow
+
+METRIC_KEYS = {
+    "step",
+    "train/loss",
+    "train/lr",
+    "perf/step_time_s",
+    "perf/samples_per_s",
+    "perf/samples_per_s_per_trainer",
+    "ps/pull_latency_s",
+    "ps/push_latency_s",
+    "ps/bytes_pulled",
+    "ps/bytes_pushed",
+    "ps/sparse_rows_pulled",
+    "memory/server_bytes_max",
+}
+SLOW = "1:0.04"  # trainer 1 sleeps 40 ms per step
+TABLES = (
+    "model.sparse_tables=[{name:user_id,num_embeddings:5000},{name:item_id,num_embeddings:3000},"
+    "{name:category,num_embeddings:100,distributed:false},{name:city,num_embeddings:300}]"
+)
+
+
+class Launch:
+    def __init__(self, run_dir: Path, cfg, proc: subprocess.CompletedProcess, wall_s: float):
+        self.run_dir, self.cfg, self.proc, self.wall_s = run_dir, cfg, proc, wall_s
+
+    @property
+    def metrics(self) -> list[dict]:
+        return [json.loads(x) for x in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "ps_summary.json").read_text())
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.run_dir / "logs").glob("*.log"))
+        )
+
+
+def launch(run_dir: Path, *overrides: str, slow: str = "", timeout: float = 180) -> Launch:
+    cfg, problems = compose("recipe=ctr/tiny", "checkpoint.enabled=true", *overrides)
+    assert cfg is not None, problems
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    n = cfg.strategy.num_servers + cfg.strategy.num_trainers
+    env = {**os.environ, "FLEETWISE_PS_SLOW": slow}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n),
+        "--rdzv-backend",
+        "c10d",
+    ]
+    cmd += [
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        "fleetwise.runtime.ps",
+        str(run_dir),
+    ]
+    t0 = time.perf_counter()
+    # own session: afterwards every process of the job can be found (and must be gone)
+    p = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    wall = time.perf_counter() - t0
+    left = [q for q in psutil.process_iter() if _sid(q.pid) == p.pid]
+    assert not left, f"orphan processes after the run: {left}"
+    return Launch(run_dir, cfg, subprocess.CompletedProcess(cmd, p.returncode, out, ""), wall)
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def assert_equals_single_process(run: Launch, steps: int, atol: float) -> float:
+    state, shards = load_shards(run.cfg, run.run_dir)
+    assert [sh["applied"] for sh in shards] == [steps] * len(shards)
+    ref, _ = train_single_process(run.cfg, steps)
+    worst = 0.0
+    for name, p in ref.named_parameters():
+        diff = float((state[name] - p.detach()).abs().max())
+        worst = max(worst, diff)
+        assert diff <= atol, f"{name}: max |ps - single| = {diff:.3g} > {atol}"
+    return worst
+
+
+@pytest.fixture(scope="module")
+def sync_slowed(tmp_path_factory) -> Launch:
+    run = launch(
+        tmp_path_factory.mktemp("ps") / "sync",
+        "train.steps=16",
+        "strategy.slice_min_elements=64",
+        TABLES,
+        slow=SLOW,
+    )
+    assert run.proc.returncode == 0, run.proc.stdout[-3000:] + run.logs()
+    return run
+
+
+def test_sync_round_robin_sliced_equals_single_process_and_rows_follow_the_rules(sync_slowed):
+    run, cfg = sync_slowed, sync_slowed.cfg
+    steps = cfg.train.steps
+    assert_equals_single_process(run, steps, atol=1e-5)
+
+    # dispatch and slicing: each server holds exactly the blocks the placement gives it
+    place = placement(cfg)
+    state, shards = load_shards(cfg, run.run_dir)
+    for sh in shards:
+        assert sorted(sh["blocks"]) == sorted(b.key for b in place.blocks_on(sh["server"]))
+    sliced = {b.name for b in place.dense if b.sliced}
+    assert {"mlp.0.weight", "embeddings.category.weight"} <= sliced  # something is really sliced
+    # sparse rows: server s owns ids ≡ s (mod 2) of every distributed table, and nothing else
+    for sh in shards:
+        assert set(sh["tables"]) == {"user_id", "item_id", "city"}
+        for t in place.tables:
+            assert torch.equal(sh["tables"][t.name]["ids"], torch.arange(sh["server"], t.num_rows, 2))
+
+    # only the rows some batch touched have moved
+    data = SyntheticClicks(cfg.model, cfg.data)
+    init = CTRNet(cfg.model, seed=cfg.train.seed)
+    for t in place.tables:
+        ids = np.concatenate(
+            [
+                data.ids(t.field, step_indices(k, cfg.train.global_batch_size, cfg.data.num_samples))
+                for k in range(steps)
+            ]
+        )
+        touched = torch.zeros(t.num_rows, dtype=torch.bool)
+        touched[torch.from_numpy(np.unique(ids))] = True
+        moved = (state[f"embeddings.{t.name}.weight"] != init.embeddings[t.name].weight.detach()).any(1)
+        assert torch.equal(moved, touched), t.name
+        assert 0 < touched.sum() < t.num_rows  # some rows stayed untouched, and kept their values
+
+    # server memory per shard: measured tensors == plan
+    summary = run.summary
+    planned = make_plan(cfg).ps["server_bytes_per_server"]
+    assert summary["server_bytes"] == planned
+    assert all(m["memory/server_bytes_max"] == max(planned) for m in run.metrics)
+
+    # metrics, logs, bytes, sockets, roles
+    lines = run.metrics
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    assert all(set(m) >= METRIC_KEYS for m in lines)
+    assert sorted(p.name for p in (run.run_dir / "logs").glob("rank_*.log")) == [
+        f"rank_{r}.log" for r in range(4)
+    ]
+    assert "step 16/16" in (run.run_dir / "logs" / "rank_0.log").read_text()
+    table_bytes = summary["sparse_table_bytes"]
+    assert table_bytes == 4 * 9 * (5000 + 3000 + 300)
+    assert 0 < summary["sparse_bytes_pulled_per_step_mean"] < table_bytes / 10
+    for m in lines:
+        assert m["ps/sparse_rows_pulled"] <= 2 * 3 * 32  # 2 trainers × 3 remote fields × 32 ids
+    assert summary["role_mapping"] == {"trainers": [0, 1], "servers": [2, 3]}
+    for server in summary["servers"]:
+        assert server["listen"] and all(a.startswith("127.0.0.1:") for a in server["listen"])
+    pids = [t["pid"] for t in summary["trainers"]] + [s["pid"] for s in summary["servers"]]
+    assert not [p for p in pids if psutil.pid_exists(p)]  # every rank has exited
+
+
+def test_sync_hash_name_adamw_clipped_equals_single_process(tmp_path):
+    run = launch(
+        tmp_path / "hash",
+        "train.steps=8",
+        "strategy.dispatch=hash_name",
+        "strategy.slice_min_elements=64",
+        "strategy.sparse_optimizer=sgd",
+        "optim=adamw",
+        "optim.grad_clip=0.1",
+        "model.kind=wide_deep",
+    )
+    assert run.proc.returncode == 0, run.proc.stdout[-3000:] + run.logs()
+    assert max(m["train/grad_norm"] for m in run.metrics) > 0.1  # clipping acted
+    assert run.metrics[0]["train/lr"] < run.metrics[1]["train/lr"]  # warm-up, then cosine
+    assert_equals_single_process(run, 8, atol=2e-5)
+    place = placement(run.cfg)
+    _, shards = load_shards(run.cfg, run.run_dir)
+    for sh in shards:
+        assert sorted(sh["blocks"]) == sorted(b.key for b in place.blocks_on(sh["server"]))
+    assert run.summary["server_bytes"] == make_plan(run.cfg).ps["server_bytes_per_server"]
+
+
+def test_async_trains_and_outpaces_sync_when_a_trainer_is_slow(tmp_path, sync_slowed):
+    run = launch(
+        tmp_path / "async",
+        "train.steps=16",
+        "strategy.slice_min_elements=64",
+        "strategy.mode=async",
+        TABLES,
+        slow=SLOW,
+    )
+    assert run.proc.returncode == 0, run.proc.stdout[-3000:] + run.logs()
+    losses = [m["train/loss"] for m in run.metrics]
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.03, losses
+    a, s = run.summary, sync_slowed.summary
+    # The fast trainer is not held back: its own rate beats the sync one (where both go at the
+    # slow trainer's pace), and so does the job's total rate.
+    assert a["trainers"][0]["samples_per_s"] > 1.5 * s["trainers"][0]["samples_per_s"], (
+        a["trainers"],
+        s["trainers"],
+    )
+    assert a["samples_per_s"] > 1.2 * s["samples_per_s"]
+    assert max(m["ps/staleness"] for m in run.metrics) > 0  # updates really interleaved
+
+
+def test_a_trainer_killed_mid_push_leaves_the_last_complete_step(tmp_path):
+    run = launch(
+        tmp_path / "kill",
+        "train.steps=10",
+        "fault.kill_rank=1",
+        "fault.at_step=4",
+        "fault.mode=sigkill",
+    )
+    assert run.proc.returncode != 0
+    _, shards = load_shards(run.cfg, run.run_dir)
+    # Trainer 1's step-4 gradients reached server 0 only: neither server applied step 4.
+    assert [sh["applied"] for sh in shards] == [3, 3]
+    assert all(sh["reason"].startswith("signal") for sh in shards)
+    assert_equals_single_process(run, 3, atol=1e-5)
+    assert "fault hook" in (run.run_dir / "logs" / "rank_1.log").read_text()
