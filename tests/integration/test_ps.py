@@ -12,24 +12,19 @@ Four launches, assertions grouped per launch (each ~10-20 s on 2 cores):
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 import torch
-import yaml
 from conftest import compose
 
 from fleetwise.data.ctr import SyntheticClicks, step_indices
 from fleetwise.models.ctr import CTRNet
 from fleetwise.plan.planner import make_plan
 from fleetwise.plan.ps import placement
+from fleetwise.runtime.ps.local import LocalRun, launch_local, session_processes
 from fleetwise.runtime.ps.reference import load_shards, train_single_process
 
 pytestmark = pytest.mark.slow
@@ -56,8 +51,8 @@ TABLES = (
 
 
 class Launch:
-    def __init__(self, run_dir: Path, cfg, proc: subprocess.CompletedProcess, wall_s: float):
-        self.run_dir, self.cfg, self.proc, self.wall_s = run_dir, cfg, proc, wall_s
+    def __init__(self, cfg, run: LocalRun):
+        self.cfg, self.run_dir, self.returncode, self.output = cfg, run.run_dir, run.returncode, run.output
 
     @property
     def metrics(self) -> list[dict]:
@@ -68,57 +63,19 @@ class Launch:
         return json.loads((self.run_dir / "ps_summary.json").read_text())
 
     def logs(self) -> str:
-        return "\n".join(
+        tails = [
             f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.run_dir / "logs").glob("*.log"))
-        )
+        ]
+        return self.output[-2000:] + "\n".join(tails)
 
 
-def launch(run_dir: Path, *overrides: str, slow: str = "", timeout: float = 180) -> Launch:
+def launch(run_dir: Path, *overrides: str, slow: str = "") -> Launch:
     cfg, problems = compose("recipe=ctr/tiny", "checkpoint.enabled=true", *overrides)
     assert cfg is not None, problems
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    n = cfg.strategy.num_servers + cfg.strategy.num_trainers
-    env = {**os.environ, "FLEETWISE_PS_SLOW": slow}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(n),
-        "--rdzv-backend",
-        "c10d",
-    ]
-    cmd += [
-        "--rdzv-endpoint",
-        "127.0.0.1:0",
-        "--monitor-interval",
-        "0.2",
-        "-m",
-        "fleetwise.runtime.ps",
-        str(run_dir),
-    ]
-    t0 = time.perf_counter()
-    # own session: afterwards every process of the job can be found (and must be gone)
-    p = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        raise
-    wall = time.perf_counter() - t0
-    left = [q for q in psutil.process_iter() if _sid(q.pid) == p.pid]
+    run = launch_local(cfg, run_dir, env={"FLEETWISE_PS_SLOW": slow}, timeout=180)
+    left = session_processes(run.session)
     assert not left, f"orphan processes after the run: {left}"
-    return Launch(run_dir, cfg, subprocess.CompletedProcess(cmd, p.returncode, out, ""), wall)
-
-
-def _sid(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except OSError:
-        return None
+    return Launch(cfg, run)
 
 
 def assert_equals_single_process(run: Launch, steps: int, atol: float) -> float:
@@ -142,7 +99,7 @@ def sync_slowed(tmp_path_factory) -> Launch:
         TABLES,
         slow=SLOW,
     )
-    assert run.proc.returncode == 0, run.proc.stdout[-3000:] + run.logs()
+    assert run.returncode == 0, run.logs()
     return run
 
 
@@ -217,7 +174,7 @@ def test_sync_hash_name_adamw_clipped_equals_single_process(tmp_path):
         "optim.grad_clip=0.1",
         "model.kind=wide_deep",
     )
-    assert run.proc.returncode == 0, run.proc.stdout[-3000:] + run.logs()
+    assert run.returncode == 0, run.logs()
     assert max(m["train/grad_norm"] for m in run.metrics) > 0.1  # clipping acted
     assert run.metrics[0]["train/lr"] < run.metrics[1]["train/lr"]  # warm-up, then cosine
     assert_equals_single_process(run, 8, atol=2e-5)
@@ -237,7 +194,7 @@ def test_async_trains_and_outpaces_sync_when_a_trainer_is_slow(tmp_path, sync_sl
         TABLES,
         slow=SLOW,
     )
-    assert run.proc.returncode == 0, run.proc.stdout[-3000:] + run.logs()
+    assert run.returncode == 0, run.logs()
     losses = [m["train/loss"] for m in run.metrics]
     assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.03, losses
     a, s = run.summary, sync_slowed.summary
@@ -259,7 +216,7 @@ def test_a_trainer_killed_mid_push_leaves_the_last_complete_step(tmp_path):
         "fault.at_step=4",
         "fault.mode=sigkill",
     )
-    assert run.proc.returncode != 0
+    assert run.returncode != 0
     _, shards = load_shards(run.cfg, run.run_dir)
     # Trainer 1's step-4 gradients reached server 0 only: neither server applied step 4.
     assert [sh["applied"] for sh in shards] == [3, 3]

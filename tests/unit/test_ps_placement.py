@@ -121,3 +121,21 @@ def test_pulled_rows_are_a_small_fraction_of_the_criteo_tables():
     assert ps["rows_pulled_per_step"] <= 26 * 512 * plan.batch["accumulate_steps"]
     assert ps["sparse_bytes_pulled_per_step"] < ps["sparse_table_bytes"] / 1000
     assert max(ps["server_bytes_per_server"]) / min(ps["server_bytes_per_server"]) < 1.01
+
+
+@pytest.mark.parametrize(
+    "overrides,loc",
+    [
+        (("recipe=gpt/tiny", "strategy=ps", "strategy.dense_fallback=true"), "strategy"),
+        (("recipe=ctr/tiny", "hardware=a100"), "hardware"),
+    ],
+)
+def test_ps_jobs_the_runtime_cannot_train_are_refused_at_launch_only(overrides, loc):
+    from fleetwise.config.problems import ConfigError
+    from fleetwise.config.validate import load_config
+
+    load_config(list(overrides))  # validate / plan accept it
+    with pytest.raises(ConfigError) as err:
+        load_config(list(overrides), launching=True)
+    assert [p.loc for p in err.value.problems] == [loc]
+    assert "strategy=dp" in err.value.problems[0].hint or "hardware=cpu" in err.value.problems[0].hint

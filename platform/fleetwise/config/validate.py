@@ -490,6 +490,20 @@ def parameter_server(ctx: Context) -> Iterator[Problem]:
             "max_staleness bounds async trainers; mode=sync never runs ahead",
             "set strategy.mode=async, or strategy.max_staleness=null",
         )
+    if ctx.launching and not isinstance(m, CTRModel):
+        yield Problem(
+            "strategy",
+            f"the parameter-server runtime trains CTR models; model family '{m.family}' can be planned "
+            "with strategy=ps but not trained with it",
+            "train it with strategy=dp or strategy=sharding (use `fleetwise plan` to compare with ps)",
+        )
+    if ctx.launching and ctx.cfg.hardware.device_type != "cpu":
+        yield Problem(
+            "hardware",
+            f"the parameter-server runtime runs trainers and servers as CPU processes; "
+            f"hardware '{ctx.cfg.hardware.name}' is {ctx.cfg.hardware.device_type}",
+            "use hardware=cpu for strategy=ps (`fleetwise plan` still estimates it on GPUs)",
+        )
     if ctx.cfg.hardware.device_type == "cuda" and s.num_trainers > ctx.cfg.hardware.world_size:
         yield Problem(
             "strategy.num_trainers",

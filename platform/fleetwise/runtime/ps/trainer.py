@@ -380,6 +380,10 @@ def train(cfg: RunConfig, role: Role, run_dir: Path) -> None:
     rpc.shutdown()
 
 
+def _mean(lines: list[dict[str, Any]], key: str) -> float:
+    return sum(x[key] for x in lines) / max(1, len(lines))
+
+
 def _finish_metrics(cfg: RunConfig, role: Role, run_dir: Path) -> None:
     """Trainer 0, after its last step: wait for the others' records, write the rest of
     metrics.jsonl and ps_summary.json (per trainer and per server totals)."""
@@ -400,6 +404,7 @@ def _finish_metrics(cfg: RunConfig, role: Role, run_dir: Path) -> None:
     servers = [rpc.rpc_sync(server_name(i), srv.info) for i in range(s.num_servers)]
     place = placement(cfg)
     trainers = [_sink.finals[t] for t in range(s.num_trainers)]
+    inits = [t["init_rpc_s"] for t in trainers] + [v["init_rpc_s"] for v in servers]
     lines = _sink.lines
     skip = min(cfg.train.warmup_steps_excluded, max(0, len(lines) - 1))
     steady = lines[skip:]
@@ -412,13 +417,19 @@ def _finish_metrics(cfg: RunConfig, role: Role, run_dir: Path) -> None:
         },
         "trainers": trainers,
         "servers": servers,
-        "init_rpc_s_max": max([t["init_rpc_s"] for t in trainers] + [v["init_rpc_s"] for v in servers]),
+        # init_rpc returns once every rank has joined: the rank that arrived last (min) measures
+        # init_rpc itself, the others add the wait for slower starters (max)
+        "init_rpc_s_min": min(inits),
+        "init_rpc_s_max": max(inits),
         # the job's rate: each trainer's own rate summed (a slowed trainer only lowers its own share)
         "samples_per_s": sum(t["samples_per_s"] for t in trainers),
         "steady": {
             "steps": len(steady),
-            "step_time_s_mean": sum(x["perf/step_time_s"] for x in steady) / max(1, len(steady)),
-            "samples_per_s_mean": sum(x["perf/samples_per_s"] for x in steady) / max(1, len(steady)),
+            "step_time_s_mean": _mean(steady, "perf/step_time_s"),
+            "samples_per_s_mean": _mean(steady, "perf/samples_per_s"),
+            "pull_latency_s_mean": _mean(steady, "ps/pull_latency_s"),
+            "push_latency_s_mean": _mean(steady, "ps/push_latency_s"),
+            "wait_s_mean": _mean(steady, "ps/wait_s"),
         },
         "sparse_table_bytes": 4 * sum(t.num_rows * t.width for t in place.tables),
         "sparse_bytes_pulled_per_step_mean": sum(x["ps/sparse_bytes_pulled"] for x in lines)
@@ -431,5 +442,5 @@ def _finish_metrics(cfg: RunConfig, role: Role, run_dir: Path) -> None:
     (run_dir / "ps_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(
         role,
-        f"summary: {json.dumps({k: summary[k] for k in ('samples_per_s', 'init_rpc_s_max', 'server_bytes')})}",
+        f"summary: {json.dumps({k: summary[k] for k in ('samples_per_s', 'init_rpc_s_min', 'server_bytes')})}",
     )
