@@ -112,6 +112,16 @@ def test_one_trainer_with_sharded_servers_equals_single_process(overrides):
         assert r["sparse_bytes_pulled"] == r["sparse_rows_pulled"] * 4 * width
 
 
+def push(srv: ParameterServer, step: int, trainer: int, dense, sparse):
+    """Send gradients given as dicts in the wire format (one values tensor, one ids tensor)."""
+    grads = srv.layout.pack(dense, {n: r for n, (_, r) in sparse.items()})
+    return srv.push(step, trainer, grads, *srv.layout.pack_ids({n: i for n, (i, _) in sparse.items()}))
+
+
+def pull(srv: ParameterServer, step: int, trainer: int, ids):
+    return srv.pull(step, trainer, *srv.layout.pack_ids(ids))
+
+
 def _grads(srv: ParameterServer, value: float, trainer_ids: torch.Tensor | None = None):
     dense = {k: torch.full_like(p, value) for k, p in srv.blocks.items()}
     ids = torch.tensor([srv.index, srv.index + 2]) if trainer_ids is None else trainer_ids
@@ -131,11 +141,11 @@ def test_sync_step_is_applied_only_when_every_trainer_staged_and_committed():
     srv = servers_of(cfg)[0]
     before = {k: p.detach().clone() for k, p in srv.blocks.items()}
     row0 = srv.tables["user_id"].detach()[0].clone()
-    f0 = srv.push(0, 0, *_grads(srv, 1.0))
+    f0 = push(srv, 0, 0, *_grads(srv, 1.0))
     assert not f0.done()  # the barrier: trainer 1 has not pushed
     with pytest.raises(RuntimeError, match="before every trainer staged"):
         srv.commit(0, 1.0)
-    f1 = srv.push(0, 1, *_grads(srv, 3.0))
+    f1 = push(srv, 0, 1, *_grads(srv, 3.0))
     assert f0.done() and f1.done()
     n_dense = sum(p.numel() for p in srv.blocks.values())
     # squared norm of the average (2.0 everywhere): dense elements + 2 rows of 9
@@ -149,24 +159,30 @@ def test_sync_step_is_applied_only_when_every_trainer_staged_and_committed():
     torch.testing.assert_close(srv.tables["user_id"].detach()[0], row0 - lr * 0.5 * 2.0)
     assert srv.applied == 1
     with pytest.raises(RuntimeError, match="has applied 1"):
-        srv.push(0, 0, *_grads(srv, 1.0))
+        push(srv, 0, 0, *_grads(srv, 1.0))
 
 
 def test_a_malformed_or_partial_push_changes_nothing():
     cfg = ps_cfg()
     srv = servers_of(cfg)[1]
     snapshot = {k: p.detach().clone() for k, p in [*srv.blocks.items(), *srv.tables.items()]}
-    dense, sparse = _grads(srv, 1.0)
+    dense, sparse = _grads(srv, 1.0)  # rows 1 and 3 of user_id
+    grads = srv.layout.pack(dense, {n: r for n, (_, r) in sparse.items()})
+    ids, counts = srv.layout.pack_ids({n: i for n, (i, _) in sparse.items()})
     bad = [
-        ({k: v for k, v in list(dense.items())[1:]}, sparse),  # a block missing
-        (dense, {"user_id": (torch.tensor([0]), torch.ones(1, 9))}),  # row 0 lives on server 0
-        (dense, {"user_id": (torch.tensor([5001]), torch.ones(1, 9))}),  # out of range
-        ({k: v * float("nan") for k, v in dense.items()}, sparse),  # non-finite
+        (grads[:-1], ids, counts),  # truncated: a partial message
+        (grads, torch.tensor([0, 2]), counts),  # rows of server 0
+        (grads, torch.tensor([1, 5001]), counts),  # out of range
+        (grads, torch.tensor([1, 1]), counts),  # the same row twice
+        (grads, ids, [1, 0, 0, 0]),  # counts do not match the ids
+        (grads * float("nan"), ids, counts),  # non-finite
     ]
-    for d, s in bad:
+    for g, i, c in bad:
         with pytest.raises(ValueError):
-            srv.push(0, 0, d, s)
+            srv.push(0, 0, g, i, c)
     assert not srv.steps  # nothing staged
+    srv.push(0, 0, grads, ids, counts)  # the well-formed push is accepted
+    assert list(srv.steps[0].pushes) == [0]
     for k, p in [*srv.blocks.items(), *srv.tables.items()]:
         assert torch.equal(p.detach(), snapshot[k])
 
@@ -176,22 +192,22 @@ def test_async_applies_on_arrival_and_bounds_staleness():
     srv = servers_of(cfg)[0]
     ids = {"user_id": torch.tensor([0, 2])}
     before = srv.blocks["mlp.0.weight"].detach().clone()
-    assert srv.pull(0, 0, ids).done()
-    srv.push(0, 0, *_grads(srv, 1.0))
+    assert pull(srv, 0, 0, ids).done()
+    push(srv, 0, 0, *_grads(srv, 1.0))
     assert srv.applied == 1 and not torch.equal(srv.blocks["mlp.0.weight"].detach(), before)
-    srv.push(1, 0, *_grads(srv, 1.0))
-    held = srv.pull(2, 0, ids)  # trainer 0 would be 2 steps ahead of trainer 1 (at 0)
+    push(srv, 1, 0, *_grads(srv, 1.0))
+    held = pull(srv, 2, 0, ids)  # trainer 0 would be 2 steps ahead of trainer 1 (at 0)
     assert not held.done()
-    srv.push(0, 1, *_grads(srv, 1.0))  # trainer 1 catches up to 1 step behind: released
+    push(srv, 0, 1, *_grads(srv, 1.0))  # trainer 1 catches up to 1 step behind: released
     assert held.done() and held.value()["wait_s"] >= 0
-    held = srv.pull(3, 0, ids)
+    held = pull(srv, 3, 0, ids)
     assert not held.done()
     srv.trainer_finished(1)  # a finished trainer holds nobody back
     assert held.done()
     # staleness: updates applied by others between a trainer's pull and its push
-    assert srv.pull(2, 1, ids).done()
-    srv.push(2, 0, *_grads(srv, 1.0))
-    assert srv.push(2, 1, *_grads(srv, 1.0)).value()["staleness"] == 1
+    assert pull(srv, 2, 1, ids).done()
+    push(srv, 2, 0, *_grads(srv, 1.0))
+    assert push(srv, 2, 1, *_grads(srv, 1.0)).value()["staleness"] == 1
 
 
 def test_server_memory_is_parameters_plus_optimizer_state_as_planned():
@@ -206,8 +222,8 @@ def test_server_memory_is_parameters_plus_optimizer_state_as_planned():
         if cfg.optim.name == "adamw":
             # AdamW allocates its moments at the first step
             for srv in servers:
-                srv.push(0, 0, *_grads_for(srv))
-                srv.push(0, 1, *_grads_for(srv))
+                push(srv, 0, 0, *_grads_for(srv))
+                push(srv, 0, 1, *_grads_for(srv))
                 srv.commit(0, 1.0)
         assert [srv.state_bytes() for srv in servers] == planned
 

@@ -45,6 +45,7 @@ from fleetwise.models.ctr import CTRNet, table_init
 from fleetwise.plan.ps import Placement, placement
 from fleetwise.runtime.ps.optim import dense_optimizer, lr_at, set_lr, sparse_optimizer
 from fleetwise.runtime.ps.roles import Role, init_rpc, log
+from fleetwise.runtime.ps.wire import ShardLayout
 
 SparseGrads = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (global ids, gradient rows)
 
@@ -66,6 +67,7 @@ class ParameterServer:
         self.cfg, self.s, self.role, self.run_dir = cfg, s, role, run_dir
         self.index, self.n_servers, self.n_trainers = role.index, s.num_servers, s.num_trainers
         self.place: Placement = placement(cfg)
+        self.layout = ShardLayout.of(self.place, self.index)
         self.lock = threading.Lock()
 
         # Dense blocks: row ranges of the model's initial parameters (same seed as every trainer).
@@ -115,20 +117,21 @@ class ParameterServer:
     def _min_clock(self) -> float:
         return min(self.clock) if self.clock else math.inf
 
-    def _check_push(self, dense: dict[str, torch.Tensor], sparse: SparseGrads) -> None:
-        if set(dense) != set(self.blocks):
+    def _check_rows(self, name: str, ids: torch.Tensor) -> None:
+        ok = (ids >= 0) & (ids < self.table_rows[name]) & (ids % self.n_servers == self.index)
+        if not bool(ok.all()):
             raise ValueError(
-                f"push carries blocks {sorted(dense)}, server {self.index} holds {sorted(self.blocks)}"
+                f"rows of table {name!r} that server {self.index} does not own: {ids[~ok][:5].tolist()}"
             )
+
+    def _check_push(self, dense: dict[str, torch.Tensor], sparse: SparseGrads) -> None:
         for key, g in dense.items():
-            if g.shape != self.blocks[key].shape or not torch.isfinite(g).all():
-                raise ValueError(f"bad gradient for {key}: shape {tuple(g.shape)} or non-finite values")
+            if not torch.isfinite(g).all():
+                raise ValueError(f"non-finite gradient for {key}")
         for name, (ids, rows) in sparse.items():
-            if name not in self.tables:
-                raise ValueError(f"server {self.index} holds no table {name!r}")
-            ok = (ids >= 0) & (ids < self.table_rows[name]) & (ids % self.n_servers == self.index)
-            if not bool(ok.all()) or rows.shape != (len(ids), self.tables[name].shape[1]):
-                raise ValueError(f"push for table {name!r} names rows this server does not own")
+            self._check_rows(name, ids)
+            if len(torch.unique(ids)) != len(ids):
+                raise ValueError(f"duplicate rows of table {name!r} in one push")
             if not torch.isfinite(rows).all():
                 raise ValueError(f"non-finite gradient rows for table {name!r}")
 
@@ -171,12 +174,13 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ RPC handlers
 
-    def pull(self, step: int, trainer: int, ids: dict[str, torch.Tensor]) -> Future:
+    def pull(self, step: int, trainer: int, ids: torch.Tensor, counts: list[int]) -> Future:
+        """Values of this server's dense blocks and of the rows `ids` (packed, see wire.py)."""
         self.last_activity = time.monotonic()
         fut: Future = Future()
-        for name, i in ids.items():
-            if name not in self.tables or not bool(((i % self.n_servers) == self.index).all()):
-                raise ValueError(f"pull for table {name!r} names rows server {self.index} does not own")
+        by_table = self.layout.unpack_ids((ids, counts))
+        for name, i in by_table.items():
+            self._check_rows(name, i)
         with self.lock:
             if self.s.mode == "sync" and step != self.applied:
                 raise RuntimeError(
@@ -184,24 +188,29 @@ class ParameterServer:
                 )
             bound = self.s.max_staleness
             if self.s.mode == "async" and bound is not None and step - self._min_clock() > bound:
-                self.gated.append((step, trainer, fut, (ids, time.perf_counter())))
+                self.gated.append((step, trainer, fut, (by_table, time.perf_counter())))
                 return fut
-            value = self._read(trainer, ids, 0.0)
+            value = self._read(trainer, by_table, 0.0)
         fut.set_result(value)
         return fut
 
-    def _read(self, trainer: int, ids: dict[str, torch.Tensor], waited: float) -> dict[str, Any]:
-        """Copies of the dense blocks and the requested rows. Caller holds the lock."""
-        self.pulled_at[trainer] = self.applied
-        return {
-            "dense": {k: p.detach().clone() for k, p in self.blocks.items()},
-            "rows": {n: self.tables[n].detach().index_select(0, i // self.n_servers) for n, i in ids.items()},
-            "wait_s": waited,
-        }
+    def _read(self, trainer: int | None, ids: dict[str, torch.Tensor], waited: float) -> dict[str, Any]:
+        """A copy (torch.cat) of the dense blocks and the requested rows. Caller holds the lock."""
+        if trainer is not None:
+            self.pulled_at[trainer] = self.applied  # async staleness is counted from here
+        dense = {k: p.detach() for k, p in self.blocks.items()}
+        rows = {n: self.tables[n].detach().index_select(0, i // self.n_servers) for n, i in ids.items()}
+        return {"values": self.layout.pack(dense, rows), "wait_s": waited}
 
-    def push(self, step: int, trainer: int, dense: dict[str, torch.Tensor], sparse: SparseGrads) -> Future:
+    def push(
+        self, step: int, trainer: int, grads: torch.Tensor, ids: torch.Tensor, counts: list[int]
+    ) -> Future:
+        """Gradients of this server's blocks and of the rows `ids` (packed like a pull reply)."""
         self.last_activity = time.monotonic()
         self._maybe_fault(step)
+        dense, rows = self.layout.unpack(grads, counts)
+        by_table = self.layout.unpack_ids((ids, counts))
+        sparse = {n: (by_table[n], rows[n]) for n in by_table if len(by_table[n])}
         self._check_push(dense, sparse)
         if self.s.mode == "async":
             return self._push_async(step, trainer, dense, sparse)
@@ -249,8 +258,16 @@ class ParameterServer:
         sq += sum(float(g.values().double().pow(2).sum()) for g in sparse.values())
         return sq
 
-    def commit(self, step: int, scale: float) -> dict[str, Any]:
+    def commit(
+        self, step: int, scale: float, ids: torch.Tensor | None = None, counts: list[int] | None = None
+    ) -> dict[str, Any]:
+        """Apply step `step` (the first commit does; the others find it applied). With `ids`, the
+        reply also carries the values of the trainer's next step (the prefetch), read after the
+        update, which saves the trainer a separate pull."""
         self.last_activity = time.monotonic()
+        by_table = self.layout.unpack_ids((ids, counts)) if ids is not None and counts is not None else None
+        for name, i in (by_table or {}).items():
+            self._check_rows(name, i)
         with self.lock:
             if self.applied == step:
                 st = self.steps.get(step)
@@ -265,7 +282,10 @@ class ParameterServer:
                 raise RuntimeError(
                     f"commit of step {step} but server {self.index} has applied {self.applied}"
                 )
-            return {"server_bytes": self.state_bytes()}
+            reply: dict[str, Any] = {"server_bytes": self.state_bytes()}
+            if by_table is not None:
+                reply["values"] = self._read(None, by_table, 0.0)["values"]
+            return reply
 
     def _push_async(
         self, step: int, trainer: int, dense: dict[str, torch.Tensor], sparse: SparseGrads
@@ -367,17 +387,17 @@ def _the_server() -> ParameterServer:
 
 
 @rpc.functions.async_execution
-def pull(step: int, trainer: int, ids: dict[str, torch.Tensor]) -> Future:
-    return _the_server().pull(step, trainer, ids)
+def pull(step: int, trainer: int, ids: torch.Tensor, counts: list[int]) -> Future:
+    return _the_server().pull(step, trainer, ids, counts)
 
 
 @rpc.functions.async_execution
-def push(step: int, trainer: int, dense: dict[str, torch.Tensor], sparse: SparseGrads) -> Future:
-    return _the_server().push(step, trainer, dense, sparse)
+def push(step: int, trainer: int, grads: torch.Tensor, ids: torch.Tensor, counts: list[int]) -> Future:
+    return _the_server().push(step, trainer, grads, ids, counts)
 
 
-def commit(step: int, scale: float) -> dict[str, Any]:
-    return _the_server().commit(step, scale)
+def commit(step: int, scale: float, ids: torch.Tensor | None, counts: list[int] | None) -> dict[str, Any]:
+    return _the_server().commit(step, scale, ids, counts)
 
 
 def trainer_finished(trainer: int) -> None:

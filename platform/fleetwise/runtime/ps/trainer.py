@@ -32,6 +32,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from fleetwise.plan.ps import placement
 from fleetwise.runtime.ps import server as srv
 from fleetwise.runtime.ps.optim import clip_coefficient, lr_at
 from fleetwise.runtime.ps.roles import Role, init_rpc, log, server_name, trainer_name
+from fleetwise.runtime.ps.wire import ShardLayout
 
 SLOW_ENV = "FLEETWISE_PS_SLOW"
 
@@ -77,6 +79,16 @@ def rpc_call(server: int, method: str, args: tuple) -> Any:
     return rpc.rpc_async(server_name(server), getattr(srv, method), args=args)
 
 
+@dataclass
+class _Prepared:
+    k: int
+    batches: list[dict[str, torch.Tensor]]
+    uniq: dict[str, torch.Tensor]  # distinct ids per distributed table
+    inverse: dict[str, list[torch.Tensor]]  # per micro-batch: position of each id in uniq
+    owner: dict[str, torch.Tensor]  # server of each distinct id
+    requests: list[tuple[torch.Tensor, list[int]]]  # packed ids per server
+
+
 class Trainer:
     """`call` sends one request to a server; RPC by default, a direct call in unit tests."""
 
@@ -91,12 +103,17 @@ class Trainer:
         self.data = SyntheticClicks(m, cfg.data)
         self.delay = slow_seconds(self.t)
         self.call = call
+        self.layouts = [ShardLayout.of(self.place, s) for s in range(self.s.num_servers)]
+        self.dense_numel = sum(b.numel for b in self.place.dense)
+        self._next: _Prepared | None = None  # step k+1, prepared for the prefetch
+        self._values: tuple[list[torch.Tensor], float, float] | None = None  # (values, pull_s, wait_s)
 
     # -------------------------------------------------------------- one step
 
-    def step(self, k: int) -> dict[str, Any]:
+    def prepare(self, k: int) -> _Prepared:
+        """Step k's micro-batches and its prefetch request: the distinct ids of all of them per
+        distributed table, grouped by owning server (id mod S)."""
         cfg, S = self.cfg, self.s.num_servers
-        t_start = time.perf_counter()
         micro = rank_micro_batches(
             k,
             self.t,
@@ -106,8 +123,6 @@ class Trainer:
             cfg.data.num_samples,
         )
         batches = [self.data.batch(ix) for ix in micro]
-
-        # prefetch: distinct ids of the whole step per table, grouped by owning server
         uniq: dict[str, torch.Tensor] = {}
         inverse: dict[str, list[torch.Tensor]] = {}
         for name, table in self.remote.items():
@@ -116,87 +131,93 @@ class Trainer:
             uniq[name] = u
             inverse[name] = list(inv.split([len(b["labels"]) for b in batches]))
         owner = {n: u % S for n, u in uniq.items()}
-        requests = [{n: u[owner[n] == s] for n, u in uniq.items()} for s in range(S)]
-        t0 = time.perf_counter()
-        futs = [self.call(s, "pull", (k, self.t, requests[s])) for s in range(S)]
-        replies = [f.wait() for f in futs]
-        pull_s = time.perf_counter() - t0
-        pull_wait = max(r["wait_s"] for r in replies)
+        requests = [
+            self.layouts[s].pack_ids({n: u[owner[n] == s] for n, u in uniq.items()}) for s in range(S)
+        ]
+        return _Prepared(k, batches, uniq, inverse, owner, requests)
 
-        # assemble: dense parameters from their blocks, rows as leaf tensors that collect gradients
-        blocks = {key: v for r in replies for key, v in r["dense"].items()}
-        with torch.no_grad():
-            for name in self.place.dense_names:
-                parts = sorted((b for b in self.place.dense if b.name == name), key=lambda b: b.index)
-                self.params[name].copy_(torch.cat([blocks[b.key] for b in parts]))
-        rows: dict[str, torch.Tensor] = {}
-        for name, u in uniq.items():
-            r = torch.empty(len(u), self.remote[name].width)
-            for s in range(S):
-                r[owner[name] == s] = replies[s]["rows"][name]
-            rows[name] = r.requires_grad_(True)
-        dense_pulled = _nbytes([r["dense"] for r in replies])
-        sparse_pulled = _nbytes([r["rows"] for r in replies])
+    def step(self, k: int) -> dict[str, Any]:
+        cfg, S = self.cfg, self.s.num_servers
+        t_start = time.perf_counter()
+        prep = self._next if self._next is not None and self._next.k == k else self.prepare(k)
+        self._next = None
+
+        # values: prefetched by the previous step's commit (sync), else one pull per server
+        if self._values is not None:
+            values, pull_s, pull_wait = self._values
+            self._values = None
+        else:
+            t0 = time.perf_counter()
+            futs = [self.call(s, "pull", (k, self.t, *prep.requests[s])) for s in range(S)]
+            replies = [f.wait() for f in futs]
+            values = [r["values"] for r in replies]
+            pull_wait = max(r["wait_s"] for r in replies)
+            pull_s = time.perf_counter() - t0 - pull_wait
+        rows = self._assemble(prep, values)
 
         # compute
         t1 = time.perf_counter()
         for p in self.params.values():
             p.grad = None
         loss_sum = 0.0
-        n_micro = len(batches)
-        for j, b in enumerate(batches):
-            emb, first = self._lookup(b["sparse_ids"], rows, {n: inv[j] for n, inv in inverse.items()})
+        n_micro = len(prep.batches)
+        for j, b in enumerate(prep.batches):
+            emb, first = self._lookup(b["sparse_ids"], rows, {n: inv[j] for n, inv in prep.inverse.items()})
             loss = ctr_loss(self.model.forward_rows(emb, first, b["dense"]), b["labels"])
             (loss / n_micro).backward()
             loss_sum += float(loss.detach())
         if self.delay:
             time.sleep(self.delay)
         compute_s = time.perf_counter() - t1
-
         dense_grads = {n: self.params[n].grad for n in self.place.dense_names}
         row_grads = {n: r.grad for n, r in rows.items()}
         local_sq = sum(float(g.double().pow(2).sum()) for g in [*dense_grads.values(), *row_grads.values()])
+        grad_norm = math.sqrt(local_sq)
 
-        # push
+        # push (async: clipped by this trainer's own gradient norm)
         t2 = time.perf_counter()
-        scale = 1.0
-        if self.s.mode == "async":
-            scale = clip_coefficient(math.sqrt(local_sq), cfg.optim.grad_clip)
+        scale = clip_coefficient(grad_norm, cfg.optim.grad_clip) if self.s.mode == "async" else 1.0
         messages = []
         for s in range(S):
-            dense = {
-                b.key: dense_grads[b.name][b.row_start : b.row_stop] * scale  # a copy, not a view
-                for b in self.place.blocks_on(s)
-            }
-            sparse = {n: (uniq[n][owner[n] == s], row_grads[n][owner[n] == s] * scale) for n in rows}
-            messages.append((dense, sparse))
+            dense = {b.key: dense_grads[b.name][b.row_start : b.row_stop] for b in self.place.blocks_on(s)}
+            sparse = {n: row_grads[n][prep.owner[n] == s] for n in rows}
+            grads = self.layouts[s].pack(dense, sparse)  # a new tensor (torch.cat), never a view
+            messages.append((grads * scale if scale != 1.0 else grads, *prep.requests[s]))
         self._maybe_fault(k, messages)
         futs = [self.call(s, "push", (k, self.t, *messages[s])) for s in range(S)]
         acks = [f.wait() for f in futs]
-        wait_s = max(a["wait_s"] for a in acks) + pull_wait
-        grad_norm = math.sqrt(local_sq)
+        wait_s = max(a["wait_s"] for a in acks)
+        push_s = time.perf_counter() - t2 - wait_s
         if self.s.mode == "sync":
+            # phase 2: commit with the global clipping factor; the reply prefetches step k+1
             grad_norm = math.sqrt(sum(a["sqnorm"] for a in acks))
             scale = clip_coefficient(grad_norm, cfg.optim.grad_clip)
-            futs = [self.call(s, "commit", (k, scale)) for s in range(S)]
+            nxt = self.prepare(k + 1) if k + 1 < cfg.train.steps else None
+            t3 = time.perf_counter()
+            futs = [
+                self.call(s, "commit", (k, scale, *(nxt.requests[s] if nxt else (None, None))))
+                for s in range(S)
+            ]
             acks = [f.wait() for f in futs]
-        push_s = time.perf_counter() - t2
+            if nxt is not None:
+                self._next = nxt
+                self._values = ([a["values"] for a in acks], time.perf_counter() - t3, 0.0)
         step_s = time.perf_counter() - t_start
 
-        samples = sum(len(b["labels"]) for b in batches)
-        ids_sent = sum(len(u) for u in uniq.values())
+        ids_sent = sum(len(u) for u in prep.uniq.values())
+        sparse_pulled = 4 * sum(r.numel() for r in rows.values())
         return {
             "step": k,
             "trainer": self.t,
             "loss": loss_sum / n_micro,
-            "samples": samples,
+            "samples": sum(len(b["labels"]) for b in prep.batches),
             "step_time_s": step_s,
             "compute_s": compute_s,
-            "pull_s": pull_s - pull_wait,
-            "push_s": push_s - (wait_s - pull_wait),
-            "wait_s": wait_s,
-            "bytes_pulled": dense_pulled + sparse_pulled,
-            "dense_bytes_pulled": dense_pulled,
+            "pull_s": pull_s,
+            "push_s": push_s,
+            "wait_s": wait_s + pull_wait,
+            "bytes_pulled": 4 * self.dense_numel + sparse_pulled,
+            "dense_bytes_pulled": 4 * self.dense_numel,
             "sparse_bytes_pulled": sparse_pulled,
             # gradients and their row ids, plus the ids of the prefetch request
             "bytes_pushed": _nbytes(messages) + 8 * ids_sent,
@@ -205,6 +226,27 @@ class Trainer:
             "staleness": sum(a.get("staleness", 0) for a in acks) / len(acks),
             "server_bytes": [a["server_bytes"] for a in acks],
         }
+
+    def _assemble(self, prep: _Prepared, values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copy the pulled dense blocks into the model; return the pulled rows per table as leaf
+        tensors that collect the rows' gradients."""
+        blocks: dict[str, torch.Tensor] = {}
+        pulled: list[dict[str, torch.Tensor]] = []
+        for s, v in enumerate(values):
+            dense, got = self.layouts[s].unpack(v, prep.requests[s][1])
+            blocks.update(dense)
+            pulled.append(got)
+        with torch.no_grad():
+            for name in self.place.dense_names:
+                parts = sorted((b for b in self.place.dense if b.name == name), key=lambda b: b.index)
+                self.params[name].copy_(torch.cat([blocks[b.key] for b in parts]))
+        rows: dict[str, torch.Tensor] = {}
+        for name, u in prep.uniq.items():
+            r = torch.empty(len(u), self.remote[name].width)
+            for s in range(self.s.num_servers):
+                r[prep.owner[name] == s] = pulled[s][name]
+            rows[name] = r.requires_grad_(True)
+        return rows
 
     def _lookup(
         self, ids: torch.Tensor, rows: dict[str, torch.Tensor], inv: dict[str, torch.Tensor]
