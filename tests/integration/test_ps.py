@@ -43,7 +43,7 @@ METRIC_KEYS = {
     "ps/sparse_rows_pulled",
     "memory/server_bytes_max",
 }
-SLOW = "1:0.04"  # trainer 1 sleeps 40 ms per step
+SLOW = "1:0.1"  # trainer 1 sleeps 100 ms per step: a straggler under any background load
 TABLES = (
     "model.sparse_tables=[{name:user_id,num_embeddings:5000},{name:item_id,num_embeddings:3000},"
     "{name:category,num_embeddings:100,distributed:false},{name:city,num_embeddings:300}]"

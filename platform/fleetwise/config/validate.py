@@ -497,6 +497,13 @@ def parameter_server(ctx: Context) -> Iterator[Problem]:
             "with strategy=ps but not trained with it",
             "train it with strategy=dp or strategy=sharding (use `fleetwise plan` to compare with ps)",
         )
+    if ctx.launching and ctx.cfg.checkpoint.resume != "none":
+        yield Problem(
+            "checkpoint.resume",
+            f"resume={ctx.cfg.checkpoint.resume!r}: the parameter-server runtime writes server shards "
+            "(run_dir/ps/server_<i>.pt) but cannot resume from them yet",
+            "set checkpoint.resume=none",
+        )
     if ctx.launching and ctx.cfg.hardware.device_type != "cpu":
         yield Problem(
             "hardware",

@@ -400,9 +400,9 @@ def _ps_plan(cfg: RunConfig) -> Plan:
     flops_per_step = t.global_batch_size * 3 * sum(u.fwd_flops for u in units)
     peak = hw.peak_flops(t.precision)
     compute = n * b * 3 * sum(u.fwd_flops for u in units) / (peak * hw.matmul_efficiency)
-    # round trips per step, to all servers in parallel: pull, push (+ commit in sync mode)
-    trips = 3 if s.mode == "sync" else 2
-    comm_time = (pull + push) / (hw.intra_node_gbps * 1e9) + trips * hw.comm_latency_us * 1e-6
+    # two round trips per step, to all servers in parallel: async pull + push; sync push (stage)
+    # + commit, whose reply prefetches the next step's values
+    comm_time = (pull + push) / (hw.intra_node_gbps * 1e9) + 2 * hw.comm_latency_us * 1e-6
     step = compute + comm_time
     world = s.num_servers + s.num_trainers
     worst = max(server_bytes, trainer_bytes)

@@ -1,23 +1,27 @@
 """Parameter-server training (`strategy=ps`) on torch.distributed.rpc (TensorPipe), seeds/004.
 
-Entry contract: `run(cfg, run_dir)` is called once in every process of a torchrun launch of
-`num_trainers + num_servers` processes, after torchrun has set RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. `cfg` is the resolved, validated RunConfig (the one
-in `run_dir/config.yaml`). Roles (roles.py): ranks 0..T-1 are trainers 0..T-1 (global rank 0 is
-trainer 0, the only writer of `run_dir/metrics.jsonl` and `run_dir/ps_summary.json`), ranks
-T..T+S-1 are servers 0..S-1. `run` returns normally in every process when training finished and
-the servers have shut down; it raises (non-zero exit) on any failure. It writes nothing to
-stdout/stderr redirection itself: the caller points them at `run_dir/logs/rank_N.log`
-(`python -m fleetwise.runtime.ps RUN_DIR` does it).
-
-With `checkpoint.enabled=true` each server also writes its shard to `run_dir/ps/server_<i>.pt` at
-the end, and when torchrun stops it with SIGTERM (the last consistent state: a trainer that dies
-mid-step leaves no half-applied update).
+Entry contract, for the launcher:
+- Launch `world_size(cfg)` = num_trainers + num_servers processes (one node: torchrun
+  --nproc-per-node that many) and call `run(cfg, run_dir)` once in each, after torchrun has set
+  RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. `cfg` is the resolved,
+  validated RunConfig (the one in run_dir/config.yaml); validate with launching=True, which
+  refuses ps jobs this runtime cannot train (non-CTR models, CUDA hardware).
+- Roles (roles.py): ranks 0..T-1 are trainers 0..T-1, ranks T..T+S-1 servers 0..S-1. Global
+  rank 0 is trainer 0, the only writer of run_dir/metrics.jsonl (one line per step) and
+  run_dir/ps_summary.json (per-trainer and per-server totals, written at the end).
+- `run` returns normally in every process once training is done and the servers have shut down;
+  it raises on failure (the process then exits non-zero and torchrun stops the others with
+  SIGTERM). The caller redirects stdout/stderr to run_dir/logs/rank_<RANK>.log
+  (`python -m fleetwise.runtime.ps RUN_DIR` does it when launched directly).
+- With `checkpoint.enabled=true` each server writes its shard to run_dir/ps/server_<i>.pt when
+  training ends, and also when torchrun stops it with SIGTERM: the last consistent state (in sync
+  mode a trainer that dies mid-step leaves no half-applied update). `reference.load_shards`
+  reassembles the full model from them.
 
 Why TensorPipe RPC: it is the request/response engine that ships with PyTorch (the design's engine
 choice for the parameter server). c10d point-to-point (send/recv) would need every pull and push
-matched by a receive posted in advance on the server, which is the opposite of a server that
-answers whichever trainer asks.
+matched by a receive posted in advance on the server, the opposite of a server that answers
+whichever trainer asks, and gloo collectives would put every trainer in lockstep (no async mode).
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ import traceback
 from pathlib import Path
 
 from fleetwise.config.run import RunConfig
+
+
+def world_size(cfg: RunConfig) -> int:
+    """Processes a parameter-server job needs: trainers + servers."""
+    from fleetwise.config.strategy import PSStrategy
+
+    assert isinstance(cfg.strategy, PSStrategy)
+    return cfg.strategy.num_trainers + cfg.strategy.num_servers
 
 
 def run(cfg: RunConfig, run_dir: Path) -> None:
@@ -69,4 +81,4 @@ def run(cfg: RunConfig, run_dir: Path) -> None:
     log(role, "finished")
 
 
-__all__ = ["run"]
+__all__ = ["run", "world_size"]

@@ -20,6 +20,7 @@ import yaml
 
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
+from fleetwise.runtime.ps import world_size
 
 
 @dataclass
@@ -40,7 +41,7 @@ def launch_local(
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(s.num_servers + s.num_trainers),
+        "--nproc-per-node", str(world_size(cfg)),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
         "--monitor-interval", "0.2",
         "-m", "fleetwise.runtime.ps", str(run_dir),

@@ -1,25 +1,27 @@
 """A parameter server: holds its shard of the dense blocks and of the distributed sparse tables,
 answers pulls and applies pushed gradients with the server-side optimizers.
 
-Protocol (module-level RPC functions below, called by trainers through TensorPipe):
+Protocol (module-level RPC functions below, called by trainers through TensorPipe; values, ids
+and gradients travel packed, see wire.py):
 
-- `pull(step, trainer, ids)` -> current values of this server's dense blocks and of the requested
-  rows (global ids this server owns). In async mode with `max_staleness`, the answer is held back
-  while the trainer is more than max_staleness steps ahead of the slowest unfinished trainer.
+- `pull(step, trainer, ids)` -> values of this server's dense blocks and of the requested rows
+  (global ids this server owns). In async mode with `max_staleness`, the answer is held back while
+  the trainer is more than max_staleness steps ahead of the slowest unfinished trainer.
 - sync, two phases per step:
-  1. `push(step, trainer, grads)` stages the trainer's gradients; the reply comes when every
+  1. `push(step, trainer, grads, ids)` stages the trainer's gradients; the reply comes when every
      trainer has staged (the barrier) and carries the squared norm of this server's averaged
      gradient (for global-norm clipping) and how long the trainer waited.
-  2. `commit(step, clip)` applies the averaged gradient (the first commit of a step applies it, the
-     others find it applied). A trainer commits only after every server acknowledged phase 1, so a
-     step is applied on all servers or on none: a trainer that dies mid-push leaves every server at
-     the previous step.
-- async: `push` applies the trainer's gradient on arrival.
+  2. `commit(step, clip, next_ids)` applies the averaged gradient (the first commit of a step
+     applies it, the others find it applied) and returns the values of the trainer's next step
+     (the prefetch: no separate pull). A trainer commits only after every server acknowledged
+     phase 1, so a step is applied on all servers or on none: a trainer that dies mid-push leaves
+     every server at the previous step.
+- async: `push` applies the trainer's gradient on arrival; the trainer pulls before each step.
 
-Every mutation and every read of parameters happens under one lock, and a push is checked
-(blocks, shapes, row ownership, finite values) before anything is staged: a malformed or partial
-push raises back to its sender and changes nothing. Values leave the lock as copies, so a reply
-being serialised never observes a half-applied update.
+Every mutation and every read of parameters happens under one lock, and a push is checked (sizes,
+row ownership, duplicates, finite values) before anything is staged: a malformed or partial push
+raises back to its sender and changes nothing. Values leave the lock as copies, so a reply being
+serialised never observes a half-applied update.
 """
 
 from __future__ import annotations

@@ -3,19 +3,26 @@
 One step of trainer t (step k from 0):
 1. data: its contiguous slice of the global batch k, in accumulate_steps micro-batches.
 2. prefetch: the distinct ids of all its micro-batches, per distributed table, split by owning
-   server (id mod S); one `pull` per server, all in flight at once, returns the dense blocks and
-   exactly those rows. The trainer never holds a distributed table.
+   server (id mod S), are requested from each server at once; the reply holds the server's dense
+   blocks and exactly those rows. The trainer never holds a distributed table. Async mode pulls at
+   the start of the step; sync mode gets the values with the previous step's commit reply.
 3. compute: forward/backward of each micro-batch on the pulled values (`CTRNet.forward_rows`),
    loss / accumulate_steps, so gradients are the mean over the trainer's samples.
-4. push: each server gets its dense blocks' gradients and its rows' gradients (ids + rows).
-   sync: stage, then commit with the global-norm clipping factor (see server.py).
-   async: applied on arrival; clipping uses this trainer's own gradient norm.
+4. push: each server gets its dense blocks' gradients and its rows' gradients (same ids as the
+   prefetch). sync: stage, then commit with the global-norm clipping factor (see server.py);
+   async: applied on arrival, clipped by this trainer's own gradient norm.
 
 Metrics: every trainer sends one record per step to trainer 0 (fire-and-forget RPC); trainer 0
-writes a metrics.jsonl line for step k once all trainers' records of step k are in. Per-step
-values: loss and latencies are means over trainers, byte and row counts are sums over trainers,
-throughput is the sum of each trainer's own samples/s (in async mode a slowed trainer does not
-hold the others back, and this shows it).
+writes a metrics.jsonl line for step k once all trainers' records of step k are in:
+- train/loss, ps/*_latency_s, ps/wait_s, ps/compute_s, ps/staleness: means over trainers;
+- ps/bytes_pulled, ps/bytes_pushed, ps/{dense,sparse}_bytes_pulled, ps/sparse_rows_pulled: sums
+  over trainers (bytes of tensor payload; pushed counts gradients plus the row ids sent);
+- perf/step_time_s: the slowest trainer's; perf/samples_per_s: each trainer's own samples/s,
+  summed (in async mode a slowed trainer lowers only its own share); ..._per_trainer: the mean;
+- ps/pull_latency_s: the round trip that brought the step's values (sync: the previous commit,
+  apply included); ps/push_latency_s: the gradient round trip without ps/wait_s (time held at the
+  sync barrier or by max_staleness);
+- memory/server_bytes_max: parameters + optimizer state of the fullest server shard.
 
 Test hooks: FLEETWISE_PS_SLOW="T:SECONDS[,T:SECONDS]" makes trainer T sleep that long every step;
 `fault.kill_rank`/`fault.at_step`/`fault.mode` make a trainer die in the middle of its push (after
