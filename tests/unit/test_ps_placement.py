@@ -139,4 +139,6 @@ def test_ps_jobs_the_runtime_cannot_train_are_refused_at_launch_only(overrides, 
     with pytest.raises(ConfigError) as err:
         load_config(list(overrides), launching=True)
     assert [p.loc for p in err.value.problems] == [loc]
-    assert err.value.problems[0].hint.startswith(("train it with", "use hardware=cpu", "set checkpoint.resume=none"))
+    assert err.value.problems[0].hint.startswith(
+        ("train it with", "use hardware=cpu", "set checkpoint.resume=none")
+    )
