@@ -42,6 +42,8 @@ METRIC_KEYS = {
     "ps/bytes_pushed",
     "ps/sparse_rows_pulled",
     "memory/server_bytes_max",
+    "memory/peak_bytes_max",
+    "perf/mfu",
 }
 SLOW = "1:0.1"  # trainer 1 sleeps 100 ms per step: a straggler under any background load
 TABLES = (
@@ -106,7 +108,7 @@ def sync_slowed(tmp_path_factory) -> Launch:
 def test_sync_round_robin_sliced_equals_single_process_and_rows_follow_the_rules(sync_slowed):
     run, cfg = sync_slowed, sync_slowed.cfg
     steps = cfg.train.steps
-    assert_equals_single_process(run, steps, atol=1e-5)
+    assert_equals_single_process(run, steps, atol=2e-6)
 
     # dispatch and slicing: each server holds exactly the blocks the placement gives it
     place = placement(cfg)
@@ -177,7 +179,7 @@ def test_sync_hash_name_adamw_clipped_equals_single_process(tmp_path):
     assert run.returncode == 0, run.logs()
     assert max(m["train/grad_norm"] for m in run.metrics) > 0.1  # clipping acted
     assert run.metrics[0]["train/lr"] < run.metrics[1]["train/lr"]  # warm-up, then cosine
-    assert_equals_single_process(run, 8, atol=2e-5)
+    assert_equals_single_process(run, 8, atol=2e-6)
     place = placement(run.cfg)
     _, shards = load_shards(run.cfg, run.run_dir)
     for sh in shards:
@@ -221,5 +223,5 @@ def test_a_trainer_killed_mid_push_leaves_the_last_complete_step(tmp_path):
     # Trainer 1's step-4 gradients reached server 0 only: neither server applied step 4.
     assert [sh["applied"] for sh in shards] == [3, 3]
     assert all(sh["reason"].startswith("signal") for sh in shards)
-    assert_equals_single_process(run, 3, atol=1e-5)
+    assert_equals_single_process(run, 3, atol=2e-6)
     assert "fault hook" in (run.run_dir / "logs" / "rank_1.log").read_text()

@@ -129,6 +129,7 @@ def test_pulled_rows_are_a_small_fraction_of_the_criteo_tables():
         (("recipe=gpt/tiny", "strategy=ps", "strategy.dense_fallback=true"), "strategy"),
         (("recipe=ctr/tiny", "hardware=a100"), "hardware"),
         (("recipe=ctr/tiny", "checkpoint.resume=auto"), "checkpoint.resume"),
+        (("recipe=ctr/tiny", "fault.on_nonfinite=skip"), "fault.on_nonfinite"),
     ],
 )
 def test_ps_jobs_the_runtime_cannot_train_are_refused_at_launch_only(overrides, loc):
@@ -140,5 +141,5 @@ def test_ps_jobs_the_runtime_cannot_train_are_refused_at_launch_only(overrides, 
         load_config(list(overrides), launching=True)
     assert [p.loc for p in err.value.problems] == [loc]
     assert err.value.problems[0].hint.startswith(
-        ("train it with", "use hardware=cpu", "set checkpoint.resume=none")
+        ("train it with", "use hardware=cpu", "set checkpoint.resume=none", "set fault.on_nonfinite")
     )

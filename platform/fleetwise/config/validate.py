@@ -497,6 +497,13 @@ def parameter_server(ctx: Context) -> Iterator[Problem]:
             "with strategy=ps but not trained with it",
             "train it with strategy=dp or strategy=sharding (use `fleetwise plan` to compare with ps)",
         )
+    if ctx.launching and ctx.cfg.fault.on_nonfinite == "skip":
+        yield Problem(
+            "fault.on_nonfinite",
+            "on_nonfinite=skip: parameter-server trainers abort on a non-finite gradient (skipping "
+            "would need every trainer and server to agree to drop the step)",
+            "set fault.on_nonfinite=abort",
+        )
     if ctx.launching and ctx.cfg.checkpoint.resume != "none":
         yield Problem(
             "checkpoint.resume",

@@ -116,6 +116,13 @@ def init_rpc(cfg: RunConfig, role: Role) -> float:
     return time.perf_counter() - t0
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def log(role: Role | str, msg: str) -> None:
     who = role.name if isinstance(role, Role) else role
     print(f"{datetime.now():%H:%M:%S.%f}"[:-3] + f" [{who}] {msg}", file=sys.stdout, flush=True)

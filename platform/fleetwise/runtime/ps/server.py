@@ -46,7 +46,7 @@ from fleetwise.config.strategy import PSStrategy
 from fleetwise.models.ctr import CTRNet, table_init
 from fleetwise.plan.ps import Placement, placement
 from fleetwise.runtime.ps.optim import dense_optimizer, lr_at, set_lr, sparse_optimizer
-from fleetwise.runtime.ps.roles import Role, init_rpc, log
+from fleetwise.runtime.ps.roles import Role, init_rpc, log, peak_rss_bytes
 from fleetwise.runtime.ps.wire import ShardLayout
 
 SparseGrads = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (global ids, gradient rows)
@@ -91,7 +91,8 @@ class ParameterServer:
 
         self.applied = 0  # sync: steps applied; async: pushes applied
         self.steps: dict[int, _Step] = {}
-        self.clock = [0] * self.n_trainers  # steps each trainer has pushed here (inf once finished)
+        # steps each trainer has pushed here (inf once finished)
+        self.clock: list[float] = [0] * self.n_trainers
         self.pulled_at: dict[int, int] = {}  # async: `applied` when each trainer last pulled
         self.gated: list[tuple[int, int, Future, Any]] = []  # async pulls held by max_staleness
         self.finished: set[int] = set()
@@ -254,7 +255,7 @@ class ParameterServer:
             if parts:
                 ids = torch.cat([i for i, _ in parts])
                 rows = torch.cat([r for _, r in parts])
-                sparse[name] = self._sparse_coo(name, ids, rows / self.n_trainers)
+                sparse[name] = self._sparse_coo(name, ids, rows) / self.n_trainers  # sum, then average
         st.dense, st.sparse = dense, sparse
         sq = sum(float(g.double().pow(2).sum()) for g in dense.values())
         sq += sum(float(g.values().double().pow(2).sum()) for g in sparse.values())
@@ -284,7 +285,7 @@ class ParameterServer:
                 raise RuntimeError(
                     f"commit of step {step} but server {self.index} has applied {self.applied}"
                 )
-            reply: dict[str, Any] = {"server_bytes": self.state_bytes()}
+            reply: dict[str, Any] = {"server_bytes": self.state_bytes(), "peak_rss": peak_rss_bytes()}
             if by_table is not None:
                 reply["values"] = self._read(None, by_table, 0.0)["values"]
             return reply
@@ -301,7 +302,12 @@ class ParameterServer:
             self.applied += 1
             self.clock[trainer] = step + 1
             released = self._release_gated()
-            value = {"server_bytes": self.state_bytes(), "staleness": staleness, "wait_s": 0.0}
+            value = {
+                "server_bytes": self.state_bytes(),
+                "peak_rss": peak_rss_bytes(),
+                "staleness": staleness,
+                "wait_s": 0.0,
+            }
         for f, v in released:
             f.set_result(v)
         fut.set_result(value)

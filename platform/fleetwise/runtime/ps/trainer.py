@@ -22,7 +22,10 @@ writes a metrics.jsonl line for step k once all trainers' records of step k are 
 - ps/pull_latency_s: the round trip that brought the step's values (sync: the previous commit,
   apply included); ps/push_latency_s: the gradient round trip without ps/wait_s (time held at the
   sync barrier or by max_staleness);
-- memory/server_bytes_max: parameters + optimizer state of the fullest server shard.
+- memory/server_bytes_max: parameters + optimizer state of the fullest server shard;
+  memory/peak_bytes_max/_mean: peak RSS over all processes (trainers and servers);
+- perf/tflops_per_device, perf/mfu: the planner's model FLOPs per step over the step time, per
+  trainer (servers do no model FLOPs).
 
 Test hooks: FLEETWISE_PS_SLOW="T:SECONDS[,T:SECONDS]" makes trainer T sleep that long every step;
 `fault.kill_rank`/`fault.at_step`/`fault.mode` make a trainer die in the middle of its push (after
@@ -51,10 +54,11 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
 from fleetwise.data.ctr import SyntheticClicks, rank_micro_batches
 from fleetwise.models.ctr import CTRNet, ctr_loss
+from fleetwise.plan.planner import make_plan
 from fleetwise.plan.ps import placement
 from fleetwise.runtime.ps import server as srv
 from fleetwise.runtime.ps.optim import clip_coefficient, lr_at
-from fleetwise.runtime.ps.roles import Role, init_rpc, log, server_name, trainer_name
+from fleetwise.runtime.ps.roles import Role, init_rpc, log, peak_rss_bytes, server_name, trainer_name
 from fleetwise.runtime.ps.wire import ShardLayout
 
 SLOW_ENV = "FLEETWISE_PS_SLOW"
@@ -179,6 +183,11 @@ class Trainer:
         dense_grads = {n: self.params[n].grad for n in self.place.dense_names}
         row_grads = {n: r.grad for n, r in rows.items()}
         local_sq = sum(float(g.double().pow(2).sum()) for g in [*dense_grads.values(), *row_grads.values()])
+        if not math.isfinite(local_sq):
+            raise FloatingPointError(
+                f"non-finite gradient on trainer {self.t} at step {k + 1} (loss {loss_sum / n_micro:.4g}); "
+                "nothing was pushed. Lower optim.lr or set optim.grad_clip"
+            )
         grad_norm = math.sqrt(local_sq)
 
         # push (async: clipped by this trainer's own gradient norm)
@@ -232,6 +241,8 @@ class Trainer:
             "grad_norm": grad_norm,
             "staleness": sum(a.get("staleness", 0) for a in acks) / len(acks),
             "server_bytes": [a["server_bytes"] for a in acks],
+            # peak RSS of this trainer and of each server (as of their last reply)
+            "peak_rss": [peak_rss_bytes(), *(a["peak_rss"] for a in acks)],
         }
 
     def _assemble(self, prep: _Prepared, values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -306,6 +317,9 @@ class MetricsSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("")
         self.lines: list[dict[str, Any]] = []
+        # MFU as the planner defines it: model FLOPs of a step over trainers × peak
+        self.flops_per_step = make_plan(cfg).flops_per_step
+        self.peak_flops = cfg.hardware.peak_flops(cfg.train.precision)
 
     def add(self, rec: dict[str, Any]) -> None:
         with self.cond:
@@ -348,12 +362,17 @@ class MetricsSink:
 
         rates = [r["samples"] / r["step_time_s"] for r in recs]
         server_bytes = [b for r in recs for b in r["server_bytes"]]
+        # one peak per process: each trainer's own, each server's latest
+        servers = [max(r["peak_rss"][1 + i] for r in recs) for i in range(len(recs[0]["peak_rss"]) - 1)]
+        peaks = [r["peak_rss"][0] for r in recs] + servers
+        step_time = max(r["step_time_s"] for r in recs)
+        tflops = self.flops_per_step / step_time / len(recs) / 1e12  # model FLOPs per trainer
         return {
             "step": k + 1,
             "train/loss": mean("loss"),
             "train/lr": lr_at(self.cfg.optim, k, self.cfg.train.steps),
             "train/grad_norm": mean("grad_norm"),
-            "perf/step_time_s": max(r["step_time_s"] for r in recs),
+            "perf/step_time_s": step_time,
             "perf/samples_per_s": sum(rates),
             "perf/samples_per_s_per_trainer": sum(rates) / len(rates),
             "ps/pull_latency_s": mean("pull_s"),
@@ -366,7 +385,11 @@ class MetricsSink:
             "ps/sparse_bytes_pulled": int(total("sparse_bytes_pulled")),
             "ps/sparse_rows_pulled": int(total("sparse_rows_pulled")),
             "ps/staleness": mean("staleness"),
+            "perf/tflops_per_device": tflops,
+            "perf/mfu": tflops * 1e12 / self.peak_flops,
             "memory/server_bytes_max": max(server_bytes),
+            "memory/peak_bytes_max": max(peaks),
+            "memory/peak_bytes_mean": sum(peaks) / len(peaks),
         }
 
 
