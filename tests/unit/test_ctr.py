@@ -60,6 +60,9 @@ def test_init_is_deterministic_and_a_server_can_build_only_its_rows():
     for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(p, q), n
         assert not torch.equal(p, r), n
+    # no seed: torch's current seed (the collective runtime seeds with train.seed first)
+    torch.manual_seed(5)
+    assert torch.equal(CTRNet(cfg.model).mlp[0].weight, a.mlp[0].weight)
     # remote tables: the distributed tables are left out, the rest is identical
     remote = CTRNet(cfg.model, seed=5, remote_tables=True)
     assert not list(remote.embeddings) and sum(p.numel() for p in remote.parameters()) < 2000

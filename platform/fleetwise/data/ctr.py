@@ -67,6 +67,7 @@ class SyntheticClicks:
 
     def __init__(self, model_cfg: CTRModel, data_cfg: DataConfig) -> None:
         self.model_cfg, self.seed, self.alpha = model_cfg, data_cfg.seed, data_cfg.zipf_alpha
+        self.num_samples = data_cfg.num_samples  # distinct samples before the stream repeats
         self._cdf: list[np.ndarray] = []
         self._perm: list[tuple[int, int]] = []
         for f, t in enumerate(model_cfg.sparse_tables):

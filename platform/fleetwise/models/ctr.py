@@ -65,9 +65,16 @@ def table_init(
 
 
 class CTRNet(nn.Module):
-    def __init__(self, cfg: CTRModel, *, seed: int = 0, remote_tables: bool = False) -> None:
+    # The collective runtime's model surface: CTR models are neither pipelined nor recomputed
+    # (validation refuses both), so there are no repeated blocks; FSDP shards the root module.
+    first_modules: tuple[str, ...] = ()
+    last_modules: tuple[str, ...] = ()
+
+    def __init__(self, cfg: CTRModel, *, seed: int | None = None, remote_tables: bool = False) -> None:
+        """seed: of the initialisation; None takes torch's current seed (`torch.manual_seed`)."""
         super().__init__()
         self.cfg = cfg
+        self.layers = nn.ModuleDict()
         self.fields = [t.name for t in cfg.sparse_tables]
         # remote_tables: distributed tables live on parameter servers; only the rest is built here
         local = [t for t in cfg.sparse_tables if not (remote_tables and t.distributed)]
@@ -87,7 +94,7 @@ class CTRNet(nn.Module):
             if i < len(dims) - 2:
                 layers.append(nn.ReLU())
         self.mlp = nn.Sequential(*layers)
-        self.reset_parameters(seed)
+        self.reset_parameters(torch.initial_seed() if seed is None else seed)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
