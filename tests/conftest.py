@@ -33,3 +33,30 @@ def fleetwise_bin() -> str:
     found = str(exe) if exe.exists() else shutil.which("fleetwise")
     assert found, "the fleetwise console script is not installed (pip install -e .)"
     return found
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None):
+    """Run the fleetwise console script; returns the CompletedProcess (text)."""
+    import subprocess
+
+    exe = Path(sys.executable).parent / "fleetwise"
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=full_env)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def final_params(run_dir: Path) -> dict:
+    """The model of the last checkpoint of a run, consolidated into one state dict."""
+    import torch
+
+    from fleetwise.runtime.checkpoint import complete_checkpoints, export
+
+    last = complete_checkpoints(run_dir)[-1]
+    out = run_dir / "final.pt"
+    export(last, out)
+    return torch.load(out, weights_only=True)["model"]

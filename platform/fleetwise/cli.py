@@ -2,6 +2,7 @@
 
     fleetwise validate [OVERRIDES…] [--json]   exit 0 valid, 2 invalid (every problem listed)
     fleetwise plan     [OVERRIDES…] [--json]   the analytic plan (exit 2 if the config is invalid)
+    fleetwise train    [OVERRIDES…] [-m]       run the job (exit 2 on a bad config, nothing started)
 
 Heavy imports (torch, mlflow) stay out of validate/plan: they load inside the commands that use them.
 """
@@ -12,54 +13,13 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from rich.console import Console
 
-from fleetwise.config.problems import ConfigError, Problem, did_you_mean
+from fleetwise.config.problems import Problem, did_you_mean
+from fleetwise.plan.preflight import preflight
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
-
-
-@dataclass
-class Preflight:
-    """A composed, validated, resolved config and its plan; or the problems found on the way."""
-
-    cfg: object | None = None
-    plan: object | None = None
-    problems: list[Problem] | None = None
-    remedies: list | None = None
-
-
-def preflight(overrides: list[str], *, launching: bool = False, enforce_memory: bool = True) -> Preflight:
-    from fleetwise.config.validate import load_config
-    from fleetwise.plan import make_plan
-    from fleetwise.plan.remedies import remedies
-
-    try:
-        cfg = load_config(overrides, launching=launching)
-    except ConfigError as err:
-        return Preflight(problems=err.problems)
-    plan = make_plan(cfg)
-    fixes = [] if plan.fits else remedies(cfg)
-    problems: list[Problem] = []
-    if not plan.fits and enforce_memory and cfg.plan.memory_check == "error":
-        problems.append(memory_problem(plan, fixes))
-    return Preflight(cfg=cfg, plan=plan, problems=problems, remedies=fixes)
-
-
-def memory_problem(plan, fixes) -> Problem:
-    from fleetwise.plan.render import gib
-
-    m = plan.memory_bytes
-    cures = "; ".join(r.describe() for r in fixes) or "a larger device, or fewer layers per device"
-    return Problem(
-        "hardware.memory_per_device_gib",
-        f"the worst device needs {gib(m['total'])} (params {gib(m['params'])}, grads {gib(m['grads'])}, "
-        f"optimizer {gib(m['optimizer'])}, activations {gib(m['activations'])}) but has "
-        f"{gib(plan.device_memory_bytes)}",
-        f"cheapest remedies: {cures}; or plan.memory_check=warn to launch anyway",
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,9 +141,36 @@ def cmd_plan(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def cmd_train(argv: list[str]) -> int:
+    """Validate every sweep point (exit 2, nothing started), then run the job(s) through Hydra."""
+    from fleetwise.runtime import train_command as tc
+
+    multirun = any(a in tc.MULTIRUN_FLAGS for a in argv)
+    if any(a in ("-h", "--help") for a in argv):
+        return print_help("train")
+    if "--cfg" in argv or "-c" in argv:
+        i = argv.index("--cfg") if "--cfg" in argv else argv.index("-c")
+        which = argv[i + 1] if i + 1 < len(argv) else "job"
+        rest = [a for j, a in enumerate(argv) if j not in (i, i + 1) and a not in tc.MULTIRUN_FLAGS]
+        return _print_cfg(rest, which, "--resolve" in argv)
+    overrides = [a for a in argv if a not in tc.MULTIRUN_FLAGS]
+    try:
+        points = tc.sweep_points(overrides) if multirun else [overrides]
+    except Exception as exc:  # noqa: BLE001 - bad sweep syntax is a config problem
+        problem = Problem(
+            "<overrides>", f"cannot parse the sweep: {exc}", "write key=a,b (see Hydra's sweep syntax)"
+        )
+        return _report_invalid([problem], as_json=False)
+    problems = tc.check_points(points)
+    if problems:
+        return _report_invalid(problems, as_json=False)
+    return tc.run_hydra(overrides, multirun)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
     "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
+    "train": (cmd_train, "run the job on torch.distributed (torchrun; -m for Hydra sweeps)"),
 }
 
 

@@ -6,16 +6,18 @@ model in), so that both always agree. No torch import here.
 | layout                                  | engine  | PyTorch mechanism                                         |
 |-----------------------------------------|---------|-----------------------------------------------------------|
 | dp = sharding = 1                       | none    | plain module                                              |
-| dp > 1, mp = 1, no sharding             | ddp     | DistributedDataParallel (no_sync while accumulating)      |
-| sharding_stage 1 (ZeRO-1)               | zero1   | DDP over dp×sharding + ZeroRedundancyOptimizer (sharding) |
+| dp > 1, no sharding, mp = pp = 1        | ddp     | DistributedDataParallel (no_sync while accumulating)      |
+| sharding_stage 1 (ZeRO-1), mp = pp = 1  | zero1   | DDP over dp×sharding + ZeroRedundancyOptimizer (sharding) |
 | sharding_stage 2 (ZeRO-2)               | fsdp    | fully_shard(reshard_after_forward=False) on (dp, sharding) |
 | sharding_stage 3 (ZeRO-3)               | fsdp    | fully_shard(reshard_after_forward=True) on (dp, sharding)  |
-| dp > 1 with mp > 1, no sharding         | fsdp    | fully_shard on (dp, sharding=1): HSDP that only replicates |
+| dp > 1 with mp > 1 or pp > 1, no sharding | fsdp  | fully_shard on (dp, sharding=1): HSDP that only replicates |
 
 FSDP2 always stores parameters sharded between steps, so "stage 2" here differs from ZeRO-2 on
 paper (which keeps whole parameters on every rank): parameters are gathered once per forward and
 kept until the backward is done, instead of being re-gathered for the backward as in stage 3.
-DDP cannot wrap DTensor (tensor-parallel) parameters, which is why dp × mp goes through FSDP.
+DDP cannot wrap DTensor (tensor-parallel) parameters, and it cannot follow a pipeline schedule's
+interleaved forwards and backwards, which is why dp combined with mp or pp goes through FSDP (as in
+torchtitan), and why ZeRO-1 (built on DDP) is refused with mp or pp.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def dp_engine(layout: Layout, sharding_stage: int | None) -> str:
     if layout.sharding > 1:
         return "zero1" if sharding_stage == 1 else "fsdp"
     if layout.dp > 1:
-        return "fsdp" if layout.mp > 1 else "ddp"
+        return "fsdp" if (layout.mp > 1 or layout.pp > 1) else "ddp"
     return "none"
 
 

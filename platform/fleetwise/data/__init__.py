@@ -1,1 +1,22 @@
-"""data"""
+"""Data: deterministic sample sources and the per-rank slicing of global batches.
+
+A source maps *global sample indices* to tensors, so every layout sees exactly the same samples:
+step k uses indices [k·G, (k+1)·G) (mod the source size) and data-parallel rank r of D takes
+the r-th contiguous slice of G/D of them, in micro-batches. Every rank therefore gets the same
+number of batches, every step (unequal counts would hang the last collective).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+class SampleSource(Protocol):
+    """Global sample indices -> a batch (dict of stacked tensors)."""
+
+    num_samples: int
+
+    def batch(self, indices: np.ndarray) -> dict[str, torch.Tensor]: ...

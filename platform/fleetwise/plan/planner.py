@@ -58,6 +58,7 @@ class Plan:
     step_time_s: float
     mfu: float
     # beyond the contract
+    device_peak_flops: float = 0.0  # peak FLOP/s of one device at the training precision (MFU's denominator)
     engine: str = "none"
     precision: str = "fp32"
     samples_per_s: float = 0.0
@@ -253,7 +254,8 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     if s.offload and hw.device_type == "cpu":
         notes.append("offload keeps state in host memory, which on a CPU device is the same memory")
     if isinstance(cfg.model, ERNIEModel):
-        notes.append(f"ERNIE's MLM head runs on {masked_per_sample(cfg.model)} masked positions per sequence")
+        k = masked_per_sample(cfg.model)
+        notes.append(f"masked LM: {k} of {cfg.model.seq_len} positions per sequence are predicted")
     return Plan(
         world_size=layout.world_size,
         mesh=layout.as_dict(),
@@ -271,6 +273,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         bubble_fraction=bubble,
         step_time_s=step,
         mfu=mfu,
+        device_peak_flops=peak,
         engine=engine,
         precision=t.precision,
         samples_per_s=t.global_batch_size / step if step else 0.0,
@@ -430,6 +433,7 @@ def _ps_plan(cfg: RunConfig) -> Plan:
         bubble_fraction=0.0,
         step_time_s=step,
         mfu=flops_per_step / (step * s.num_trainers * peak) if step else 0.0,
+        device_peak_flops=peak,
         engine="ps",
         precision=t.precision,
         samples_per_s=t.global_batch_size / step if step else 0.0,

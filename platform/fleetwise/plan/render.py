@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fleetwise.config.problems import Problem
@@ -36,9 +37,9 @@ def seconds(s: float) -> str:
 def print_problems(console: Console, problems: list[Problem]) -> None:
     noun = "problem" if len(problems) == 1 else "problems"
     console.print(f"[bold red]✗ invalid config: {len(problems)} {noun}[/]")
-    for p in problems:
-        console.print(f"  [bold]{p.loc}[/]: {p.msg}", highlight=False, soft_wrap=True)
-        console.print(f"    [green]fix:[/] {p.hint}", highlight=False, soft_wrap=True)
+    for p in problems:  # values come from users and logs: escape rich's [markup]
+        console.print(f"  [bold]{escape(p.loc)}[/]: {escape(p.msg)}", highlight=False, soft_wrap=True)
+        console.print(f"    [green]fix:[/] {escape(p.hint)}", highlight=False, soft_wrap=True)
 
 
 def describe_job(cfg: RunConfig, plan: Plan) -> str:

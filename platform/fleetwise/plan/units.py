@@ -127,7 +127,6 @@ def _gpt_units(m: GPTModel) -> list[Unit]:
 
 def _ernie_units(m: ERNIEModel) -> list[Unit]:
     s, h, v = m.seq_len, m.hidden_size, m.padded_vocab_size
-    k = masked_per_sample(m)
     emb = Unit(
         "embedding",
         "embedding",
@@ -140,19 +139,20 @@ def _ernie_units(m: ERNIEModel) -> list[Unit]:
     head = Unit(
         "head",
         "head",
-        # MLM head on the masked positions only: dense h->h + GELU + LN (replicated), then a
-        # vocab-parallel decoder with bias.
+        # MLM head over every position (as BERT/ERNIE implementations do; the loss reads the masked
+        # ones): dense h->h + GELU + LN (replicated), then a vocab-parallel decoder with bias.
         params_split=h * v + v,
         params_whole=h * h + h + 2 * h,
-        fwd_flops=2 * k * (h * h + h * v),
-        acts={"none": Acts(split=k * v, whole=4 * k * h + 2 * k)},
-        transient=Acts(split=2 * k * v),
+        fwd_flops=2 * s * (h * h + h * v),
+        # dense input, GELU input, LN input, LN output; log-softmax output (vocab-parallel)
+        acts={"none": Acts(split=s * v, whole=4 * s * h + 2 * s)},
+        transient=Acts(split=2 * s * v),
     )
     return [emb] + [_transformer_block(m) for _ in range(m.num_layers)] + [head]
 
 
 def masked_per_sample(m: ERNIEModel) -> int:
-    """Positions predicted per sequence: the masking picks whole words/spans up to this budget."""
+    """Positions the masking selects per sequence (whole words/spans up to this budget)."""
     return max(1, round(m.seq_len * m.mask_prob))
 
 

@@ -1,0 +1,66 @@
+"""GPT: a decoder-only causal language model (Radford et al. 2019; Brown et al. 2020).
+
+tokens -> token + learned position embeddings -> pre-LN blocks -> final LN -> LM head (untied, so a
+pipeline can put the embedding and the head on different stages). Blocks live in a ModuleDict keyed
+by layer index, so parameter names stay the same however the model is cut into pipeline stages
+(checkpoints reshard across layouts).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fleetwise.models.transformer import PreLNBlock, init_transformer_weights
+
+if TYPE_CHECKING:  # models depend on config only for type hints
+    from fleetwise.config.model import GPTModel
+
+
+class GPTEmbedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, seq_len: int, dropout: float = 0.0):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(seq_len, hidden)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.tok(tokens) + self.pos(positions))
+
+
+class GPT(nn.Module):
+    first_modules = ("embed",)  # kept only by the first pipeline stage
+    last_modules = ("norm", "output")  # kept only by the last
+
+    def __init__(self, cfg: GPTModel):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed: nn.Module | None = GPTEmbedding(cfg.padded_vocab_size, h, cfg.seq_len, cfg.dropout)
+        self.layers = nn.ModuleDict(
+            {
+                str(i): PreLNBlock(h, cfg.num_attention_heads, cfg.ffn_hidden_size, cfg.dropout)
+                for i in range(cfg.num_layers)
+            }
+        )
+        self.norm: nn.Module | None = nn.LayerNorm(h)
+        self.output: nn.Module | None = nn.Linear(h, cfg.padded_vocab_size, bias=False)
+        init_transformer_weights(self, cfg.init_std, cfg.num_layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] (first stage) or hidden states [b, s, h] -> logits [b, s, V] (last stage) or hidden."""
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; positions labelled -100 are ignored."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)

@@ -1,0 +1,96 @@
+"""Transformer building blocks shared by GPT and ERNIE.
+
+Plain nn.Modules with no parallel code: tensor parallelism is applied from outside with the
+plans in `tp_plan.py`. Attention keeps q, k and v as separate projections (a fused qkv weight
+would be split across ranks in the wrong places by column parallelism) and infers the number of
+local heads from the projection width, so the same code runs whole or sharded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, causal: bool, dropout: float = 0.0):
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.causal = causal
+        self.dropout = dropout
+        self.wq = nn.Linear(hidden, hidden)
+        self.wk = nn.Linear(hidden, hidden)
+        self.wv = nn.Linear(hidden, hidden)
+        self.wo = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds num_heads / mp of them.
+        q, k, v = (
+            proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.wq, self.wk, self.wv)
+        )
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class PreLNBlock(nn.Module):
+    """GPT-2/3 block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int, dropout: float = 0.0):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, heads, causal=True, dropout=dropout)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden, ffn)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class PostLNBlock(nn.Module):
+    """BERT/ERNIE block: ln(x + attn(x)), then ln(x + mlp(x)); bidirectional attention."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int, dropout: float = 0.0):
+        super().__init__()
+        self.attn = Attention(hidden, heads, causal=False, dropout=dropout)
+        self.ln1 = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden, ffn)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln1(x + self.drop(self.attn(x)))
+        return self.ln2(x + self.drop(self.mlp(x)))
+
+
+def init_transformer_weights(model: nn.Module, std: float, num_layers: int) -> None:
+    """GPT-2 initialisation: N(0, std) weights, zero biases, and residual output projections
+    scaled by 1/sqrt(2·layers) so the residual stream does not grow with depth."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            scale = 1 / math.sqrt(2 * num_layers) if name.endswith(("attn.wo", "mlp.fc2")) else 1.0
+            nn.init.normal_(module.weight, 0.0, std * scale)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)

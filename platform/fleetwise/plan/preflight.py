@@ -1,0 +1,52 @@
+"""Everything `validate`, `plan` and `train` check before a process starts: compose, validate,
+plan, and the memory fit (with remedies)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleetwise.config.problems import ConfigError, Problem
+from fleetwise.config.run import RunConfig
+from fleetwise.plan.planner import Plan
+from fleetwise.plan.remedies import Remedy
+
+
+@dataclass
+class Preflight:
+    """A composed, validated, resolved config and its plan; or the problems found on the way."""
+
+    cfg: RunConfig | None = None
+    plan: Plan | None = None
+    problems: list[Problem] = field(default_factory=list)
+    remedies: list[Remedy] = field(default_factory=list)
+
+
+def preflight(overrides: list[str], *, launching: bool = False, enforce_memory: bool = True) -> Preflight:
+    from fleetwise.config.validate import load_config
+    from fleetwise.plan import make_plan
+    from fleetwise.plan.remedies import remedies
+
+    try:
+        cfg = load_config(overrides, launching=launching)
+    except ConfigError as err:
+        return Preflight(problems=err.problems)
+    plan = make_plan(cfg)
+    fixes = [] if plan.fits else remedies(cfg)
+    problems: list[Problem] = []
+    if not plan.fits and enforce_memory and cfg.plan.memory_check == "error":
+        problems.append(memory_problem(plan, fixes))
+    return Preflight(cfg=cfg, plan=plan, problems=problems, remedies=fixes)
+
+
+def memory_problem(plan: Plan, fixes: list[Remedy]) -> Problem:
+    from fleetwise.plan.render import gib
+
+    m = plan.memory_bytes
+    cures = "; ".join(r.describe() for r in fixes) or "a larger device, or fewer layers per device"
+    return Problem(
+        "hardware.memory_per_device_gib",
+        f"the worst device needs {gib(m['total'])} (params {gib(m['params'])}, grads {gib(m['grads'])}, "
+        f"optimizer {gib(m['optimizer'])}, activations {gib(m['activations'])}) but has "
+        f"{gib(plan.device_memory_bytes)}",
+        f"cheapest remedies: {cures}; or plan.memory_check=warn to launch anyway",
+    )

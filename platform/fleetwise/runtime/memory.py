@@ -1,0 +1,111 @@
+"""Peak memory of a rank: CUDA allocator statistics on GPU; on CPU the process's peak RSS and
+the exact bytes of live tensors, counted on sampled steps."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def rss_peak_bytes() -> int:
+    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Exact bytes of live tensor storage, and their peak, while active.
+
+    Every op's outputs are recorded by storage (a view shares its base's storage and is counted
+    once); a weakref finaliser subtracts a storage when it is freed. Tensors alive before the
+    step (parameters, gradients, optimizer state) are registered up front. DTensors are counted by
+    their local shard: that is what this rank holds."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        for t in tensors:
+            self._track(t)
+
+    def _track(self, t: torch.Tensor) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if t.device.type != "cpu" or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # wrapper subclasses without storage
+            return
+        key = storage._cdata
+        if key in self.live:
+            return
+        nbytes = storage.nbytes()
+        self.live[key] = nbytes
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+def state_tensors(modules: list, optimizer) -> list[torch.Tensor]:
+    """Tensors that outlive a step: parameters, buffers, gradients, optimizer state."""
+    out: list[torch.Tensor] = []
+    for m in modules:
+        for p in m.parameters():
+            out.append(p)
+            if p.grad is not None:
+                out.append(p.grad)
+        out.extend(m.buffers())
+    opt = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
+    for state in opt.state.values():
+        out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+class TensorPeak:
+    """Peak bytes of live tensors during a step.
+
+    GPU: the allocator's max_memory_allocated (reset every step), exact and free.
+    CPU: `LiveTensorBytes` follows every allocation through a dispatch mode; that costs time, so
+    only sampled steps are tracked (the first two: the second is the first with optimizer state,
+    i.e. the steady-state peak)."""
+
+    def __init__(self, device: torch.device, sample_steps: tuple[int, ...] = (1, 2)):
+        self.device = device
+        self.sample_steps = sample_steps
+        self.peak = 0  # running max over measured steps
+
+    @contextlib.contextmanager
+    def measure(self, step: int, modules: list, optimizer) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+            return
+        if step not in self.sample_steps:
+            yield
+            return
+        tracker = LiveTensorBytes(state_tensors(modules, optimizer))
+        with tracker:
+            yield
+        self.peak = max(self.peak, tracker.peak)

@@ -1,0 +1,96 @@
+"""Optimizer, learning-rate schedule, and a gradient norm that is right for any layout."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fleetwise.config.run import OptimConfig, TrainConfig
+
+
+def build_optimizer(
+    params: list[nn.Parameter], cfg: OptimConfig, *, zero_group=None
+) -> torch.optim.Optimizer:
+    """Weight decay applies to matrices (ndim >= 2), not to biases and norms (as in GPT-2/nanoGPT).
+
+    zero_group: shard the optimizer state across this process group (ZeRO stage 1, with
+    ZeroRedundancyOptimizer: each rank updates its share of the parameters and broadcasts it)."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    if cfg.name == "adamw":
+        cls, kwargs = torch.optim.AdamW, {"betas": cfg.betas, "eps": cfg.eps}
+    elif cfg.name == "sgd":
+        cls, kwargs = torch.optim.SGD, {"momentum": cfg.momentum}
+    else:
+        cls, kwargs = torch.optim.Adagrad, {"eps": cfg.eps}
+    groups = [
+        g
+        for g in (
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        )
+        if g["params"]
+    ]
+    if zero_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            groups, optimizer_class=cls, process_group=zero_group, lr=cfg.lr, **kwargs
+        )
+    return cls(groups, lr=cfg.lr, **kwargs)
+
+
+def lr_factor(done: int, optim: OptimConfig, train: TrainConfig) -> float:
+    """LR multiplier after `done` completed steps: linear warm-up, then constant or cosine decay to
+    min_lr_ratio at the last step."""
+    if done < optim.warmup_steps:
+        return (done + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    progress = (done - optim.warmup_steps) / max(1, train.steps - optim.warmup_steps)
+    progress = min(1.0, progress)
+    return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, train: TrainConfig):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done, optim, train))
+
+
+def grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
+    """Global L2 norm of all gradients of the job.
+
+    Gradients are grouped by their DTensor layout (mesh and placements: FSDP shards, TP shards,
+    replicas); DTensor computes each group's norm with the right reduction (a sharded dim is
+    summed, a replicated one is not). Plain tensors are whole on every rank that holds them.
+    Pipeline stages own disjoint parameters, so their squared norms are summed across pp."""
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else "local"
+        groups[key].append(g)
+    device = next((p.device for p in params), torch.device("cpu"))
+    total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    # a fixed group order, so every rank of a DTensor mesh calls its collectives in the same order
+    for key in sorted(groups, key=str):
+        norm = torch.nn.utils.get_total_norm(groups[key], norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total_sq += norm.float().to(device) ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total_sq, group=pp_group)
+    return total_sq.sqrt()
+
+
+def clip_(params: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)

@@ -1,0 +1,193 @@
+"""Apply the layout to the model, in one fixed order (torchtitan's): split into pipeline chunks
+first, then per chunk tensor parallelism -> activation checkpointing -> data parallelism
+(FSDP2 / DDP), and finally the pipeline stages and their schedule.
+
+TP must see whole modules before FSDP shards them; activation checkpointing wraps the blocks
+before FSDP so that FSDP's per-block units contain the checkpointed region; the pipeline stage
+wraps the finished chunk so its schedule can drive FSDP/DDP's gradient synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+from fleetwise.config.engine import dp_engine, reshard_after_forward
+from fleetwise.config.run import RunConfig
+from fleetwise.config.strategy import CollectiveStrategy
+from fleetwise.config.validate import layout_of
+from fleetwise.models import pipeline_chunk
+from fleetwise.plan.pipeline import chunk_ranks, split_layers
+from fleetwise.runtime.modeling import ModelSpec, build_model, model_spec
+from fleetwise.runtime.recompute import apply_recompute
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ParallelModel:
+    parts: list[nn.Module]  # this rank's model chunks (one without pipelining)
+    chunk_ids: list[int]  # pipeline chunk index of each part
+    num_chunks: int
+    engine: str  # none | ddp | zero1 | fsdp
+    spec: ModelSpec
+    schedule: object | None = None  # torch.distributed.pipelining schedule when pp > 1
+    stages: list = field(default_factory=list)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.chunk_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_chunks - 1 in self.chunk_ids
+
+    def parameters(self):
+        for part in self.parts:
+            yield from part.parameters()
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+
+def parallelize(cfg: RunConfig, mesh: DeviceMesh, device: torch.device) -> ParallelModel:
+    s = cfg.strategy
+    assert isinstance(s, CollectiveStrategy)
+    layout = layout_of(cfg)
+    spec = model_spec(cfg)
+    engine = dp_engine(layout, s.sharding_stage)
+    model = build_model(cfg)  # whole and identical on every rank: every layout starts from the same weights
+
+    # 1. pipeline: keep only this rank's chunks
+    if layout.pp > 1:
+        v = s.virtual_stages
+        num_chunks = layout.pp * v
+        owners = chunk_ranks(s.schedule, layout.pp, v)
+        pp_rank = mesh["pp"].get_local_rank()
+        chunk_ids = [c for c in range(num_chunks) if owners[c] == pp_rank]
+        counts = split_layers(len(model.layers), num_chunks, s.layer_split)
+        starts = [sum(counts[:c]) for c in range(num_chunks)]
+        parts = [
+            pipeline_chunk(model, list(range(starts[c], starts[c] + counts[c])), c == 0, c == num_chunks - 1)
+            for c in chunk_ids
+        ]
+        del model
+    else:
+        num_chunks, chunk_ids, parts = 1, [0], [model]
+
+    for i, part in enumerate(parts):
+        part.to(device)
+        # 2. tensor parallel (Megatron plan; vocab-parallel embedding and LM head)
+        if layout.mp > 1:
+            parallelize_module(part, mesh["mp"], _existing(part, spec.tp_plan(s.sequence_parallel)))
+        # 3. activation checkpointing of each block
+        if s.recompute != "none":
+            apply_recompute(part, s.recompute)
+        # 4. data parallel
+        parts[i] = _data_parallel(part, cfg, mesh, engine, device)
+
+    pm = ParallelModel(parts, chunk_ids, num_chunks, engine, spec)
+    if layout.pp > 1:
+        _build_pipeline(pm, cfg, mesh, device)
+    return pm
+
+
+def _existing(module: nn.Module, plan: dict) -> dict:
+    """Drop plan entries whose module this pipeline chunk does not hold (e.g. the head of stage 0)."""
+    kept = {}
+    for path, style in plan.items():
+        head = path.split(".")[0]
+        if getattr(module, head, None) is None:
+            continue
+        if "*" not in path:
+            try:
+                module.get_submodule(path)
+            except AttributeError:
+                continue
+        elif head == "layers" and len(module.layers) == 0:
+            continue
+        kept[path] = style
+    return kept
+
+
+def dp_mesh(mesh: DeviceMesh, cfg: RunConfig) -> DeviceMesh:
+    """FSDP's mesh: (dp, sharding) -- replicate across dp, shard across sharding (HSDP) -- or just
+    sharding when there is no dp dimension."""
+    layout = layout_of(cfg)
+    return mesh["dp", "sharding"] if layout.dp > 1 else mesh["sharding"]
+
+
+def _data_parallel(
+    part: nn.Module, cfg: RunConfig, mesh: DeviceMesh, engine: str, device: torch.device
+) -> nn.Module:
+    s = cfg.strategy
+    assert isinstance(s, CollectiveStrategy)
+    if engine == "none":
+        return part
+    if engine in ("ddp", "zero1"):
+        group = mesh["dp"].get_group() if engine == "ddp" else flat_group(mesh, ("dp", "sharding"))
+        # gradient_as_bucket_view: grads live in DDP's buckets, no second copy of the gradients
+        return DistributedDataParallel(
+            part,
+            process_group=group,
+            gradient_as_bucket_view=True,
+            device_ids=[device.index] if device.type == "cuda" else None,
+        )
+    # FSDP2: shard each block, then the root (embedding, head). A pipelined chunk keeps its
+    # parameters gathered across micro-batches (re-gathering per micro-batch would multiply traffic).
+    pipelined = layout_of(cfg).pp > 1
+    reshard = reshard_after_forward(s.sharding_stage) and not pipelined
+    precision = cfg.train.precision
+    kwargs = {"mesh": dp_mesh(mesh, cfg)}
+    if precision != "fp32":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+    if s.offload:
+        # the default policy pins host memory, which needs an accelerator (fails on CPU-only machines)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in part.layers.values():
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(part, reshard_after_forward=reshard, **kwargs)
+    return part
+
+
+_FLAT: dict[tuple[str, ...], object] = {}
+
+
+def flat_group(mesh: DeviceMesh, dims: tuple[str, ...]):
+    """Process group spanning several mesh dims (created once, collectively, and cached)."""
+    if dims not in _FLAT:
+        _FLAT[dims] = mesh[dims]._flatten("_".join(dims)).get_group()
+    return _FLAT[dims]
+
+
+def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device: torch.device) -> None:
+    from torch.distributed import pipelining as P
+
+    s = cfg.strategy
+    assert isinstance(s, CollectiveStrategy)
+    group = mesh["pp"].get_group()
+    pm.stages = [
+        P.PipelineStage(part, c, pm.num_chunks, device, group=group)
+        for part, c in zip(pm.parts, pm.chunk_ids, strict=True)
+    ]
+    classes = {
+        "GPipe": P.ScheduleGPipe,
+        "1F1B": P.Schedule1F1B,
+        "interleaved_1F1B": P.ScheduleInterleaved1F1B,
+        "looped_BFS": P.ScheduleLoopedBFS,
+        "interleaved_zero_bubble": P.ScheduleInterleavedZeroBubble,
+        "ZBV_zero_bubble": P.ScheduleZBVZeroBubble,
+    }
+    cls = classes[s.schedule]
+    n = cfg.train.accumulate_steps
+    # scale_grads divides by the micro-batch count, so gradients are the mean over micro-batches
+    # (the same objective as one process averaging the same micro-batches).
+    stage = pm.stages if s.schedule not in ("GPipe", "1F1B") else pm.stages[0]
+    pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.spec.loss, scale_grads=True)

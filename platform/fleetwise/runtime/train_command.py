@@ -1,0 +1,164 @@
+"""`fleetwise train`: validate every sweep point, then run the job(s) through Hydra.
+
+Hydra's own app (`hydra.main`) runs the jobs, so its multirun sweeps, launcher plugins
+(`hydra/launcher=submitit_slurm` turns a sweep into SLURM jobs) and callbacks work as Hydra users
+expect. Validation happens first, in this process, for every point of the sweep: a bad config
+exits 2 before any process starts or any directory is written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from fleetwise.config.problems import Problem
+from fleetwise.plan.preflight import preflight
+
+EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
+def sweep_points(overrides: list[str]) -> list[list[str]]:
+    """Expand Hydra sweep syntax (a=1,2 b=x,y) into the Cartesian product of plain override lists."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = []
+    for ov in parsed:
+        if ov.is_sweep_override():
+            key = ov.get_key_element()
+            choices.append([f"{key}={v}" for v in ov.sweep_string_iterator()])
+        else:
+            choices.append([ov.input_line])
+    return [list(p) for p in itertools.product(*choices)]
+
+
+def check_points(points: list[list[str]]) -> list[Problem]:
+    from fleetwise.runtime.launch import gpu_problem
+
+    problems: list[Problem] = []
+    for point in points:
+        pf = preflight(point, launching=True)
+        prefix = f"[{' '.join(point)}] " if len(points) > 1 else ""
+        problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in pf.problems]
+        if not pf.problems:
+            gpu = gpu_problem(pf.cfg)
+            if gpu:
+                problems.append(
+                    Problem(
+                        "hardware",
+                        prefix + gpu.split(". ")[0],
+                        "use hardware=cpu here; validate and plan work for any profile",
+                    )
+                )
+    return problems
+
+
+_CODES: list[int] = []  # exit codes of jobs Hydra ran in this process
+
+
+class JobFailed(RuntimeError):
+    """Raised by a sweep job that failed, so that Hydra's launchers (possibly in other processes,
+    e.g. submitit) report the failure and `fleetwise train -m` exits non-zero."""
+
+
+def run_hydra(overrides: list[str], multirun: bool) -> int:
+    import hydra
+
+    from fleetwise.config.compose import config_dir
+
+    run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("run.dir=")), None)
+    extra = []
+    if run_dir and not any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in overrides):
+        extra.append(f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}")
+    _CODES.clear()
+    app = hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(hydra_task)
+    saved = sys.argv
+    sys.argv = ["fleetwise train", *overrides, *extra, *(["--multirun"] if multirun else [])]
+    try:
+        app()
+    except SystemExit as exc:  # Hydra reports a job's exception itself, then exits non-zero
+        if exc.code not in (0, None):
+            return max(_CODES, default=EXIT_FAIL) or EXIT_FAIL
+    finally:
+        sys.argv = saved
+    return max(_CODES, default=EXIT_OK)
+
+
+def hydra_task(dcfg) -> int:
+    """One job (Hydra calls it once per sweep point, possibly in another process)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from fleetwise.config.problems import ConfigError
+    from fleetwise.config.validate import validate
+    from fleetwise.plan import make_plan
+
+    hc = HydraConfig.get()
+    data = OmegaConf.to_container(dcfg, resolve=True)
+    data["recipe"] = hc.runtime.choices.get("recipe", "")
+    console = Console(soft_wrap=True)
+    try:
+        cfg = validate(data, launching=True)
+    except ConfigError as err:
+        from fleetwise.plan.render import print_problems
+
+        print_problems(Console(stderr=True), err.problems)
+        _CODES.append(EXIT_INVALID)
+        return EXIT_INVALID
+    cfg = cluster_launch(cfg, _submitit_env())
+    multirun = hc.mode is not None and hc.mode.name == "MULTIRUN"
+    run_dir = Path(hc.runtime.output_dir) if (multirun or not cfg.run.dir) else Path(cfg.run.dir)
+    code = run_job(cfg, make_plan(cfg), run_dir.resolve(), list(hc.overrides.task), console)
+    _CODES.append(code)
+    if code != EXIT_OK and multirun:
+        raise JobFailed(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) failed with exit code {code}")
+    return code
+
+
+def _submitit_env():
+    """submitit's view of the allocation when this job runs under a submitit launcher, else None."""
+    try:
+        import submitit
+
+        return submitit.JobEnvironment()
+    except Exception:  # noqa: BLE001 - not a submitit job (RuntimeError), or submitit missing
+        return None
+
+
+def cluster_launch(cfg, job_env):
+    """On a multi-node SLURM allocation (hydra/launcher=submitit_slurm, one task per node), each
+    node's task runs this job: torchrun then spans the nodes, rendezvousing on the first host."""
+    if job_env is None or job_env.num_nodes <= 1 or cfg.launch.nnodes != str(cfg.hardware.nodes):
+        return cfg
+    launch = cfg.launch.model_copy(
+        update={
+            "nnodes": str(job_env.num_nodes),
+            "node_rank": job_env.node,
+            "rdzv_endpoint": f"{job_env.hostnames[0]}:29500",
+            "rdzv_id": str(job_env.job_id),
+        }
+    )
+    return cfg.model_copy(update={"launch": launch})
+
+
+def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console) -> int:
+    from fleetwise.plan.render import describe_job
+    from fleetwise.runtime.launch import launch_job
+    from fleetwise.runtime.summary import print_summary
+
+    console.print(
+        f"[bold]fleetwise train[/] · {describe_job(cfg, plan)} · run dir {run_dir}", highlight=False
+    )
+    result = launch_job(cfg, plan, run_dir, argv, console)
+    print_summary(console, cfg, plan, result)
+    if result.returncode != 0:
+        from rich.markup import escape
+
+        err = escape(result.error or "")
+        Console(stderr=True).print(f"[bold red]✗ training failed[/]: {err}", highlight=False, soft_wrap=True)
+        return result.returncode if result.returncode > 0 else EXIT_FAIL
+    return EXIT_OK

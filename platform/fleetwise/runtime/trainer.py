@@ -1,0 +1,216 @@
+"""The training loop of one rank: forward/backward over micro-batches (or a pipeline schedule),
+clip, step, and per-step metrics reduced across ranks onto rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fleetwise.config.run import RunConfig
+from fleetwise.config.validate import layout_of
+from fleetwise.data.loader import StepBatches
+from fleetwise.runtime.faults import inject_fault
+from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
+from fleetwise.runtime.mesh import DistEnv, build_mesh
+from fleetwise.runtime.modeling import build_source
+from fleetwise.runtime.optim import build_optimizer, build_scheduler, clip_, grad_norm
+from fleetwise.runtime.parallelize import DTYPES, ParallelModel, flat_group, parallelize
+
+log = logging.getLogger("fleetwise")
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, plan: dict[str, Any], env: DistEnv, run_dir: Path):
+        self.cfg, self.plan, self.env, self.run_dir = cfg, plan, env, run_dir
+        self.layout = layout = layout_of(cfg)
+        self.mesh = build_mesh(layout, env.device.type)
+        self.coords = layout.coords(env.rank)
+        self.model: ParallelModel = parallelize(cfg, self.mesh, env.device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = params
+        zero = flat_group(self.mesh, ("sharding",)) if self.model.engine == "zero1" else None
+        self.optimizer = build_optimizer(params, cfg.optim, zero_group=zero)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train)
+        self.pp_group = self.mesh["pp"].get_group() if layout.pp > 1 else None
+        dp_rank = self.coords["dp"] * layout.sharding + self.coords["sharding"]
+        self.data = StepBatches(
+            build_source(cfg),
+            cfg.train.global_batch_size,
+            cfg.train.micro_batch_size,
+            cfg.train.accumulate_steps,
+            dp_rank,
+            layout.data_parallel_size,
+        )
+        self.memory = TensorPeak(env.device)
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.step = 0
+        # the rank whose loss counts: one per data-parallel replica, on the last pipeline stage
+        self.reports_loss = self.model.has_last and self.coords["mp"] == 0
+        self.autocast = self._autocast_context()
+        self.scaler = torch.amp.GradScaler(env.device.type) if cfg.train.precision == "fp16" else None
+
+    # ------------------------------------------------------------------------------------------------
+    def _autocast_context(self):
+        p = self.cfg.train.precision
+        if p == "fp32" or self.model.engine == "fsdp":  # FSDP casts parameters itself (MixedPrecisionPolicy)
+            return contextlib.nullcontext
+        return lambda: torch.autocast(self.env.device.type, dtype=DTYPES[p])
+
+    def _loss_context(self):
+        if self.layout.mp > 1 and self.model.spec.tp_plan is not None:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()  # cross entropy over vocabulary-sharded logits, forward and backward
+        return contextlib.nullcontext()
+
+    def forward_backward(self, step: int) -> torch.Tensor | None:
+        """Run all micro-batches of the step; returns this rank's mean loss (None off the last stage)."""
+        spec = self.model.spec
+        if self.model.schedule is not None:
+            batch = self.data.whole(step)
+            args = [batch[k].to(self.env.device) for k in spec.inputs] if self.model.has_first else []
+            target = batch[spec.label].to(self.env.device) if self.model.has_last else None
+            losses: list[torch.Tensor] = []
+            with self._loss_context(), self.autocast():
+                self.model.schedule.step(*args, target=target, losses=losses if self.model.has_last else None)
+            return torch.stack([_plain(x) for x in losses]).mean() if self.model.has_last else None
+
+        (part,) = self.model.parts
+        micro = self.data.microbatches(step)
+        n = len(micro)
+        total = torch.zeros((), device=self.env.device)
+        for i, mb in enumerate(micro):
+            last = i == n - 1
+            with self._sync_context(part, last), self._loss_context():
+                with self.autocast():
+                    out = part(*[mb[k].to(self.env.device) for k in spec.inputs])
+                    loss = spec.loss(out, mb[spec.label].to(self.env.device))
+                scaled = loss / n
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total += _plain(loss)
+        return total / n
+
+    def _sync_context(self, part, last: bool):
+        """Gradient accumulation without redundant communication: DDP all-reduces only on the last
+        micro-batch; FSDP reduce-scatters every micro-batch (keeping gradients sharded, ZeRO-style)
+        but all-reduces across dp replicas only on the last."""
+        if self.model.engine in ("ddp", "zero1"):
+            return contextlib.nullcontext() if last else part.no_sync()
+        if self.model.engine == "fsdp":
+            part.set_requires_all_reduce(last)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, float]:
+        self.model.train()
+        start = time.perf_counter()
+        with self.memory.measure(step, self.model.parts, self.optimizer):
+            loss = self.forward_backward(step)
+            inject_fault(self.cfg.fault, self.env.rank, step, self.env.restart)
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            norm = grad_norm(self.params, self.pp_group)
+            if self.cfg.optim.grad_clip:
+                clip_(self.params, self.cfg.optim.grad_clip, norm)
+            lr = self.optimizer.param_groups[0]["lr"]
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        elapsed = time.perf_counter() - start
+        return self._reduce(step, loss, float(norm), lr, elapsed)
+
+    def _reduce(
+        self, step: int, loss: torch.Tensor | None, norm: float, lr: float, elapsed: float
+    ) -> dict[str, float]:
+        """Gather one small vector per rank on rank 0 (one collective per step) and derive the metrics."""
+        mine = torch.tensor(
+            [
+                float(loss) if (loss is not None and self.reports_loss) else 0.0,
+                1.0 if self.reports_loss else 0.0,
+                elapsed,
+                float(self.memory.peak),
+                float(rss_peak_bytes()),
+            ],
+            dtype=torch.float64,
+        )
+        world = self.env.world_size
+        rows = [torch.zeros_like(mine) for _ in range(world)] if self.env.rank == 0 else None
+        if world > 1:
+            dist.gather(mine, rows, dst=0)
+        else:
+            rows = [mine]
+        if self.env.rank != 0:
+            return {}
+        table = torch.stack(rows)
+        step_time = float(table[:, 2].max())
+        plan, cfg = self.plan, self.cfg
+        peak_device = plan["device_peak_flops"]
+        samples = cfg.train.global_batch_size / step_time
+        tokens_per_sample = getattr(cfg.model, "seq_len", 0) if cfg.model.family in ("gpt", "ernie") else 0
+        metrics = {
+            "step": step,
+            "train/loss": float(table[:, 0].sum() / table[:, 1].sum()),
+            "train/lr": lr,
+            "train/grad_norm": norm,
+            "perf/step_time_s": step_time,
+            "perf/samples_per_s": samples,
+            "perf/tokens_per_s": samples * tokens_per_sample,
+            "perf/tflops_per_device": plan["flops_per_step"] / step_time / world / 1e12,
+            "perf/mfu": plan["flops_per_step"] / (step_time * world * peak_device),
+            "memory/peak_bytes_max": float(table[:, 3].max()),
+            "memory/peak_bytes_mean": float(table[:, 3].mean()),
+            "memory/rss_peak_bytes_max": float(table[:, 4].max()),
+            "memory/predicted_bytes": float(plan["memory_bytes"]["total"]),
+        }
+        if cfg.model.family not in ("gpt", "ernie"):
+            metrics.pop("perf/tokens_per_s")
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------
+    def fit(self) -> None:
+        steps = self.cfg.train.steps
+        while self.step < steps:
+            step = self.step + 1
+            metrics = self.train_step(step)
+            self.step = step
+            if self.env.rank == 0:
+                with self.metrics_path.open("a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+                if step % self.cfg.train.log_interval == 0 or step == steps:
+                    log.info(format_step(metrics, steps))
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A detached local scalar (a vocabulary-parallel loss is a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    loss = loss.detach()
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).float()
+
+
+def format_step(m: dict[str, float], steps: int) -> str:
+    """nanoGPT-style: the numbers a user wants, nothing else."""
+    rate = (
+        f"{m['perf/tokens_per_s']:,.0f} tok/s"
+        if "perf/tokens_per_s" in m
+        else f"{m['perf/samples_per_s']:,.1f} samples/s"
+    )
+    return (
+        f"step {m['step']}/{steps} | loss {m['train/loss']:.4f} | {m['perf/step_time_s'] * 1e3:.0f} ms | {rate}"
+        f" | mfu {m['perf/mfu']:.1%} | mem {m['memory/peak_bytes_max'] / 2**20:.1f} MiB"
+        f" (plan {m['memory/predicted_bytes'] / 2**20:.1f} MiB)"
+    )

@@ -1,0 +1,96 @@
+"""Entry point of one rank: `python -m fleetwise.runtime.worker RUN_DIR` (started by torchrun).
+
+A worker never runs Hydra: it reads the resolved, validated config the launcher wrote to
+RUN_DIR/config.yaml, so every rank sees exactly the same config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from fleetwise.config.run import RunConfig
+
+log = logging.getLogger("fleetwise")
+
+
+def load_run(run_dir: Path) -> tuple[RunConfig, dict]:
+    cfg = RunConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    plan = json.loads((run_dir / "plan.json").read_text())
+    return cfg, plan
+
+
+def redirect_output(log_file: Path) -> None:
+    """Send this process's stdout/stderr (C++ and Python alike) to its own log file, appended so a
+    restarted worker keeps the history of its earlier attempts."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s rank%(rank)s %(message)s", force=True, stream=sys.stderr
+    )
+    rank = os.environ.get("RANK", "0")
+    old = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = old(*args, **kwargs)
+        record.rank = rank
+        return record
+
+    logging.setLogRecordFactory(factory)
+    # DTensor warns on every gradient-norm reduction over two mesh dims (2 small all-reduces instead
+    # of 1); it is expected here and would drown the training log.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    run_dir = Path((argv or sys.argv[1:])[0]).resolve()
+    rank = int(os.environ.get("RANK", "0"))
+    redirect_output(run_dir / "logs" / f"rank_{rank}.log")
+    cfg, plan = load_run(run_dir)
+    if cfg.strategy.name == "ps":
+        from fleetwise.runtime.ps import run as run_ps
+
+        run_ps(cfg, run_dir)
+        return 0
+
+    import torch.distributed as dist
+
+    from fleetwise.runtime import checkpoint
+    from fleetwise.runtime.mesh import init_distributed
+    from fleetwise.runtime.trainer import Trainer
+
+    env = init_distributed(cfg)
+    log.info("rank %d/%d on %s, attempt %d", env.rank, env.world_size, env.device, env.restart)
+    trainer = Trainer(cfg, plan, env, run_dir)
+    trainer.fit()
+    if cfg.checkpoint.enabled:
+        checkpoint.save(
+            run_dir,
+            trainer.step,
+            trainer.model.parts,
+            keep=cfg.checkpoint.keep,
+            meta={"mesh": trainer.layout.as_dict()},
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    log.info("done")
+    return 0
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # @record writes the exception to torchrun's error file, so the launcher can name the root cause
+    sys.exit(record(main)())

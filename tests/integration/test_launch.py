@@ -1,0 +1,118 @@
+"""`fleetwise train` as a launcher: refuses bad configs before starting anything, reports crashed
+ranks without leaving processes behind, spans two "nodes" on loopback, runs Hydra sweeps."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+TINY = ("recipe=gpt/tiny", "train.steps=3", "tracking.enabled=false")
+
+
+def leftover_processes(marker: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def test_bad_config_exits_2_and_starts_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    t = time.perf_counter()
+    r = run_cli("train", *TINY, "strategy.dp_degree=3", f"run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "dp_degree(3)" in r.stderr and "Traceback" not in r.stderr
+    assert not run_dir.exists() and not (tmp_path / "outputs").exists()
+    assert time.perf_counter() - t < 10  # validation only: no torch, no torchrun
+
+
+def test_gpu_profile_without_gpu_fails_fast(tmp_path):
+    r = run_cli("train", "recipe=gpt/tiny", "hardware=a100", f"run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "CUDA devices" in r.stderr and "hardware=cpu" in r.stderr
+    assert not (tmp_path / "run").exists()
+    assert run_cli("plan", "recipe=gpt/tiny", "hardware=a100").returncode == 0  # planning still works
+
+
+@pytest.mark.parametrize("mode,expect", [("raise", "injected fault on rank 1 at step 2"), ("exit", "exit code 13")])
+def test_failing_rank_fails_the_job_with_its_error_and_no_orphans(tmp_path, mode, expect):
+    run_dir = tmp_path / f"run_{mode}"
+    r = run_cli("train", *TINY, "hardware.devices_per_node=2", "fault.kill_rank=1", "fault.at_step=2",
+                f"fault.mode={mode}", f"run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode != 0
+    assert "training failed" in r.stderr and "rank 1" in r.stderr and expect in r.stderr, r.stderr
+    assert len(read_metrics(run_dir)) == 1  # step 1 finished before the fault
+    assert (run_dir / "logs" / "rank_1.log").exists()
+    time.sleep(1)
+    assert leftover_processes(str(run_dir)) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_match_one_node(tmp_path):
+    single = tmp_path / "single"
+    r = run_cli("train", *TINY, "hardware.devices_per_node=4", f"run.dir={single}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    multi = tmp_path / "multi"
+    port = _free_port()
+    exe = Path(sys.executable).parent / "fleetwise"
+    nodes = [
+        subprocess.Popen([str(exe), "train", *TINY, "hardware.nodes=2", "hardware.devices_per_node=2",
+                          f"launch.node_rank={rank}", f"launch.rdzv_endpoint=127.0.0.1:{port}", f"run.dir={multi}"],
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert sorted(f.name for f in (multi / "logs").glob("rank_*.log")) == [f"rank_{i}.log" for i in range(4)]
+    a, b = read_metrics(single), read_metrics(multi)
+    assert [m["train/loss"] for m in a] == pytest.approx([m["train/loss"] for m in b], abs=2e-6)
+
+
+def test_multirun_sweep_runs_every_point(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_cli("train", "-m", *TINY, "strategy=dp,sharding", "hardware.devices_per_node=2", f"run.dir={sweep}",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    for job, name in [("0", "dp"), ("1", "sharding")]:
+        assert len(read_metrics(sweep / job)) == 3
+        assert f"name: {name}" in (sweep / job / "config.yaml").read_text()
+
+
+def test_invalid_sweep_point_exits_2_before_any_job(tmp_path):
+    r = run_cli("train", "-m", *TINY, "strategy.dp_degree=8,3", f"run.dir={tmp_path / 's'}", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "strategy.dp_degree=3" in r.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_submitit_local_launcher_runs_the_job(tmp_path):
+    sweep = tmp_path / "sub"
+    r = run_cli("train", "-m", "hydra/launcher=submitit_local", *TINY, "hardware.devices_per_node=2",
+                f"run.dir={sweep}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert len(read_metrics(sweep / "0")) == 3
+
+
+def test_cluster_launch_spans_the_slurm_allocation():
+    from fleetwise.config.validate import load_config
+    from fleetwise.runtime.train_command import cluster_launch
+
+    cfg = load_config(["recipe=gpt/tiny", "hardware.nodes=2", "hardware.devices_per_node=2"])
+    env = SimpleNamespace(num_nodes=2, node=1, hostnames=["gpu-a", "gpu-b"], job_id="42")
+    out = cluster_launch(cfg, env)
+    assert (out.launch.nnodes, out.launch.node_rank, out.launch.rdzv_endpoint) == ("2", 1, "gpu-a:29500")
+    assert cluster_launch(cfg, None) is cfg
+    assert os.environ.get("SLURM_JOB_ID") is None or True
