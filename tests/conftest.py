@@ -41,7 +41,9 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict
 
     exe = Path(sys.executable).parent / "fleetwise"
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=full_env)
+    return subprocess.run(
+        [str(exe), *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=full_env
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -42,11 +42,21 @@ def test_gpu_profile_without_gpu_fails_fast(tmp_path):
     assert run_cli("plan", "recipe=gpt/tiny", "hardware=a100").returncode == 0  # planning still works
 
 
-@pytest.mark.parametrize("mode,expect", [("raise", "injected fault on rank 1 at step 2"), ("exit", "exit code 13")])
+@pytest.mark.parametrize(
+    "mode,expect", [("raise", "injected fault on rank 1 at step 2"), ("exit", "exit code 13")]
+)
 def test_failing_rank_fails_the_job_with_its_error_and_no_orphans(tmp_path, mode, expect):
     run_dir = tmp_path / f"run_{mode}"
-    r = run_cli("train", *TINY, "hardware.devices_per_node=2", "fault.kill_rank=1", "fault.at_step=2",
-                f"fault.mode={mode}", f"run.dir={run_dir}", cwd=tmp_path)
+    r = run_cli(
+        "train",
+        *TINY,
+        "hardware.devices_per_node=2",
+        "fault.kill_rank=1",
+        "fault.at_step=2",
+        f"fault.mode={mode}",
+        f"run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert r.returncode != 0
     assert "training failed" in r.stderr and "rank 1" in r.stderr and expect in r.stderr, r.stderr
     assert len(read_metrics(run_dir)) == 1  # step 1 finished before the fault
@@ -69,9 +79,22 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
     port = _free_port()
     exe = Path(sys.executable).parent / "fleetwise"
     nodes = [
-        subprocess.Popen([str(exe), "train", *TINY, "hardware.nodes=2", "hardware.devices_per_node=2",
-                          f"launch.node_rank={rank}", f"launch.rdzv_endpoint=127.0.0.1:{port}", f"run.dir={multi}"],
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [
+                str(exe),
+                "train",
+                *TINY,
+                "hardware.nodes=2",
+                "hardware.devices_per_node=2",
+                f"launch.node_rank={rank}",
+                f"launch.rdzv_endpoint=127.0.0.1:{port}",
+                f"run.dir={multi}",
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     outs = [p.communicate(timeout=300) for p in nodes]
@@ -83,8 +106,15 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
 
 def test_multirun_sweep_runs_every_point(tmp_path):
     sweep = tmp_path / "sweep"
-    r = run_cli("train", "-m", *TINY, "strategy=dp,sharding", "hardware.devices_per_node=2", f"run.dir={sweep}",
-                cwd=tmp_path)
+    r = run_cli(
+        "train",
+        "-m",
+        *TINY,
+        "strategy=dp,sharding",
+        "hardware.devices_per_node=2",
+        f"run.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     for job, name in [("0", "dp"), ("1", "sharding")]:
         assert len(read_metrics(sweep / job)) == 3
@@ -100,8 +130,15 @@ def test_invalid_sweep_point_exits_2_before_any_job(tmp_path):
 
 def test_submitit_local_launcher_runs_the_job(tmp_path):
     sweep = tmp_path / "sub"
-    r = run_cli("train", "-m", "hydra/launcher=submitit_local", *TINY, "hardware.devices_per_node=2",
-                f"run.dir={sweep}", cwd=tmp_path)
+    r = run_cli(
+        "train",
+        "-m",
+        "hydra/launcher=submitit_local",
+        *TINY,
+        "hardware.devices_per_node=2",
+        f"run.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert len(read_metrics(sweep / "0")) == 3
 

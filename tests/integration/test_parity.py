@@ -16,8 +16,14 @@ from conftest import final_params, read_metrics, run_cli
 pytestmark = pytest.mark.slow
 
 STEPS = 3
-SGD = ("optim=sgd", "optim.lr=0.3", "optim.momentum=0.9", "optim.grad_clip=0.5", "optim.weight_decay=0.01",
-       "optim.warmup_steps=1")
+SGD = (
+    "optim=sgd",
+    "optim.lr=0.3",
+    "optim.momentum=0.9",
+    "optim.grad_clip=0.5",
+    "optim.weight_decay=0.01",
+    "optim.warmup_steps=1",
+)
 # Tolerances observed on this machine (see the closing note of the runtime issue).
 SGD_TOL = {"loss": 2e-6, "param": 2e-6}
 ADAMW_TOL = {"loss": 1e-5, "param": 2e-5}
@@ -29,8 +35,14 @@ RESNET_TOL = {"loss": 1e-6, "param": 1e-4}
 def run(tmp_path, name, *overrides, procs: int):
     run_dir = tmp_path / name
     args = (*overrides, f"hardware.devices_per_node={procs}", f"train.steps={STEPS}")
-    r = run_cli("train", *args, "checkpoint.enabled=true", "tracking.enabled=false", f"run.dir={run_dir}",
-                cwd=tmp_path)
+    r = run_cli(
+        "train",
+        *args,
+        "checkpoint.enabled=true",
+        "tracking.enabled=false",
+        f"run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return [m["train/loss"] for m in read_metrics(run_dir)], final_params(run_dir), args
 
@@ -46,10 +58,15 @@ def assert_same(ref, got, tol):
     ref_loss, ref_params, args = ref
     loss, params, _ = got
     assert len(loss) == STEPS
-    assert torch.allclose(torch.tensor(loss), torch.tensor(ref_loss), rtol=0, atol=tol["loss"]), (loss, ref_loss)
+    assert torch.allclose(torch.tensor(loss), torch.tensor(ref_loss), rtol=0, atol=tol["loss"]), (
+        loss,
+        ref_loss,
+    )
     assert set(params) == set(ref_params)
     worst = max((params[k] - ref_params[k]).abs().max().item() for k in ref_params)
-    print(f"max |loss diff| {max(abs(a - b) for a, b in zip(loss, ref_loss, strict=True)):.2e}, max |param diff| {worst:.2e}")
+    print(
+        f"max |loss diff| {max(abs(a - b) for a, b in zip(loss, ref_loss, strict=True)):.2e}, max |param diff| {worst:.2e}"
+    )
     assert worst <= tol["param"], f"max parameter difference {worst:.3e}"
     # the comparison means something: training moved the parameters far beyond the tolerance
     init = initial_params(args)
@@ -68,21 +85,50 @@ GPT_LAYOUTS = {
     "dp2_ddp": (("strategy=dp",), 2),
     "sharding2_stage1_zero": (("strategy=sharding", "strategy.sharding_stage=1"), 2),
     "sharding2_stage2": (("strategy=sharding", "strategy.sharding_stage=2"), 2),
-    "sharding2_stage3_recompute_full": (("strategy=sharding", "strategy.sharding_stage=3",
-                                         "strategy.recompute=full", "strategy.offload=true"), 2),
-    "mp2_sequence_parallel_selective": (("strategy=mp", "strategy.mp_degree=2", "strategy.sequence_parallel=true",
-                                         "strategy.recompute=selective"), 2),
+    "sharding2_stage3_recompute_full": (
+        (
+            "strategy=sharding",
+            "strategy.sharding_stage=3",
+            "strategy.recompute=full",
+            "strategy.offload=true",
+        ),
+        2,
+    ),
+    "mp2_sequence_parallel_selective": (
+        (
+            "strategy=mp",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "strategy.recompute=selective",
+        ),
+        2,
+    ),
     "pp2_1F1B": (("strategy=pp", "strategy.schedule=1F1B"), 2),
     "pp2_GPipe": (("strategy=pp", "strategy.schedule=GPipe"), 2),
-    "pp2_interleaved_1F1B": (("strategy=pp", "strategy.schedule=interleaved_1F1B", "strategy.virtual_stages=2"), 2),
+    "pp2_interleaved_1F1B": (
+        ("strategy=pp", "strategy.schedule=interleaved_1F1B", "strategy.virtual_stages=2"),
+        2,
+    ),
     "pp2_looped_BFS": (("strategy=pp", "strategy.schedule=looped_BFS", "strategy.virtual_stages=2"), 2),
-    "pp2_interleaved_zero_bubble": (("strategy=pp", "strategy.schedule=interleaved_zero_bubble",
-                                     "strategy.virtual_stages=2"), 2),
+    "pp2_interleaved_zero_bubble": (
+        ("strategy=pp", "strategy.schedule=interleaved_zero_bubble", "strategy.virtual_stages=2"),
+        2,
+    ),
     "pp2_ZBV": (("strategy=pp", "strategy.schedule=ZBV_zero_bubble", "strategy.virtual_stages=2"), 2),
-    "pp2_dp2_layer_split": (("strategy=pp", "strategy.pp_degree=2", "strategy.dp_degree=2",
-                             "strategy.layer_split=[3,1]"), 4),
-    "hybrid_pp2_sh2_mp2": (("strategy=hybrid", "strategy.pp_degree=2", "strategy.sharding_degree=2",
-                            "strategy.sharding_stage=2", "strategy.mp_degree=2"), 8),
+    "pp2_dp2_layer_split": (
+        ("strategy=pp", "strategy.pp_degree=2", "strategy.dp_degree=2", "strategy.layer_split=[3,1]"),
+        4,
+    ),
+    "hybrid_pp2_sh2_mp2": (
+        (
+            "strategy=hybrid",
+            "strategy.pp_degree=2",
+            "strategy.sharding_degree=2",
+            "strategy.sharding_stage=2",
+            "strategy.mp_degree=2",
+        ),
+        8,
+    ),
 }
 
 
@@ -95,15 +141,31 @@ def test_gpt_layout_equals_single_process(tmp_path, gpt_ref, name):
 
 def test_hybrid_adamw_equals_single_process_within_tolerance(tmp_path):
     ref = run(tmp_path, "ref", "recipe=gpt/tiny", "strategy=dp", procs=1)
-    got = run(tmp_path, "hybrid", "recipe=gpt/tiny", "strategy=hybrid", "strategy.pp_degree=2",
-              "strategy.mp_degree=2", "strategy.dp_degree=2", procs=8)
+    got = run(
+        tmp_path,
+        "hybrid",
+        "recipe=gpt/tiny",
+        "strategy=hybrid",
+        "strategy.pp_degree=2",
+        "strategy.mp_degree=2",
+        "strategy.dp_degree=2",
+        procs=8,
+    )
     assert_same(ref, got, ADAMW_TOL)
 
 
 def test_ernie_tensor_and_data_parallel_equal_single_process(tmp_path):
     ref = run(tmp_path, "ref", "recipe=ernie/tiny", "strategy=dp", *SGD, procs=1)
-    got = run(tmp_path, "mp2dp2", "recipe=ernie/tiny", "strategy=mp", "strategy.mp_degree=2", "strategy.dp_degree=2",
-              *SGD, procs=4)
+    got = run(
+        tmp_path,
+        "mp2dp2",
+        "recipe=ernie/tiny",
+        "strategy=mp",
+        "strategy.mp_degree=2",
+        "strategy.dp_degree=2",
+        *SGD,
+        procs=4,
+    )
     assert_same(ref, got, SGD_TOL)
 
 
@@ -115,6 +177,7 @@ RESNET = ("optim.lr=0.05", "model.image_size=64", "train.micro_batch_size=8", "t
 
 def test_resnet_data_and_pipeline_parallel_equal_single_process(tmp_path):
     ref = run(tmp_path, "ref", "recipe=resnet/tiny", "strategy=dp", *RESNET, procs=1)
+
     def weights(params):
         return {k: v for k, v in params.items() if "running_" not in k and "num_batches" not in k}
 
@@ -125,8 +188,24 @@ def test_resnet_data_and_pipeline_parallel_equal_single_process(tmp_path):
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     """accumulate_steps=4 of micro-batches of 2 equals one step on micro-batches of 8 (one process)."""
-    acc = run(tmp_path, "acc", "recipe=gpt/tiny", "strategy=dp", *SGD, "train.global_batch_size=8",
-              "train.micro_batch_size=2", procs=1)
-    big = run(tmp_path, "big", "recipe=gpt/tiny", "strategy=dp", *SGD, "train.global_batch_size=8",
-              "train.micro_batch_size=8", procs=1)
+    acc = run(
+        tmp_path,
+        "acc",
+        "recipe=gpt/tiny",
+        "strategy=dp",
+        *SGD,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=2",
+        procs=1,
+    )
+    big = run(
+        tmp_path,
+        "big",
+        "recipe=gpt/tiny",
+        "strategy=dp",
+        *SGD,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        procs=1,
+    )
     assert_same(big, acc, {"loss": 2e-6, "param": 2e-6})

@@ -4,7 +4,8 @@ Four launches, assertions grouped per launch (each ~10-20 s on 2 cores):
 - sync, round_robin, sliced, one non-distributed table, trainer 1 slowed: equals single-process
   training; only touched rows change; rows and blocks sit where the dispatch rule says; server
   memory equals the plan; metrics, logs, loopback sockets, no orphans.
-- sync, hash_name, AdamW with clipping, sparse SGD, Wide&Deep: equals single-process training.
+- `fleetwise train`, sync, hash_name, AdamW with clipping, sparse SGD, Wide&Deep: equals
+  single-process training; the launcher's summary reads the metrics.
 - async with trainer 1 slowed: the loss falls and the job outpaces the sync launch above.
 - sync with trainer 1 killed mid-push: the servers keep the last complete step, nothing partial.
 """
@@ -12,6 +13,7 @@ Four launches, assertions grouped per launch (each ~10-20 s on 2 cores):
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -165,9 +167,10 @@ def test_sync_round_robin_sliced_equals_single_process_and_rows_follow_the_rules
     assert not [p for p in pids if psutil.pid_exists(p)]  # every rank has exited
 
 
-def test_sync_hash_name_adamw_clipped_equals_single_process(tmp_path):
-    run = launch(
-        tmp_path / "hash",
+def test_fleetwise_train_sync_hash_name_adamw_clipped_equals_single_process(tmp_path, fleetwise_bin):
+    # through the real command: `fleetwise train` launches the ranks and calls runtime.ps.run
+    overrides = [
+        "recipe=ctr/tiny",
         "train.steps=8",
         "strategy.dispatch=hash_name",
         "strategy.slice_min_elements=64",
@@ -175,8 +178,23 @@ def test_sync_hash_name_adamw_clipped_equals_single_process(tmp_path):
         "optim=adamw",
         "optim.grad_clip=0.1",
         "model.kind=wide_deep",
+        "checkpoint.enabled=true",
+        "tracking.enabled=false",
+    ]
+    run_dir = tmp_path / "hash"
+    p = subprocess.Popen(
+        [fleetwise_bin, "train", *overrides, f"run.dir={run_dir}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
+    out, _ = p.communicate(timeout=180)
+    assert not session_processes(p.pid), "orphan processes after the run"
+    cfg, _ = compose(*overrides)
+    run = Launch(cfg, LocalRun(run_dir, p.returncode, out, 0.0, p.pid))
     assert run.returncode == 0, run.logs()
+    assert "final loss" in out  # the launcher's summary read our metrics
     assert max(m["train/grad_norm"] for m in run.metrics) > 0.1  # clipping acted
     assert run.metrics[0]["train/lr"] < run.metrics[1]["train/lr"]  # warm-up, then cosine
     assert_equals_single_process(run, 8, atol=2e-6)
@@ -185,6 +203,9 @@ def test_sync_hash_name_adamw_clipped_equals_single_process(tmp_path):
     for sh in shards:
         assert sorted(sh["blocks"]) == sorted(b.key for b in place.blocks_on(sh["server"]))
     assert run.summary["server_bytes"] == make_plan(run.cfg).ps["server_bytes_per_server"]
+    m = run.metrics[-1]
+    assert m["memory/predicted_bytes"] == make_plan(run.cfg).memory_bytes["total"]
+    assert m["memory/server_bytes_max"] <= m["memory/peak_bytes_max"] < 1.5 * m["memory/predicted_bytes"]
 
 
 def test_async_trains_and_outpaces_sync_when_a_trainer_is_slow(tmp_path, sync_slowed):

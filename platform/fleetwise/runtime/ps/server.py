@@ -60,6 +60,7 @@ class _Step:
     waiters: list[tuple[int, Future]] = field(default_factory=list)
     dense: dict[str, torch.Tensor] | None = None  # averaged over trainers
     sparse: dict[str, torch.Tensor] | None = None  # coalesced sparse COO, averaged
+    held: int = 0  # bytes of gradients this step holds on the server
 
 
 class ParameterServer:
@@ -99,6 +100,9 @@ class ParameterServer:
         self.done = threading.Event()
         self.last_activity = time.monotonic()
         self.init_rpc_s = 0.0
+        # gradient bytes held between push and apply (sync: every trainer's, then their average)
+        self.transient = 0
+        self.transient_peak = 0
 
     # ------------------------------------------------------------------ helpers
 
@@ -116,6 +120,14 @@ class ParameterServer:
                         if torch.is_tensor(v) and v.shape == p.shape:
                             total += v.numel() * v.element_size()
         return total
+
+    def _hold(self, nbytes: int) -> None:
+        self.transient += nbytes
+        self.transient_peak = max(self.transient_peak, self.transient)
+
+    def peak_tensor_bytes(self) -> int:
+        """Peak live tensor bytes: the state plus the most gradient bytes held at once."""
+        return self.state_bytes() + self.transient_peak
 
     def _min_clock(self) -> float:
         return min(self.clock) if self.clock else math.inf
@@ -229,12 +241,16 @@ class ParameterServer:
                 raise RuntimeError(f"trainer {trainer} pushed step {step} twice")
             st.pushes[trainer] = (dense, sparse, time.perf_counter())
             st.waiters.append((trainer, fut))
+            self._hold(_nbytes(grads) + _nbytes(ids))
+            st.held += _nbytes(grads) + _nbytes(ids)
             if len(st.pushes) == self.n_trainers:
                 sqnorm = self._aggregate(st)
                 now = time.perf_counter()
                 for t, f in st.waiters:
                     ready.append((f, {"sqnorm": sqnorm, "wait_s": now - st.pushes[t][2]}))
                 st.pushes.clear()  # the averaged gradient is kept; per-trainer copies are not
+                self.transient -= st.held
+                st.held = _nbytes(st.dense) + _nbytes(list(st.sparse.values()))
         for f, v in ready:
             f.set_result(v)
         return fut
@@ -257,6 +273,7 @@ class ParameterServer:
                 rows = torch.cat([r for _, r in parts])
                 sparse[name] = self._sparse_coo(name, ids, rows) / self.n_trainers  # sum, then average
         st.dense, st.sparse = dense, sparse
+        self._hold(_nbytes(dense) + _nbytes(list(sparse.values())))
         sq = sum(float(g.double().pow(2).sum()) for g in dense.values())
         sq += sum(float(g.values().double().pow(2).sum()) for g in sparse.values())
         return sq
@@ -277,6 +294,7 @@ class ParameterServer:
                 if st is None or st.dense is None:
                     raise RuntimeError(f"commit of step {step} before every trainer staged it")
                 del self.steps[step]
+                self.transient -= st.held
                 self._apply(
                     st.dense, st.sparse or {}, lr_at(self.cfg.optim, step, self.cfg.train.steps), scale
                 )
@@ -285,7 +303,11 @@ class ParameterServer:
                 raise RuntimeError(
                     f"commit of step {step} but server {self.index} has applied {self.applied}"
                 )
-            reply: dict[str, Any] = {"server_bytes": self.state_bytes(), "peak_rss": peak_rss_bytes()}
+            reply: dict[str, Any] = {
+                "server_bytes": self.state_bytes(),
+                "peak_tensor_bytes": self.peak_tensor_bytes(),
+                "peak_rss": peak_rss_bytes(),
+            }
             if by_table is not None:
                 reply["values"] = self._read(None, by_table, 0.0)["values"]
             return reply
@@ -295,15 +317,19 @@ class ParameterServer:
     ) -> Future:
         fut: Future = Future()
         coo = {n: self._sparse_coo(n, i, r) for n, (i, r) in sparse.items()}
+        held = _nbytes(dense) + _nbytes([r for _, r in sparse.values()]) + _nbytes(list(coo.values()))
         released: list[tuple[Future, Any]] = []
         with self.lock:
+            self._hold(held)
             staleness = self.applied - self.pulled_at.get(trainer, self.applied)
             self._apply(dense, coo, lr_at(self.cfg.optim, step, self.cfg.train.steps), 1.0)
             self.applied += 1
             self.clock[trainer] = step + 1
             released = self._release_gated()
+            self.transient -= held
             value = {
                 "server_bytes": self.state_bytes(),
+                "peak_tensor_bytes": self.peak_tensor_bytes(),
                 "peak_rss": peak_rss_bytes(),
                 "staleness": staleness,
                 "wait_s": 0.0,
@@ -381,6 +407,19 @@ class ParameterServer:
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)  # readers see the old file or the new one, never a partial one
+
+
+def _nbytes(tensors: Any) -> int:
+    """Bytes of the tensors in a tensor, dict or list of them."""
+    if torch.is_tensor(tensors):
+        if tensors.is_sparse:
+            return _nbytes([tensors.indices(), tensors.values()])
+        return tensors.numel() * tensors.element_size()
+    if isinstance(tensors, dict):
+        return sum(_nbytes(v) for v in tensors.values())
+    if isinstance(tensors, list | tuple):
+        return sum(_nbytes(v) for v in tensors)
+    return 0
 
 
 # ---------------------------------------------------------------------- RPC entry points

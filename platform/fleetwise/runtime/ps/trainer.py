@@ -22,8 +22,10 @@ writes a metrics.jsonl line for step k once all trainers' records of step k are 
 - ps/pull_latency_s: the round trip that brought the step's values (sync: the previous commit,
   apply included); ps/push_latency_s: the gradient round trip without ps/wait_s (time held at the
   sync barrier or by max_staleness);
-- memory/server_bytes_max: parameters + optimizer state of the fullest server shard;
-  memory/peak_bytes_max/_mean: peak RSS over all processes (trainers and servers);
+- memory/server_bytes_max: parameters + optimizer state of the fullest server shard (the plan's
+  server_bytes); memory/peak_bytes_max/_mean: peak live tensor bytes over all processes (a
+  server: its state plus the most gradient bytes it held; a trainer: counted on its first two
+  steps); memory/rss_peak_bytes_max: peak RSS of any process; memory/predicted_bytes: the plan's;
 - perf/tflops_per_device, perf/mfu: the planner's model FLOPs per step over the step time, per
   trainer (servers do no model FLOPs).
 
@@ -56,6 +58,7 @@ from fleetwise.data.ctr import SyntheticClicks, rank_micro_batches
 from fleetwise.models.ctr import CTRNet, ctr_loss
 from fleetwise.plan.planner import make_plan
 from fleetwise.plan.ps import placement
+from fleetwise.runtime.memory import LiveTensorBytes
 from fleetwise.runtime.ps import server as srv
 from fleetwise.runtime.ps.optim import clip_coefficient, lr_at
 from fleetwise.runtime.ps.roles import Role, init_rpc, log, peak_rss_bytes, server_name, trainer_name
@@ -71,16 +74,6 @@ def slow_seconds(trainer: int) -> float:
         if int(t) == trainer:
             return float(sec)
     return 0.0
-
-
-def _nbytes(tensors: Any) -> int:
-    if torch.is_tensor(tensors):
-        return tensors.numel() * tensors.element_size()
-    if isinstance(tensors, dict):
-        return sum(_nbytes(v) for v in tensors.values())
-    if isinstance(tensors, list | tuple):
-        return sum(_nbytes(v) for v in tensors)
-    return 0
 
 
 Call = Callable[[int, str, tuple], Any]  # (server index, "pull"|"push"|"commit", args) -> has .wait()
@@ -116,6 +109,7 @@ class Trainer:
         self.call = call
         self.layouts = [ShardLayout.of(self.place, s) for s in range(self.s.num_servers)]
         self.dense_numel = sum(b.numel for b in self.place.dense)
+        self.tensor_peak = 0
         self._next: _Prepared | None = None  # step k+1, prepared for the prefetch
         self._values: tuple[list[torch.Tensor], float, float] | None = None  # (values, pull_s, wait_s)
 
@@ -148,6 +142,19 @@ class Trainer:
         return _Prepared(k, batches, uniq, inverse, owner, requests)
 
     def step(self, k: int) -> dict[str, Any]:
+        """One optimizer step; the first two also count this trainer's live tensor bytes (the
+        second is the first with the values of a full step in flight: the steady peak)."""
+        if k >= 2:
+            rec = self._step(k)
+        else:
+            tracker = LiveTensorBytes(list(self.params.values()))
+            with tracker:
+                rec = self._step(k)
+            self.tensor_peak = max(self.tensor_peak, tracker.peak)
+        rec["peak_tensor"] = [self.tensor_peak, *rec["peak_tensor"]]
+        return rec
+
+    def _step(self, k: int) -> dict[str, Any]:
         cfg, S = self.cfg, self.s.num_servers
         t_start = time.perf_counter()
         prep = self._next if self._next is not None and self._next.k == k else self.prepare(k)
@@ -236,13 +243,14 @@ class Trainer:
             "dense_bytes_pulled": 4 * self.dense_numel,
             "sparse_bytes_pulled": sparse_pulled,
             # gradients and their row ids, plus the ids of the prefetch request
-            "bytes_pushed": _nbytes(messages) + 8 * ids_sent,
+            "bytes_pushed": srv._nbytes(messages) + 8 * ids_sent,
             "sparse_rows_pulled": ids_sent,
             "grad_norm": grad_norm,
             "staleness": sum(a.get("staleness", 0) for a in acks) / len(acks),
             "server_bytes": [a["server_bytes"] for a in acks],
-            # peak RSS of this trainer and of each server (as of their last reply)
+            # peaks of this trainer and of each server (as of their last reply)
             "peak_rss": [peak_rss_bytes(), *(a["peak_rss"] for a in acks)],
+            "peak_tensor": [a["peak_tensor_bytes"] for a in acks],  # step() puts the trainer's first
         }
 
     def _assemble(self, prep: _Prepared, values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -318,7 +326,9 @@ class MetricsSink:
         self.path.write_text("")
         self.lines: list[dict[str, Any]] = []
         # MFU as the planner defines it: model FLOPs of a step over trainers × peak
-        self.flops_per_step = make_plan(cfg).flops_per_step
+        plan = make_plan(cfg)
+        self.flops_per_step = plan.flops_per_step
+        self.predicted_bytes = plan.memory_bytes["total"]  # the worst process: fullest server or a trainer
         self.peak_flops = cfg.hardware.peak_flops(cfg.train.precision)
 
     def add(self, rec: dict[str, Any]) -> None:
@@ -362,9 +372,13 @@ class MetricsSink:
 
         rates = [r["samples"] / r["step_time_s"] for r in recs]
         server_bytes = [b for r in recs for b in r["server_bytes"]]
+
         # one peak per process: each trainer's own, each server's latest
-        servers = [max(r["peak_rss"][1 + i] for r in recs) for i in range(len(recs[0]["peak_rss"]) - 1)]
-        peaks = [r["peak_rss"][0] for r in recs] + servers
+        def per_process(key: str) -> list[int]:
+            servers = [max(r[key][1 + i] for r in recs) for i in range(len(recs[0][key]) - 1)]
+            return [r[key][0] for r in recs] + servers
+
+        peaks, rss = per_process("peak_tensor"), per_process("peak_rss")
         step_time = max(r["step_time_s"] for r in recs)
         tflops = self.flops_per_step / step_time / len(recs) / 1e12  # model FLOPs per trainer
         return {
@@ -390,6 +404,8 @@ class MetricsSink:
             "memory/server_bytes_max": max(server_bytes),
             "memory/peak_bytes_max": max(peaks),
             "memory/peak_bytes_mean": sum(peaks) / len(peaks),
+            "memory/rss_peak_bytes_max": max(rss),
+            "memory/predicted_bytes": self.predicted_bytes,
         }
 
 
