@@ -56,9 +56,10 @@ def final_params(run_dir: Path) -> dict:
     """The model of the last checkpoint of a run, consolidated into one state dict."""
     import torch
 
-    from fleetwise.runtime.checkpoint import complete_checkpoints, export
+    from fleetwise.runtime.checkpoint import export
+    from fleetwise.runtime.checkpoint_files import complete_checkpoints
 
     last = complete_checkpoints(run_dir)[-1]
     out = run_dir / "final.pt"
     export(last, out)
-    return torch.load(out, weights_only=True)["model"]
+    return torch.load(out, weights_only=True)

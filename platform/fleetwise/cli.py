@@ -18,6 +18,7 @@ from rich.console import Console
 
 from fleetwise.config.problems import Problem, did_you_mean
 from fleetwise.plan.preflight import preflight
+from fleetwise.tracking import commands as tracking  # light: mlflow loads inside the commands
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 
@@ -143,7 +144,7 @@ def cmd_plan(argv: list[str]) -> int:
 
 def cmd_train(argv: list[str]) -> int:
     """Validate every sweep point (exit 2, nothing started), then run the job(s) through Hydra."""
-    from fleetwise.runtime import train_command as tc
+    from fleetwise import train as tc
 
     multirun = any(a in tc.MULTIRUN_FLAGS for a in argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -171,6 +172,9 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
     "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
     "train": (cmd_train, "run the job on torch.distributed (torchrun; -m for Hydra sweeps)"),
+    "ui": (tracking.cmd_ui, "browse tracked runs in the MLflow UI (127.0.0.1:5000 by default)"),
+    "compare": (tracking.cmd_compare, "table + PNG of runs: throughput, MFU, peak vs predicted memory"),
+    "sync": (tracking.cmd_sync, "deliver metrics that did not reach MLflow (server down during a run)"),
 }
 
 

@@ -73,6 +73,9 @@ class LaunchConfig(Section):
         None, description="Rendezvous id shared by all nodes of one job (default: run name)."
     )
     max_restarts: int = Field(0, ge=0, description="torchrun restarts of the whole group after a failure.")
+    rdzv_last_call_s: int = Field(
+        30, ge=1, description="Elastic jobs: after MIN nodes joined, wait this long for more before starting."
+    )
     collective_timeout_s: float = Field(
         300.0, gt=0, description="A collective that hangs longer fails the job."
     )
@@ -106,7 +109,9 @@ class FaultConfig(Section):
 
     kill_rank: int | None = Field(None, ge=0, description="Rank that fails (test hook).")
     at_step: int | None = Field(None, ge=1, description="Step at which it fails.")
-    mode: Literal["raise", "exit", "sigkill"] = Field("raise", description="How it fails.")
+    mode: Literal["raise", "exit", "sigkill", "hang", "nan"] = Field(
+        "raise", description="How it fails: exception, os._exit, SIGKILL, hang, or a NaN gradient."
+    )
     on_nonfinite: Literal["abort", "skip"] = Field(
         "abort", description="NaN/Inf loss or gradient: abort or skip the step."
     )

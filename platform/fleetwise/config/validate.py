@@ -743,6 +743,76 @@ def launch_topology(ctx: Context) -> Iterator[Problem]:
         )
 
 
+def node_range(nnodes: str) -> tuple[int, int]:
+    lo, _, hi = nnodes.partition(":")
+    return int(lo), int(hi or lo)
+
+
+@rule
+def elastic_nodes(ctx: Context) -> Iterator[Problem]:
+    """Elastic jobs (launch.nnodes=MIN:MAX) grow and shrink the data-parallel dimension: every node
+    count in the range must still give a valid layout and batch split."""
+    s, cfg = ctx.collective, ctx.cfg
+    if not _NNODES.match(cfg.launch.nnodes):
+        return
+    lo, hi = node_range(cfg.launch.nnodes)
+    if lo == hi:
+        return
+    if s is None:
+        yield Problem(
+            "launch.nnodes",
+            "elastic node counts are for collective strategies, not ps",
+            f"set launch.nnodes={hi}",
+        )
+        return
+    if ctx.layout is None or lo < 1 or lo > hi:
+        return
+    for n in range(lo, hi + 1):
+        try:
+            elastic_config(cfg, n * cfg.hardware.devices_per_node)
+        except ConfigError as err:
+            yield Problem(
+                "launch.nnodes",
+                f"with {n} node(s): {err.problems[0].msg}",
+                "choose degrees and a global batch that every node count in the range divides "
+                "(only dp_degree changes with the node count)",
+            )
+            return
+
+
+def elastic_config(cfg: RunConfig, world_size: int) -> RunConfig:
+    """The config for an elastic job that started with `world_size` ranks: data parallelism absorbs
+    the change (pp, sharding and mp stay as planned), accumulation is derived again."""
+    s = cfg.strategy
+    assert isinstance(s, CollectiveStrategy)
+    per_node = cfg.hardware.devices_per_node
+    if world_size % per_node:
+        raise ConfigError(
+            [
+                Problem(
+                    "hardware.devices_per_node",
+                    f"{world_size} ranks are not whole nodes of {per_node}",
+                    "start every node with the same devices_per_node",
+                )
+            ]
+        )
+    hardware = cfg.hardware.model_copy(update={"nodes": world_size // per_node})
+    strategy = s.model_copy(update={"dp_degree": "auto"})
+    train = cfg.train.model_copy(update={"accumulate_steps": None})
+    candidate = cfg.model_copy(
+        update={
+            "hardware": hardware,
+            "strategy": strategy,
+            "train": train,
+            "launch": cfg.launch.model_copy(update={"nnodes": str(hardware.nodes)}),
+        }
+    )
+    problems = [p for p in check(candidate) if p.loc != "launch.nnodes"]
+    if problems:
+        raise ConfigError(problems)
+    return resolve(candidate)
+
+
 @rule
 def fault_hooks(ctx: Context) -> Iterator[Problem]:
     f = ctx.cfg.fault

@@ -93,6 +93,7 @@ def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
             f"--node-rank={launch.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={host}:{port}",
+            f"--rdzv-conf=last_call_timeout={launch.rdzv_last_call_s}",
             f"--rdzv-id={rdzv_id}",
         ]
     cmd += [
@@ -126,8 +127,16 @@ class Follower:
 
 
 def launch_job(
-    cfg: RunConfig, plan: Plan, run_dir: Path, argv: list[str], console: Console, on_poll=None
+    cfg: RunConfig,
+    plan: Plan,
+    run_dir: Path,
+    argv: list[str],
+    console: Console,
+    on_started=None,
+    on_poll=None,
 ) -> JobResult:
+    """Start torchrun and follow it: rank 0's log to the console, metrics.jsonl into records;
+    `on_started` runs once the ranks are starting, `on_poll` on every turn of the loop."""
     write_run_dir(run_dir, cfg, plan, argv)
     cmd = torchrun_command(cfg, run_dir)
     env = dict(os.environ)
@@ -143,6 +152,8 @@ def launch_job(
             cmd, stdout=launcher_log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
+            if on_started is not None:
+                on_started()
             while True:
                 done = proc.poll() is not None
                 for line in rank0_log.lines():
@@ -162,7 +173,13 @@ def launch_job(
             if proc.poll() is None:
                 _stop(proc)
     error = None if proc.returncode == 0 else root_cause(run_dir, proc.returncode)
-    return JobResult(proc.returncode, run_dir, error, records)
+    return JobResult(proc.returncode, run_dir, error, latest_per_step(records))
+
+
+def latest_per_step(records: list[dict]) -> list[dict]:
+    """metrics.jsonl is append-only: steps re-run after a resume appear again; the last one counts."""
+    by_step = {r.get("step", i): r for i, r in enumerate(records)}
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -182,8 +199,13 @@ def root_cause(run_dir: Path, returncode: int) -> str:
     and its exception message (from the error file @record wrote), or its exit code / signal when
     it died without one (os._exit, SIGKILL, OOM killer)."""
     cause = _torchrun_root_cause(run_dir / "logs" / "launcher.log")
-    if cause is None:
-        return f"torchrun exited with code {returncode}; see {run_dir / 'logs'}"
+    if cause is None:  # torchrun itself failed (bad arguments, rendezvous): its last words
+        try:
+            lines = (run_dir / "logs" / "launcher.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        last = lines[-1].strip() if lines else ""
+        return f"torchrun exited with code {returncode}: {last} (see {run_dir / 'logs' / 'launcher.log'})"
     rank, code, error_file = cause
     message = _error_file_message(Path(error_file)) if error_file and error_file != "<N/A>" else None
     if message:

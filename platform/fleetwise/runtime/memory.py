@@ -67,7 +67,7 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def state_tensors(modules: list, optimizer) -> list[torch.Tensor]:
+def state_tensors(modules: list, optimizers: list) -> list[torch.Tensor]:
     """Tensors that outlive a step: parameters, buffers, gradients, optimizer state."""
     out: list[torch.Tensor] = []
     for m in modules:
@@ -76,9 +76,9 @@ def state_tensors(modules: list, optimizer) -> list[torch.Tensor]:
             if p.grad is not None:
                 out.append(p.grad)
         out.extend(m.buffers())
-    opt = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
-    for state in opt.state.values():
-        out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    for opt in optimizers:
+        for state in opt.state.values():
+            out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     return out
 
 
@@ -96,7 +96,7 @@ class TensorPeak:
         self.peak = 0  # running max over measured steps
 
     @contextlib.contextmanager
-    def measure(self, step: int, modules: list, optimizer) -> Iterator[None]:
+    def measure(self, step: int, modules: list, optimizers: list) -> Iterator[None]:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
@@ -105,7 +105,7 @@ class TensorPeak:
         if step not in self.sample_steps:
             yield
             return
-        tracker = LiveTensorBytes(state_tensors(modules, optimizer))
+        tracker = LiveTensorBytes(state_tensors(modules, optimizers))
         with tracker:
             yield
         self.peak = max(self.peak, tracker.peak)

@@ -38,12 +38,39 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
         dist.init_process_group(
             backend=cfg.hardware.backend,
-            timeout=timedelta(seconds=cfg.launch.collective_timeout_s),
+            store=attempt_store(rank, world, restart, timeout),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
     return DistEnv(rank, world, local, device, restart)
+
+
+def attempt_store(rank: int, world: int, restart: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store of this attempt, under a prefix of its own.
+
+    Why: torchrun's c10d rendezvous shares one TCPStore (hosted by the agent) across restarts,
+    and its workers connect to it without a per-attempt prefix. After a restart, the new ranks
+    therefore find the previous attempt's keys -- among them the listening addresses gloo
+    published for its full mesh. A new rank that reads a dead peer's stale address before the
+    peer's successor overwrote it fails with "Gloo connectFullMesh failed ... Connection
+    refused" (a race, hence the intermittent failures after a hard exit). A prefix per restart
+    count makes every attempt see only its own keys."""
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size=world,
+        is_master=(not agent_hosts and rank == 0),
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore(f"fleetwise/attempt_{restart}", store)
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:

@@ -61,6 +61,55 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, train:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done, optim, train))
 
 
+class Optimizers:
+    """One optimizer and LR scheduler per model part (pipeline chunk), stepped together -- as
+    torchtitan does: torch.distributed.checkpoint's optimizer state dicts are per module and keyed
+    by parameter name, so each part saves and loads its own share and a checkpoint reshards across
+    pipeline layouts."""
+
+    def __init__(self, parts: list[nn.Module], optim: OptimConfig, train: TrainConfig, *, zero_group=None):
+        self.parts = parts
+        self.optimizers = [
+            build_optimizer([p for p in part.parameters() if p.requires_grad], optim, zero_group=zero_group)
+            for part in parts
+        ]
+        self.schedulers = [build_scheduler(o, optim, train) for o in self.optimizers]
+        self.zero = zero_group is not None
+
+    @property
+    def lr(self) -> float:
+        return self.optimizers[0].param_groups[0]["lr"]
+
+    def step(self, scaler=None) -> None:
+        for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
+            if scaler is not None:
+                scaler.step(opt)
+            else:
+                opt.step()
+            sched.step()
+
+    def skip(self) -> None:
+        """A skipped step still advances the schedule (the step number is what it follows)."""
+        for sched in self.schedulers:
+            sched.step()
+
+    def restore_schedule(self, done: int) -> None:
+        """Put the LR schedules where they were after `done` steps (resume from a checkpoint)."""
+        for opt, sched in zip(self.optimizers, self.schedulers, strict=True):
+            sched.last_epoch = done
+            for group, base in zip(opt.param_groups, sched.base_lrs, strict=True):
+                group["lr"] = base * sched.lr_lambdas[0](done)
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def local(self) -> list[torch.optim.Optimizer]:
+        """The optimizers that hold state on this rank (ZeRO wraps a local one)."""
+        return [getattr(o, "optim", o) for o in self.optimizers]
+
+
 def grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
     """Global L2 norm of all gradients of the job.
 

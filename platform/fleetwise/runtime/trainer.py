@@ -21,7 +21,7 @@ from fleetwise.runtime.faults import inject_fault
 from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv, build_mesh
 from fleetwise.runtime.modeling import build_source
-from fleetwise.runtime.optim import build_optimizer, build_scheduler, clip_, grad_norm
+from fleetwise.runtime.optim import Optimizers, clip_, grad_norm
 from fleetwise.runtime.parallelize import DTYPES, ParallelModel, flat_group, parallelize
 
 log = logging.getLogger("fleetwise")
@@ -37,8 +37,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.params = params
         zero = flat_group(self.mesh, ("sharding",)) if self.model.engine == "zero1" else None
-        self.optimizer = build_optimizer(params, cfg.optim, zero_group=zero)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train)
+        self.optimizers = Optimizers(self.model.parts, cfg.optim, cfg.train, zero_group=zero)
         self.pp_group = self.mesh["pp"].get_group() if layout.pp > 1 else None
         dp_rank = self.coords["dp"] * layout.sharding + self.coords["sharding"]
         self.data = StepBatches(
@@ -50,6 +49,10 @@ class Trainer:
             layout.data_parallel_size,
         )
         self.memory = TensorPeak(env.device)
+        self.named_params = [
+            (clean_name(n), p) for part in self.model.parts for n, p in part.named_parameters()
+        ]
+        self.skipped = 0
         self.metrics_path = run_dir / "metrics.jsonl"
         self.step = 0
         # the rank whose loss counts: one per data-parallel replica, on the last pipeline stage
@@ -112,26 +115,53 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         self.model.train()
         start = time.perf_counter()
-        with self.memory.measure(step, self.model.parts, self.optimizer):
+        with self.memory.measure(step, self.model.parts, self.optimizers.local()):
             loss = self.forward_backward(step)
-            inject_fault(self.cfg.fault, self.env.rank, step, self.env.restart)
+            inject_fault(self.cfg.fault, self.env.rank, step, self.env.restart, self.named_params)
             if self.scaler:
-                self.scaler.unscale_(self.optimizer)
+                for opt in self.optimizers.optimizers:
+                    self.scaler.unscale_(opt)
             norm = grad_norm(self.params, self.pp_group)
-            if self.cfg.optim.grad_clip:
-                clip_(self.params, self.cfg.optim.grad_clip, norm)
-            lr = self.optimizer.param_groups[0]["lr"]
-            if self.scaler:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
+            lr = self.optimizers.lr
+            skipped = not torch.isfinite(norm).item() and not self.scaler  # fp16's scaler skips by itself
+            if skipped:
+                self._non_finite(step, loss)
+                self.optimizers.skip()
+                self.skipped += 1
             else:
-                self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+                if self.cfg.optim.grad_clip:
+                    clip_(self.params, self.cfg.optim.grad_clip, norm)
+                self.optimizers.step(self.scaler)
+                if self.scaler:
+                    self.scaler.update()
+            self.optimizers.zero_grad()
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
         elapsed = time.perf_counter() - start
         return self._reduce(step, loss, float(norm), lr, elapsed)
+
+    def _non_finite(self, step: int, loss: torch.Tensor | None) -> None:
+        """A NaN/Inf gradient (the global norm is reduced, so every rank sees it): name the first
+        offending parameter over all ranks, then abort or skip the step as configured."""
+        local = next(
+            (
+                name
+                for name, p in self.named_params
+                if p.grad is not None and not torch.isfinite(_local(p.grad)).all()
+            ),
+            None,
+        )
+        names: list[str | None] = [None] * self.env.world_size
+        dist.all_gather_object(names, (self.env.rank, local))
+        first = next(((r, n) for r, n in names if n is not None), None)
+        where = f"parameter {first[1]!r} on rank {first[0]}" if first else "an unknown parameter"
+        loss_note = (
+            " (the loss is non-finite too)" if loss is not None and not torch.isfinite(loss).all() else ""
+        )
+        message = f"non-finite gradient at step {step}: first offending {where}{loss_note}"
+        if self.cfg.fault.on_nonfinite == "abort":
+            raise FloatingPointError(message + "; set fault.on_nonfinite=skip to skip such steps")
+        log.warning("%s; step skipped (fault.on_nonfinite=skip)", message)
 
     def _reduce(
         self, step: int, loss: torch.Tensor | None, norm: float, lr: float, elapsed: float
@@ -163,6 +193,7 @@ class Trainer:
         tokens_per_sample = getattr(cfg.model, "seq_len", 0) if cfg.model.family in ("gpt", "ernie") else 0
         metrics = {
             "step": step,
+            "time": time.time(),  # when the step ended (the tracker's timestamp if delivery is late)
             "train/loss": float(table[:, 0].sum() / table[:, 1].sum()),
             "train/lr": lr,
             "train/grad_norm": norm,
@@ -175,14 +206,30 @@ class Trainer:
             "memory/peak_bytes_mean": float(table[:, 3].mean()),
             "memory/rss_peak_bytes_max": float(table[:, 4].max()),
             "memory/predicted_bytes": float(plan["memory_bytes"]["total"]),
+            "train/skipped_steps": float(self.skipped),
         }
         if cfg.model.family not in ("gpt", "ernie"):
             metrics.pop("perf/tokens_per_s")
         return metrics
 
     # ------------------------------------------------------------------------------------------------
+    def resume(self, path: Path) -> None:
+        from fleetwise.runtime import checkpoint
+
+        started = time.perf_counter()
+        self.step = checkpoint.load(path, self)
+        log.info("resumed from %s at step %d in %.2f s", path, self.step, time.perf_counter() - started)
+
+    def save(self) -> None:
+        from fleetwise.runtime import checkpoint
+
+        started = time.perf_counter()
+        path = checkpoint.save(self.run_dir, self.step, self, keep=self.cfg.checkpoint.keep)
+        if self.env.rank == 0:
+            log.info("checkpoint %s written in %.2f s", path.name, time.perf_counter() - started)
+
     def fit(self) -> None:
-        steps = self.cfg.train.steps
+        steps, ck = self.cfg.train.steps, self.cfg.checkpoint
         while self.step < steps:
             step = self.step + 1
             metrics = self.train_step(step)
@@ -192,6 +239,24 @@ class Trainer:
                     f.write(json.dumps(metrics) + "\n")
                 if step % self.cfg.train.log_interval == 0 or step == steps:
                     log.info(format_step(metrics, steps))
+            if ck.enabled and (step == steps or (ck.interval and step % ck.interval == 0)):
+                self.save()
+
+
+WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter's model name, without DDP / activation-checkpoint / compile wrapper segments."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -55,6 +56,7 @@ def redirect_output(log_file: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     run_dir = Path((argv or sys.argv[1:])[0]).resolve()
     rank = int(os.environ.get("RANK", "0"))
     redirect_output(run_dir / "logs" / f"rank_{rank}.log")
@@ -67,22 +69,36 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from fleetwise.runtime import checkpoint
+    from fleetwise.runtime.checkpoint_files import find_resume
     from fleetwise.runtime.mesh import init_distributed
     from fleetwise.runtime.trainer import Trainer
 
+    imported = time.perf_counter()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.hardware.world_size:  # an elastic job started with fewer (or more) nodes
+        from fleetwise.config.validate import elastic_config
+
+        cfg = elastic_config(cfg, world)
+        log.info("elastic: %d ranks; data parallel degree is now %d", world, cfg.strategy.dp_degree)
     env = init_distributed(cfg)
-    log.info("rank %d/%d on %s, attempt %d", env.rank, env.world_size, env.device, env.restart)
+    joined = time.perf_counter()
     trainer = Trainer(cfg, plan, env, run_dir)
+    built = time.perf_counter()
+    log.info(
+        "rank %d/%d on %s, attempt %d; start-up: imports %.2f s, process group %.2f s, mesh+model+optimizer "
+        "%.2f s",
+        env.rank,
+        env.world_size,
+        env.device,
+        env.restart,
+        imported - started,
+        joined - imported,
+        built - joined,
+    )
+    resume = find_resume(cfg, run_dir, restarting=env.restart > 0)
+    if resume is not None:
+        trainer.resume(resume)
     trainer.fit()
-    if cfg.checkpoint.enabled:
-        checkpoint.save(
-            run_dir,
-            trainer.step,
-            trainer.model.parts,
-            keep=cfg.checkpoint.keep,
-            meta={"mesh": trainer.layout.as_dict()},
-        )
     dist.barrier()
     dist.destroy_process_group()
     log.info("done")

@@ -146,19 +146,132 @@ def cluster_launch(cfg, job_env):
 
 
 def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console) -> int:
+    """Run one job: launch the ranks, follow them, own its MLflow run, print the summary."""
+    from rich.markup import escape
+
     from fleetwise.plan.render import describe_job
     from fleetwise.runtime.launch import launch_job
-    from fleetwise.runtime.summary import print_summary
 
     console.print(
         f"[bold]fleetwise train[/] · {describe_job(cfg, plan)} · run dir {run_dir}", highlight=False
     )
-    result = launch_job(cfg, plan, run_dir, argv, console)
-    print_summary(console, cfg, plan, result)
+    tracker = _Tracking(cfg, plan, run_dir)
+    try:
+        result = launch_job(cfg, plan, run_dir, argv, console, on_started=tracker.start, on_poll=tracker.poll)
+    except KeyboardInterrupt:
+        tracker.finish("KILLED", "interrupted by the user (Ctrl-C)", {})
+        raise
+    summary = print_summary(console, cfg, plan, result)
+    status = "FINISHED" if result.returncode == 0 else "FAILED"
+    run_id = tracker.finish(status, result.error, summary)
+    if run_id:
+        console.print(
+            f"MLflow run [bold]{run_id}[/] (experiment {cfg.tracking.experiment}) · browse with "
+            "[bold]fleetwise ui[/] · compare runs with [bold]fleetwise compare[/]",
+            highlight=False,
+        )
     if result.returncode != 0:
-        from rich.markup import escape
-
         err = escape(result.error or "")
         Console(stderr=True).print(f"[bold red]✗ training failed[/]: {err}", highlight=False, soft_wrap=True)
         return result.returncode if result.returncode > 0 else EXIT_FAIL
     return EXIT_OK
+
+
+class _Tracking:
+    """The job's MLflow run, owned by this launcher on node 0 (it outlives crashed ranks and torchrun
+    restarts). It ships rank 0's metrics.jsonl in batches; metrics.jsonl doubles as the spool when
+    the tracking server is away (`fleetwise sync` delivers what is left)."""
+
+    POLL_EVERY_S = 1.0
+
+    def __init__(self, cfg, plan, run_dir: Path):
+        self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
+        self.tracker = None
+        self.enabled = cfg.tracking.enabled and cfg.launch.node_rank == 0
+        self.last_poll = 0.0
+
+    def start(self) -> None:
+        """Called once torchrun runs: importing mlflow (~2.5 s) overlaps the ranks' start-up."""
+        if not self.enabled:
+            return
+        from fleetwise.tracking.run_tracker import RunTracker, flatten_config, git_commit
+        from fleetwise.tracking.sweep import parent_run_id_from_hydra
+
+        cfg = self.cfg
+        tags = {
+            "fleetwise.recipe": cfg.recipe,
+            "fleetwise.strategy": cfg.strategy.name,
+            "fleetwise.hardware": cfg.hardware.name,
+            "fleetwise.world_size": str(self.plan.world_size),
+        }
+        commit = git_commit()
+        if commit:
+            tags["fleetwise.git_commit"] = commit
+        name = cfg.run.name or f"{cfg.recipe.replace('/', '-')}-{cfg.strategy.name}-{cfg.hardware.name}"
+        self.tracker = RunTracker(
+            self.run_dir,
+            experiment=cfg.tracking.experiment,
+            run_name=name,
+            params=flatten_config(cfg.model_dump(mode="json")),
+            tags=tags,
+            artifacts=[Path("config.yaml"), Path("plan.json"), Path("command.txt")],
+            parent_run_id=parent_run_id_from_hydra(),
+            system_metrics=cfg.tracking.system_metrics,
+        )
+        self.tracker.start()
+
+    def poll(self) -> None:
+        import time
+
+        if self.tracker is None or time.monotonic() - self.last_poll < self.POLL_EVERY_S:
+            return
+        self.last_poll = time.monotonic()
+        self.tracker.poll()
+
+    def finish(self, status: str, error: str | None, summary: dict) -> str | None:
+        if self.tracker is None:
+            return None
+        self.tracker.add_artifacts(
+            sorted((self.run_dir / "logs").glob("rank_*.log")) + [self.run_dir / "logs" / "launcher.log"]
+        )
+        self.tracker.finish(status, error=error, summary=summary)
+        return self.tracker.run_id
+
+
+def print_summary(console: Console, cfg, plan, result) -> dict[str, float]:
+    """The numbers of the run, warm-up steps excluded from throughput, beside the plan's."""
+    from rich.table import Table
+
+    from fleetwise.tracking.summary import summarize
+
+    s = summarize(result.records, cfg.train.warmup_steps_excluded)
+    if "summary/step_time_median_s" not in s:
+        return s
+    t = Table(
+        title=f"summary ({int(s['summary/steps'])} steps, throughput over the last "
+        f"{int(s['summary/steps_measured'])})",
+        show_header=False,
+        box=None,
+        title_justify="left",
+    )
+    t.add_column(style="bold cyan")
+    t.add_column()
+    t.add_row("final loss", f"{s['summary/final_loss']:.4f}")
+    rate = f"{s['summary/samples_per_s_mean']:,.1f} samples/s"
+    if "summary/tokens_per_s_mean" in s:
+        rate += f" · {s['summary/tokens_per_s_mean']:,.0f} tokens/s"
+    t.add_row("throughput", rate)
+    t.add_row(
+        "step time",
+        f"{s['summary/step_time_median_s'] * 1e3:,.1f} ms median (plan {plan.step_time_s * 1e3:,.1f} ms)",
+    )
+    t.add_row("MFU", f"{s['summary/mfu_mean']:.1%} (plan {plan.mfu:.1%})")
+    mib = 2**20
+    ratio = s.get("summary/memory_ratio")
+    t.add_row(
+        "peak memory",
+        f"{s['summary/peak_bytes_max'] / mib:,.2f} MiB per device, max over ranks (plan "
+        f"{s['summary/predicted_bytes'] / mib:,.2f} MiB" + (f", ratio {ratio:.3f})" if ratio else ")"),
+    )
+    console.print(t)
+    return s

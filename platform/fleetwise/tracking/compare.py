@@ -1,0 +1,202 @@
+"""Side-by-side view of runs: a table (terminal, markdown) and a PNG chart of throughput and memory.
+
+Used by `fleetwise compare` and by the sweep callback for the parent run of a multirun. A run's
+numbers come from its summary metrics when it has them (a finished run), otherwise from its
+latest per-step values (a run that is still going or died early).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SWEEP_PARENT_TAG = "fleetwise.sweep"  # value "parent" on the parent run of a multirun
+
+
+@dataclass
+class RunRow:
+    run_id: str
+    name: str
+    strategy: str
+    world_size: str
+    status: str
+    throughput: float | None
+    unit: str  # "tokens/s" or "samples/s"
+    mfu: float | None
+    peak_bytes: float | None
+    predicted_bytes: float | None
+    final_loss: float | None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.strategy}, {self.world_size} ranks)"
+
+
+def _first(metrics: dict[str, float], *keys: str) -> float | None:
+    return next((metrics[k] for k in keys if k in metrics), None)
+
+
+def row_from_run(run: Any) -> RunRow:
+    m, tags = run.data.metrics, run.data.tags
+    tokens = _first(m, "summary/tokens_per_s_mean", "perf/tokens_per_s")
+    samples = _first(m, "summary/samples_per_s_mean", "perf/samples_per_s")
+    return RunRow(
+        run_id=run.info.run_id,
+        name=run.info.run_name or run.info.run_id[:8],
+        strategy=tags.get("fleetwise.strategy", "?"),
+        world_size=tags.get("fleetwise.world_size", "?"),
+        status=run.info.status,
+        throughput=tokens if tokens is not None else samples,
+        unit="tokens/s" if tokens is not None else "samples/s",
+        mfu=_first(m, "summary/mfu_mean", "perf/mfu"),
+        peak_bytes=_first(m, "summary/peak_bytes_max", "memory/peak_bytes_max"),
+        predicted_bytes=_first(m, "summary/predicted_bytes", "memory/predicted_bytes"),
+        # run.data.metrics holds each metric at its largest step: the loss at the last step.
+        final_loss=_first(m, "summary/final_loss", "train/loss"),
+    )
+
+
+def find_runs(
+    mlflow_client: Any, *, experiment: str | None = None, run_ids: list[str] | None = None, limit: int = 20
+) -> list[Any]:
+    """The runs to compare: the given ids (a sweep parent stands for its children), or the newest
+    `limit` runs of an experiment, sweep parents left out. Oldest first, so sweeps read in order."""
+    if run_ids:
+        runs = []
+        for run_id in run_ids:
+            run = mlflow_client.get_run(run_id)
+            children = child_runs(mlflow_client, run) if _is_parent(run) else []
+            runs.extend(children or [run])
+        return runs
+    exp = mlflow_client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    found = mlflow_client.search_runs(
+        [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit * 2
+    )
+    return [r for r in found if not _is_parent(r)][:limit][::-1]
+
+
+def child_runs(mlflow_client: Any, parent: Any) -> list[Any]:
+    found = mlflow_client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+        order_by=["attributes.start_time ASC"],
+        max_results=1000,
+    )
+    return list(found)
+
+
+def _is_parent(run: Any) -> bool:
+    return run.data.tags.get(SWEEP_PARENT_TAG) == "parent"
+
+
+# ------------------------------------------------------------------------------------------------
+# rendering
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_rate(row: RunRow) -> str:
+    if row.throughput is None:
+        return "-"
+    value = row.throughput
+    text = f"{value / 1000:.3g}k" if value >= 1000 else f"{value:.3g}"
+    return f"{text} {row.unit}"
+
+
+def _cells(row: RunRow) -> list[str]:
+    return [
+        row.name,
+        row.strategy,
+        row.world_size,
+        row.status,
+        fmt_rate(row),
+        "-" if row.mfu is None else f"{100 * row.mfu:.1f}%",
+        fmt_bytes(row.peak_bytes),
+        fmt_bytes(row.predicted_bytes),
+        "-" if row.final_loss is None else f"{row.final_loss:.4g}",
+    ]
+
+
+HEADERS = [
+    "run",
+    "strategy",
+    "world size",
+    "status",
+    "throughput",
+    "MFU",
+    "peak mem",
+    "predicted mem",
+    "final loss",
+]
+
+
+def rich_table(rows: list[RunRow], title: str | None = None):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, header in enumerate(HEADERS):
+        table.add_column(header, justify="left" if i < 4 else "right")
+    for row in rows:
+        table.add_row(*_cells(row))
+    return table
+
+
+def markdown_table(rows: list[RunRow]) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    lines.append("")
+    lines += [f"- {row.name}: run id `{row.run_id}`" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(rows: list[RunRow], path: Path, title: str = "fleetwise runs") -> Path:
+    """A PNG with throughput per run (left) and measured vs predicted peak memory (right)."""
+    # The Figure API with the Agg canvas: no pyplot global state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    labels = [row.label for row in rows]
+    ys = list(range(len(rows)))
+    height = 1.2 + 0.45 * max(len(rows), 1)
+    fig = Figure(figsize=(13, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_rate, ax_mem = fig.subplots(1, 2, sharey=True)
+
+    rates = [row.throughput or 0.0 for row in rows]
+    ax_rate.barh(ys, rates, color="tab:blue")
+    units = sorted({row.unit for row in rows if row.throughput is not None}) or ["samples/s"]
+    ax_rate.set_xlabel("mean throughput (" + " or ".join(units) + ")")
+    ax_rate.set_yticks(ys, labels)
+    ax_rate.invert_yaxis()
+    for y, row in zip(ys, rows, strict=True):
+        ax_rate.annotate(
+            fmt_rate(row), (rates[y], y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
+        )
+
+    gib = 1024**3
+    width = 0.4
+    peak = [(row.peak_bytes or 0.0) / gib for row in rows]
+    pred = [(row.predicted_bytes or 0.0) / gib for row in rows]
+    ax_mem.barh([y - width / 2 for y in ys], peak, height=width, color="tab:red", label="measured peak")
+    ax_mem.barh([y + width / 2 for y in ys], pred, height=width, color="tab:gray", label="predicted (plan)")
+    ax_mem.set_xlabel("memory per device (GiB)")
+    ax_mem.legend(loc="best", fontsize=8)
+    # Head-room for the value labels and the legend.
+    ax_rate.set_xlim(0, 1.25 * max(rates + [1e-9]))
+    ax_mem.set_xlim(0, 1.35 * max(peak + pred + [1e-9]))
+    fig.suptitle(title)
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path

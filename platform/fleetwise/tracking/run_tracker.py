@@ -1,0 +1,598 @@
+"""The launcher's side of MLflow: one run per training job, fed from the metrics.jsonl spool.
+
+Training ranks never talk to MLflow. Rank 0 appends one JSON line per optimizer step to
+<run_dir>/metrics.jsonl; the launcher (the `fleetwise train` process on node 0, which outlives
+crashed ranks and torchrun restarts) owns a RunTracker and ships new lines in batches:
+
+    tracker = RunTracker(run_dir, experiment=cfg.tracking.experiment, run_name=name,
+                         params=flatten_config(cfg), tags={...}, artifacts=[config, plan, command])
+    tracker.start()                      # run id, or None (and one warning) if MLflow is down
+    while job_is_running:
+        tracker.poll(); time.sleep(1)    # never raises; backs off while the server is down
+    tracker.add_artifacts(rank_logs)
+    tracker.finish("FINISHED", summary=summarize(read_records(run_dir), warmup_steps))
+
+What has reached MLflow is recorded in <run_dir>/tracking.json (see spool.py), so a server outage
+only delays delivery: later polls, finish(), or `fleetwise sync` deliver the rest.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetwise.tracking.params import error_tag, flatten_config, git_commit, tag_value
+from fleetwise.tracking.spool import (
+    ERROR_FILE,
+    METRICS_FILE,
+    RunDirLock,
+    TrackingState,
+    finite,
+    load_state,
+    metric_values,
+    parse_record,
+    read_lines,
+    read_records,
+    save_state,
+)
+from fleetwise.tracking.store import (
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+    clean_key,
+    client,
+    describe,
+    ensure_experiment,
+    rejected,
+    tracking_uri,
+)
+from fleetwise.tracking.summary import summarize
+
+__all__ = [
+    "RunTracker",
+    "flatten_config",
+    "git_commit",
+    "read_records",
+    "summarize",
+    "sync_run_dir",
+    "tracking_uri",
+]
+
+STATUSES = ("FINISHED", "FAILED", "KILLED")
+BACKOFF_FIRST_S = 2.0  # first retry after a failure; doubles up to BACKOFF_MAX_S
+BACKOFF_MAX_S = 60.0
+LOCK_WAIT_S = 30.0  # a `fleetwise sync` of the same dir may hold the lock for a moment
+SYSTEM_METRICS_STOP_S = 5.0  # finish() never waits longer than this for the sampler thread
+
+Notify = Callable[[str], None]
+
+
+def _to_stderr(message: str) -> None:
+    print(f"fleetwise: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Line:
+    end_offset: int
+    malformed: bool = False  # not a JSON object (a blank line is neither shipped nor counted)
+    metrics: list = field(default_factory=list)  # mlflow.entities.Metric
+
+
+class RunTracker:
+    """One MLflow run of one training job, owned by the launcher (see the module docstring).
+
+    Not thread-safe: call it from one thread (the launcher's loop). Its only thread is MLflow's
+    system-metrics sampler, which has its own client."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        experiment: str,
+        run_name: str,
+        params: dict[str, object],
+        tags: dict[str, str],
+        artifacts: list[Path],
+        parent_run_id: str | None = None,
+        enabled: bool = True,
+        system_metrics: bool = True,
+        notify: Notify | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.experiment = experiment
+        self.run_name = run_name
+        self.params = flatten_config(params)  # already-flat params pass through unchanged
+        self.tags = {str(k): tag_value(v) for k, v in tags.items() if v is not None}
+        self.artifacts = [Path(p) for p in artifacts]
+        self.parent_run_id = parent_run_id
+        self.enabled = enabled
+        self.system_metrics = system_metrics
+        self.notify = notify if notify is not None else _to_stderr
+        self.warning: str | None = None  # the last thing said to the user
+        self.state: TrackingState | None = None
+        self.uri: str | None = None
+        self.delivered_total = 0  # steps this object has shipped
+        self._lock = RunDirLock(self.run_dir)
+        self._client: Any = None
+        self._connected = False  # the run exists and has its params/tags
+        self._resuming = False
+        self._failures = 0
+        self._retry_at = 0.0
+        self._outage_told = False
+        self._rejection_told = False
+        self._sysmon: Any = None
+
+    # -------------------------------------------------------------------------------------------
+    # the interface the launcher uses
+
+    def start(self) -> str | None:
+        """Create the MLflow run, or continue the one recorded in run_dir/tracking.json (same run
+        id: a job resumed from a checkpoint), and log params, tags and artifacts. Returns the run id,
+        or None when tracking is off or MLflow is unreachable; then the user is told once, training
+        goes on, and a later poll() creates the run and delivers the backlog."""
+        if not self.enabled:
+            return None
+        if self.state is not None:
+            return self.state.run_id
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self._wait_for_lock():
+            self._say(
+                f"{self.run_dir} is tracked by another process (a `fleetwise sync`?); not logging this job"
+            )
+            self.enabled = False
+            return None
+        self.uri = tracking_uri()
+        old = load_state(self.run_dir)
+        artifacts = [str(self._resolve(p)) for p in self.artifacts]
+        if old is not None and old.tracking_uri == self.uri:
+            # Same run dir, same store: a resumed job continues its run and its cursor.
+            self._resuming = old.run_id is not None
+            old.final, old.closed, old.setup_done = None, False, False
+            old.params, old.tags = self.params, {**old.tags, **self.tags}
+            old.pending_artifacts += [a for a in artifacts if a not in old.pending_artifacts]
+            self.state = old
+        else:
+            if old is not None and old.run_id is not None:
+                self._say(
+                    f"{self.run_dir} was tracked as run {old.run_id} in {old.tracking_uri}; this job logs to "
+                    f"{self.uri} instead, as a new run that gets all of {METRICS_FILE}"
+                )
+            self.state = TrackingState(
+                tracking_uri=self.uri,
+                experiment=self.experiment,
+                run_name=self.run_name,
+                parent_run_id=self.parent_run_id,
+                start_time_ms=_now_ms(),
+                params=self.params,
+                tags=self.tags,
+                pending_artifacts=artifacts,
+            )
+        self._save()
+        return self.state.run_id if self._connect() else None
+
+    def poll(self, max_batches: int = 10) -> int:
+        """Ship new complete lines of metrics.jsonl (≤ 1000 metrics per request, at most
+        `max_batches` requests so a long backlog never stalls the caller); return how many steps
+        were delivered. Cheap when there is nothing new. Never raises: a failure is kept for a
+        later poll, retried after a back-off of 2 s doubling up to 60 s."""
+        if not self._active() or time.monotonic() < self._retry_at:
+            return 0
+        try:
+            if not self._connected and not self._connect():
+                return 0
+            return self._ship(max_batches)
+        except Exception as exc:  # a bug here must not kill training; the spool keeps the data
+            self._failed(exc)
+            return 0
+
+    def add_artifacts(self, paths: list[Path]) -> None:
+        """Queue files (e.g. each rank's log) for upload; they go now if MLflow answers, else later."""
+        if not self._active():
+            return
+        for p in paths:
+            path = str(self._resolve(Path(p)))
+            if path not in self.state.pending_artifacts:
+                self.state.pending_artifacts.append(path)
+        self._save()
+        if self._connected:
+            try:
+                self._upload_artifacts()
+            except Exception as exc:
+                self._failed(exc)
+
+    def finish(
+        self, status: str, *, error: str | None = None, summary: dict[str, float] | None = None
+    ) -> None:
+        """Deliver the remaining metrics, log `summary`, set the run's status (FINISHED, FAILED or
+        KILLED). An `error` becomes the tag `fleetwise.error` (head and tail when long) and the
+        artifact error.txt (whole). If MLflow is down, all of it waits in tracking.json for
+        `fleetwise sync`."""
+        status = status.upper()
+        if status not in STATUSES:
+            raise ValueError(f"status {status!r} is not one of {', '.join(STATUSES)}")
+        if not self._active():
+            return
+        state = self.state
+        if error:
+            error_file = (self.run_dir / ERROR_FILE).resolve()
+            error_file.write_text(error if error.endswith("\n") else error + "\n")
+            if str(error_file) not in state.pending_artifacts:
+                state.pending_artifacts.append(str(error_file))
+        state.final = {
+            "status": status,
+            "error": error,
+            "summary": dict(summary or {}),
+            "end_time_ms": _now_ms(),
+        }
+        self._save()
+        self._stop_system_metrics()
+        try:
+            done = self._complete()
+        finally:
+            self._lock.release()
+        if not done:
+            self._say(
+                f"the end of this run has not reached MLflow yet; `fleetwise sync {self.run_dir}` delivers it"
+            )
+
+    @property
+    def run_id(self) -> str | None:
+        return self.state.run_id if self.state else None
+
+    # -------------------------------------------------------------------------------------------
+    # talking to MLflow
+
+    def _connect(self) -> bool:
+        """Make sure the run exists with its params and tags; False (and a back-off) on failure."""
+        state = self.state
+        try:
+            if self._client is None:
+                self._client = client(state.tracking_uri)
+            mlflow_client = self._client
+            run, created = None, False
+            if state.run_id is not None:
+                run = self._get_run(state.run_id)
+                if run is None:
+                    self._say(
+                        f"run {state.run_id} no longer exists in {state.tracking_uri}; "
+                        f"starting a new one with all of {METRICS_FILE}"
+                    )
+                    state.run_id, state.setup_done = None, False
+                    state.delivered_lines = state.delivered_offset = state.skipped_lines = 0
+            if state.run_id is None:
+                experiment_id = ensure_experiment(mlflow_client, state.experiment, state.tracking_uri)
+                run = mlflow_client.create_run(
+                    experiment_id,
+                    start_time=state.start_time_ms,
+                    run_name=state.run_name,
+                    tags=self._run_tags(),
+                )
+                state.run_id, created = run.info.run_id, True
+                self._save()
+            if self._resuming and run.info.status != "RUNNING":
+                mlflow_client.update_run(state.run_id, status="RUNNING")
+            self._resuming = False
+            if not state.setup_done:
+                self._log_setup({} if created else run.data.params, log_tags=not created)
+                state.setup_done = True
+                self._save()
+            self._upload_artifacts()
+        except Exception as exc:
+            self._failed(exc)
+            return False
+        self._connected = True
+        self._recovered()
+        if state.final is None:
+            self._start_system_metrics(resume=not created)
+        return True
+
+    def _get_run(self, run_id: str):
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self._client.get_run(run_id)
+        except MlflowException as exc:
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
+
+    def _run_tags(self) -> dict[str, str]:
+        state = self.state
+        tags = {
+            "mlflow.user": _user(),
+            "mlflow.source.type": "LOCAL",
+            "mlflow.source.name": "fleetwise train",
+        }
+        if commit := state.tags.get("fleetwise.git_commit"):
+            tags["mlflow.source.git.commit"] = commit  # the UI links the commit
+        tags.update(state.tags)
+        if state.parent_run_id:
+            tags["mlflow.parentRunId"] = state.parent_run_id  # nests the run under its sweep
+        return tags
+
+    def _log_setup(self, existing: dict[str, str], *, log_tags: bool) -> None:
+        from mlflow.entities import Param, RunTag
+
+        state = self.state
+        # MLflow params are immutable: a resumed job keeps the values its run started with.
+        changed = sorted(k for k, v in state.params.items() if k in existing and existing[k] != v)
+        new = [Param(k, v) for k, v in state.params.items() if k not in existing]
+        for i in range(0, len(new), MAX_PARAMS_TAGS_PER_BATCH):
+            self._client.log_batch(state.run_id, params=new[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+        if log_tags:
+            tags = [RunTag(k, v) for k, v in self._run_tags().items()]
+            for i in range(0, len(tags), MAX_PARAMS_TAGS_PER_BATCH):
+                self._client.log_batch(state.run_id, tags=tags[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+        if changed:
+            shown = ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else "")
+            self._say(
+                f"run {state.run_id} keeps the values it started with for {len(changed)} changed param(s) "
+                f"({shown}): MLflow params cannot change; the new config is in {self.run_dir}/config.yaml"
+            )
+
+    def _upload_artifacts(self) -> None:
+        state = self.state
+        while state.pending_artifacts:
+            path = Path(state.pending_artifacts[0])
+            if path.is_dir():
+                self._client.log_artifacts(state.run_id, str(path), artifact_path=path.name)
+            elif path.exists():
+                self._client.log_artifact(state.run_id, str(path), artifact_path=self._artifact_dir(path))
+            else:
+                self._say(f"artifact {path} does not exist; not uploaded")
+            state.pending_artifacts.pop(0)
+            self._save()
+
+    def _artifact_dir(self, path: Path) -> str | None:
+        """logs/rank_3.log keeps its folder in the run's artifacts; other files go to the root."""
+        try:
+            rel = path.resolve().relative_to(self.run_dir.resolve())
+        except ValueError:
+            return None
+        return None if rel.parent == Path(".") else rel.parent.as_posix()
+
+    def _ship(self, max_batches: int, *, final: bool = False) -> int:
+        """Deliver up to `max_batches` batches of new lines; advance the cursor after each."""
+        state = self.state
+        path = self.run_dir / METRICS_FILE
+        delivered = sent = 0
+        while sent < max_batches:
+            lines = read_lines(path, state.delivered_offset, final=final)
+            if not lines:
+                break
+            for batch in self._batches(lines):
+                if sent >= max_batches:
+                    break
+                ok = self._send(batch)
+                delivered += ok
+                sent += 1
+                if not self._connected:
+                    return delivered
+        return delivered
+
+    def _batches(self, raw: list[tuple[int, bytes]]) -> Iterator[list[_Line]]:
+        """Whole lines grouped so that a batch holds at most MAX_METRICS_PER_BATCH metrics."""
+        from mlflow.entities import Metric
+
+        now, first_line = _now_ms(), self.state.delivered_lines  # before any batch advances it
+        batch: list[_Line] = []
+        count = 0
+        for i, (end, text) in enumerate(raw):
+            record = parse_record(text)
+            line = _Line(end, malformed=record is None and bool(text.strip()))
+            if record is not None:
+                stamp = int(record["time"] * 1000) if finite(record.get("time")) else now
+                step = int(record["step"]) if finite(record.get("step")) else first_line + i
+                line.metrics = [
+                    Metric(clean_key(k), v, stamp, step) for k, v in metric_values(record).items()
+                ]
+            if batch and count + len(line.metrics) > MAX_METRICS_PER_BATCH:
+                yield batch
+                batch, count = [], 0
+            batch.append(line)
+            count += len(line.metrics)
+        if batch:
+            yield batch
+
+    def _send(self, batch: list[_Line]) -> int:
+        """Log one batch; on success advance the cursor past it. Returns steps delivered."""
+        metrics = [m for line in batch for m in line.metrics]
+        try:
+            for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+                self._client.log_batch(self.state.run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
+        except Exception as exc:
+            if not rejected(exc):
+                self._failed(exc)
+                return 0
+            if len(batch) > 1:
+                # MLflow refused something in it: find the culprit line by line, keep the rest.
+                return sum(self._send([line]) for line in batch if self._connected)
+            self._reject(batch[0], exc)
+            batch[0].metrics = []
+        self._advance(batch)
+        self._recovered()
+        return sum(1 for line in batch if line.metrics)
+
+    def _advance(self, batch: list[_Line]) -> None:
+        state = self.state
+        state.delivered_offset = batch[-1].end_offset
+        state.delivered_lines += len(batch)
+        state.skipped_lines += sum(1 for line in batch if line.malformed)
+        steps = [m.step for line in batch for m in line.metrics]
+        if steps:
+            state.last_step = max(state.last_step, *steps)
+        self.delivered_total += sum(1 for line in batch if line.metrics)
+        self._save()
+
+    def _reject(self, line: _Line, exc: BaseException) -> None:
+        self.state.skipped_lines += 1
+        if not self._rejection_told:
+            self._rejection_told = True
+            self._say(
+                f"MLflow refused a metrics line of {self.run_dir / METRICS_FILE}, skipped: {describe(exc)}"
+            )
+
+    def _complete(self) -> bool:
+        """Everything finish() promises; True once the final status is on the run."""
+        from mlflow.entities import Metric
+
+        state = self.state
+        if state.closed:
+            return True
+        if not self._connected and not self._connect():
+            return False
+        try:
+            self._ship(sys.maxsize, final=True)
+            if not self._connected:
+                return False
+            final = state.final
+            if final.get("summary") and not final.get("summary_logged"):
+                metrics = [
+                    Metric(clean_key(k), float(v), final["end_time_ms"], state.last_step)
+                    for k, v in final["summary"].items()
+                    if finite(v)
+                ]
+                for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+                    self._client.log_batch(state.run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
+                final["summary_logged"] = True
+                self._save()
+            if final.get("error"):
+                self._client.set_tag(state.run_id, "fleetwise.error", error_tag(final["error"]))
+            self._upload_artifacts()
+            self._client.set_terminated(state.run_id, final["status"], end_time=final["end_time_ms"])
+        except Exception as exc:
+            self._failed(exc)
+            return False
+        state.closed = True
+        self._save()
+        return True
+
+    # -------------------------------------------------------------------------------------------
+    # system metrics: MLflow's own sampler (CPU, RAM, disk, network; GPU with nvidia-ml-py)
+
+    def _start_system_metrics(self, *, resume: bool) -> None:
+        if not self.system_metrics or self._sysmon_alive():
+            return
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            # Its start/stop notes and its "failed to get run" during an outage would repeat what
+            # the tracker already tells the user once.
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.ERROR)
+            monitor = SystemMetricsMonitor(self.state.run_id, resume_logging=resume, tracking_uri=self.uri)
+            monitor.start()
+            self._sysmon = monitor
+        except Exception as exc:  # e.g. psutil missing: metrics of the job matter more
+            self.system_metrics = False
+            self._say(f"system metrics are off: {describe(exc)}")
+
+    def _sysmon_alive(self) -> bool:
+        # The sampler thread ends by itself when MLflow stops answering; poll() restarts it.
+        thread = getattr(self._sysmon, "_process", None)
+        return thread is not None and thread.is_alive()
+
+    def _stop_system_metrics(self) -> None:
+        monitor, self._sysmon = self._sysmon, None
+        if monitor is None:
+            return
+        # finish() joins the sampler, which may sit in an HTTP call to a dead server: bound the wait
+        # so a job's shutdown never hangs on it (the thread is a daemon and dies with the process).
+        stopper = threading.Thread(target=monitor.finish, name="fleetwise-sysmetrics-stop", daemon=True)
+        stopper.start()
+        stopper.join(SYSTEM_METRICS_STOP_S)
+
+    # -------------------------------------------------------------------------------------------
+    # failures, back-off, messages, housekeeping
+
+    def _failed(self, exc: BaseException) -> None:
+        self._connected = False  # the next attempt re-checks the run: the server may have lost it
+        self._failures += 1
+        self._retry_at = time.monotonic() + min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self._failures - 1))
+        if not self._outage_told:
+            self._outage_told = True
+            self._say(
+                f"MLflow at {self.state.tracking_uri} is unreachable ({describe(exc)}). Training goes on; "
+                f"metrics wait in {self.run_dir / METRICS_FILE} and are delivered when it answers again "
+                f"(or by `fleetwise sync {self.run_dir}`)"
+            )
+
+    def _recovered(self) -> None:
+        if self._outage_told:
+            self._say(f"MLflow at {self.state.tracking_uri} answers again; delivering the waiting metrics")
+        self._failures, self._retry_at, self._outage_told = 0, 0.0, False
+
+    def _say(self, message: str) -> None:
+        self.warning = message
+        self.notify(message)
+
+    def _active(self) -> bool:
+        return self.enabled and self.state is not None and not self.state.closed
+
+    def _save(self) -> None:
+        save_state(self.run_dir, self.state)
+
+    def _resolve(self, path: Path) -> Path:
+        """Artifact paths may be given relative to the run dir (config.yaml) or to the cwd."""
+        if not path.is_absolute() and (self.run_dir / path).exists():
+            path = self.run_dir / path
+        return path.resolve()
+
+    def _wait_for_lock(self) -> bool:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while not self._lock.acquire():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+
+def sync_run_dir(run_dir: Path, notify: Notify | None = None) -> int:
+    """Deliver whatever of a run dir has not reached MLflow (metrics, params, artifacts, the final
+    status and summary) to the store recorded in its tracking.json. Returns the steps delivered.
+    A run dir whose launcher is still alive is left alone: that launcher delivers its own."""
+    run_dir = Path(run_dir)
+    state = load_state(run_dir)
+    if state is None:
+        return 0
+    tracker = RunTracker(
+        run_dir,
+        experiment=state.experiment,
+        run_name=state.run_name,
+        params={},
+        tags={},
+        artifacts=[],
+        parent_run_id=state.parent_run_id,
+        system_metrics=False,
+        notify=notify,
+    )
+    if not tracker._lock.acquire():
+        tracker._say(f"{run_dir} belongs to a running job, which delivers its own metrics; skipped")
+        return 0
+    tracker.state, tracker.uri = state, state.tracking_uri
+    try:
+        if state.final is not None:
+            tracker._complete()
+        elif tracker._connect():
+            # The lock was free: the launcher, and with it the job, is gone; a torn last line
+            # will never be completed.
+            tracker._ship(sys.maxsize, final=True)
+    finally:
+        tracker._lock.release()
+    return tracker.delivered_total
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return "unknown"

@@ -1,0 +1,121 @@
+"""Where runs are tracked, and the MLflow client settings every tracking command shares.
+
+`tracking_uri()` is the one place that decides the store: `MLFLOW_TRACKING_URI` when set (a server),
+otherwise `sqlite:///<cwd>/mlflow.db` with artifacts in `<cwd>/mlartifacts` (MLflow 3 refuses the
+old `./mlruns` file store without an opt-in). `fleetwise train`, `ui`, `compare` and `sync` all use it,
+so they all see the same runs.
+
+mlflow is imported inside functions only: `fleetwise validate`/`plan` must never pay ~2.5 s for it.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+DB_FILE = "mlflow.db"
+ARTIFACT_DIR = "mlartifacts"
+
+# MLflow's limits (mlflow.utils.validation); copied so that code which only prepares data need not
+# import mlflow. tests/unit/test_tracking_params.py checks them against the installed MLflow.
+MAX_PARAM_VALUE = 6000
+MAX_TAG_VALUE = 8000
+MAX_KEY = 250
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+
+# A dead server must cost seconds, not minutes: MLflow's defaults (7 retries with exponential
+# back-off, 120 s timeout) would stall the launcher for ~4 minutes per call. The tracker keeps its
+# own spool and back-off, so it needs no HTTP-level retries (which would also log a urllib3
+# warning per attempt). Values the user exported win.
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+
+_BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
+
+
+def tracking_uri(cwd: Path | None = None) -> str:
+    """The MLflow store every fleetwise command uses (see the module docstring)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if not uri:
+        return f"sqlite:///{(cwd or Path.cwd()).resolve() / DB_FILE}"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        # A relative sqlite path is relative to the cwd of whoever opens it; `fleetwise sync` may
+        # run elsewhere, so record it absolute.
+        return f"sqlite:///{(cwd or Path.cwd()).resolve() / uri[len('sqlite:///') :]}"
+    return uri
+
+
+def is_local(uri: str) -> bool:
+    return uri.startswith("sqlite:")
+
+
+def artifact_root(uri: str) -> Path | None:
+    """Artifacts of a local sqlite store live next to the database; a server decides for itself."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///") :]).parent / ARTIFACT_DIR
+
+
+def configure_http() -> None:
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def client(uri: str) -> MlflowClient:
+    configure_http()
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def ensure_experiment(mlflow_client: MlflowClient, name: str, uri: str) -> str:
+    """The id of experiment `name`, created (or restored from the bin) when needed."""
+    from mlflow.exceptions import MlflowException
+
+    exp = mlflow_client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            mlflow_client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    root = artifact_root(uri)
+    location = (root / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)).as_uri() if root else None
+    try:
+        return mlflow_client.create_experiment(name, artifact_location=location)
+    except MlflowException:
+        # Two jobs of a sweep may race to create it; the loser reads the winner's.
+        exp = mlflow_client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def clean_key(key: str) -> str:
+    """A metric/param key MLflow accepts: its allowed characters, no path tricks, ≤ 250 chars."""
+    key = _BAD_KEY_CHARS.sub("_", key)[:MAX_KEY]
+    if key in ("", ".") or posixpath.normpath(key) != key or key.startswith(("/", "..")):
+        key = key.replace("/", "_").strip(".") or "_"
+    return key
+
+
+def rejected(exc: BaseException) -> bool:
+    """True when MLflow refused the data itself (HTTP 400): retrying the same request cannot help."""
+    status = getattr(exc, "get_http_status_code", None)
+    return callable(status) and status() == 400
+
+
+def describe(exc: BaseException) -> str:
+    """One line about a failure, without MLflow's multi-line request dump."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    for marker in ("Caused by ", "failed with exception "):
+        if marker in text:
+            text = text.split(marker, 1)[1]
+    return text[:200]
