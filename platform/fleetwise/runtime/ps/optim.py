@@ -13,26 +13,19 @@ gradients is the reference.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 
-from fleetwise.config.run import OptimConfig
+from fleetwise.config.run import OptimConfig, RunConfig
 from fleetwise.config.strategy import PSStrategy
+from fleetwise.runtime.optim import lr_factor
 
 
-def lr_at(o: OptimConfig, step: int, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (from 0): linear warm-up to `lr`, then constant or
-    cosine decay to `lr × min_lr_ratio` at the last step."""
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    if o.schedule == "constant":
-        return o.lr
-    span = max(1, total_steps - 1 - o.warmup_steps)
-    progress = min(1.0, (step - o.warmup_steps) / span)
-    floor = o.lr * o.min_lr_ratio
-    return floor + 0.5 * (o.lr - floor) * (1.0 + math.cos(math.pi * progress))
+def lr_at(cfg: RunConfig, step: int) -> float:
+    """Learning rate of optimizer step `step` (from 0): the collective runtime's schedule, so a
+    job logs the same train/lr curve under every strategy."""
+    return cfg.optim.lr * lr_factor(step, cfg.optim, cfg.train)
 
 
 def dense_optimizer(params: Iterable[torch.Tensor], o: OptimConfig) -> torch.optim.Optimizer:

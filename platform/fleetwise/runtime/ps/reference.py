@@ -3,7 +3,7 @@
 `train_single_process` is a plain PyTorch loop over `CTRNet` on the same global batches with the
 same optimizers: `cfg.optim` for dense parameters (non-distributed tables included) and
 `strategy.sparse_optimizer` for the distributed tables, the learning-rate schedule of
-`optim.lr_at`, and global-norm clipping over all parameters. Sync PS training with any number of
+`optim.lr_at` (the collective runtime's), and global-norm clipping over all parameters. Sync PS training with any number of
 servers and trainers, either dispatch method and any slicing must end at the same parameters up to
 float rounding (gradients are summed in a different order).
 """
@@ -41,7 +41,7 @@ def train_single_process(cfg: RunConfig, steps: int | None = None) -> tuple[CTRN
         loss.backward()
         if cfg.optim.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip, foreach=False)
-        lr = lr_at(cfg.optim, k, cfg.train.steps)
+        lr = lr_at(cfg, k)
         for opt in (dense_opt, sparse_opt):
             set_lr(opt, lr)
             if opt is not None:

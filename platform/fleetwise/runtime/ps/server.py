@@ -295,9 +295,7 @@ class ParameterServer:
                     raise RuntimeError(f"commit of step {step} before every trainer staged it")
                 del self.steps[step]
                 self.transient -= st.held
-                self._apply(
-                    st.dense, st.sparse or {}, lr_at(self.cfg.optim, step, self.cfg.train.steps), scale
-                )
+                self._apply(st.dense, st.sparse or {}, lr_at(self.cfg, step), scale)
                 self.applied += 1
             elif self.applied != step + 1:
                 raise RuntimeError(
@@ -322,7 +320,7 @@ class ParameterServer:
         with self.lock:
             self._hold(held)
             staleness = self.applied - self.pulled_at.get(trainer, self.applied)
-            self._apply(dense, coo, lr_at(self.cfg.optim, step, self.cfg.train.steps), 1.0)
+            self._apply(dense, coo, lr_at(self.cfg, step), 1.0)
             self.applied += 1
             self.clock[trainer] = step + 1
             released = self._release_gated()

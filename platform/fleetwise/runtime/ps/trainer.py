@@ -384,7 +384,7 @@ class MetricsSink:
         return {
             "step": k + 1,
             "train/loss": mean("loss"),
-            "train/lr": lr_at(self.cfg.optim, k, self.cfg.train.steps),
+            "train/lr": lr_at(self.cfg, k),
             "train/grad_norm": mean("grad_norm"),
             "perf/step_time_s": step_time,
             "perf/samples_per_s": sum(rates),
