@@ -495,6 +495,34 @@ def parameter_server(ctx: Context) -> Iterator[Problem]:
             "max_staleness bounds async trainers; mode=sync never runs ahead",
             "set strategy.mode=async, or strategy.max_staleness=null",
         )
+    if ctx.launching and not isinstance(m, CTRModel):
+        yield Problem(
+            "strategy",
+            f"the parameter-server runtime trains CTR models; model family '{m.family}' can be planned "
+            "with strategy=ps but not trained with it",
+            "train it with strategy=dp or strategy=sharding (use `fleetwise plan` to compare with ps)",
+        )
+    if ctx.launching and ctx.cfg.fault.on_nonfinite == "skip":
+        yield Problem(
+            "fault.on_nonfinite",
+            "on_nonfinite=skip: parameter-server trainers abort on a non-finite gradient (skipping "
+            "would need every trainer and server to agree to drop the step)",
+            "set fault.on_nonfinite=abort",
+        )
+    if ctx.launching and ctx.cfg.checkpoint.resume != "none":
+        yield Problem(
+            "checkpoint.resume",
+            f"resume={ctx.cfg.checkpoint.resume!r}: the parameter-server runtime writes server shards "
+            "(run_dir/ps/server_<i>.pt) but cannot resume from them yet",
+            "set checkpoint.resume=none",
+        )
+    if ctx.launching and ctx.cfg.hardware.device_type != "cpu":
+        yield Problem(
+            "hardware",
+            f"the parameter-server runtime runs trainers and servers as CPU processes; "
+            f"hardware '{ctx.cfg.hardware.name}' is {ctx.cfg.hardware.device_type}",
+            "use hardware=cpu for strategy=ps (`fleetwise plan` still estimates it on GPUs)",
+        )
     if ctx.cfg.hardware.device_type == "cuda" and s.num_trainers > ctx.cfg.hardware.world_size:
         yield Problem(
             "strategy.num_trainers",

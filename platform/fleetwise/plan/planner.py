@@ -26,6 +26,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy, PSStrategy
 from fleetwise.config.validate import layout_of
 from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, split_layers
+from fleetwise.plan.ps import placement as ps_placement
 from fleetwise.plan.units import Unit, masked_per_sample, model_units
 
 FP32 = 4
@@ -372,6 +373,8 @@ def _ps_plan(cfg: RunConfig) -> Plan:
     n = t.accumulate_steps or 1
     b = t.micro_batch_size
 
+    # A trainer prefetches once per step the distinct rows of all its n micro-batches (parameters
+    # do not change within a step), so the draws per table are b·n, de-duplicated.
     sparse_rows = 0
     pulled_rows = 0.0
     row_width = 0
@@ -380,18 +383,29 @@ def _ps_plan(cfg: RunConfig) -> Plan:
         for table in m.sparse_tables:
             if table.distributed:
                 sparse_rows += table.num_embeddings
-                pulled_rows += expected_unique(table.num_embeddings, b, cfg.data.zipf_alpha)
+                pulled_rows += expected_unique(table.num_embeddings, b * n, cfg.data.zipf_alpha)
     sparse_params = sparse_rows * row_width
     dense_params = params - sparse_params
-    server_bytes = (FP32 * dense_params * (1 + k) + FP32 * sparse_params * (1 + sparse_k)) / s.num_servers
+    if isinstance(m, CTRModel):
+        # exact bytes of each server's shard, following the dispatch and slicing rules
+        place = ps_placement(cfg)
+        per_server = [place.server_bytes(i) for i in range(s.num_servers)]
+    else:
+        even = (FP32 * dense_params * (1 + k) + FP32 * sparse_params * (1 + sparse_k)) / s.num_servers
+        per_server = [int(even)] * s.num_servers
+    server_bytes = max(per_server)
     acts = sum(u.saved("none").total for u in units) * b * FP32
     trainer_bytes = FP32 * dense_params * 2 + FP32 * pulled_rows * row_width * 2 + acts
-    pull = FP32 * (dense_params + pulled_rows * row_width) * n  # per trainer per step
-    push = pull
+    # per trainer per step: values pulled; gradients pushed with their row ids (int64), the ids also
+    # sent once with the prefetch request
+    pull = FP32 * (dense_params + pulled_rows * row_width)
+    push = FP32 * (dense_params + pulled_rows * row_width) + 2 * 8 * pulled_rows
     flops_per_step = t.global_batch_size * 3 * sum(u.fwd_flops for u in units)
     peak = hw.peak_flops(t.precision)
     compute = n * b * 3 * sum(u.fwd_flops for u in units) / (peak * hw.matmul_efficiency)
-    comm_time = (pull + push) / (hw.intra_node_gbps * 1e9) + 2 * n * s.num_servers * hw.comm_latency_us * 1e-6
+    # two round trips per step, to all servers in parallel: async pull + push; sync push (stage)
+    # + commit, whose reply prefetches the next step's values
+    comm_time = (pull + push) / (hw.intra_node_gbps * 1e9) + 2 * hw.comm_latency_us * 1e-6
     step = compute + comm_time
     world = s.num_servers + s.num_trainers
     worst = max(server_bytes, trainer_bytes)
@@ -432,9 +446,10 @@ def _ps_plan(cfg: RunConfig) -> Plan:
             "sparse_rows": int(sparse_rows),
             "sparse_params": int(sparse_params),
             "server_bytes": int(server_bytes),
+            "server_bytes_per_server": per_server,
             "trainer_bytes": int(trainer_bytes),
-            "rows_pulled_per_step": pulled_rows * n,
-            "sparse_bytes_pulled_per_step": int(FP32 * pulled_rows * row_width * n),
+            "rows_pulled_per_step": pulled_rows,
+            "sparse_bytes_pulled_per_step": int(FP32 * pulled_rows * row_width),
             "sparse_table_bytes": int(FP32 * sparse_params),
         },
     )

@@ -102,13 +102,14 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
         ps = plan.ps
         t.add_row(
             "servers",
-            f"{gib(ps['server_bytes'])} each · sparse table {gib(ps['sparse_table_bytes'])} "
+            f"{gib(ps['server_bytes'])} on the fullest server (params + optimizer state) · "
+            f"sparse tables {gib(ps['sparse_table_bytes'])} "
             f"({count(ps['sparse_rows'])} rows)",
         )
         t.add_row(
             "pull/step",
             f"{count(ps['rows_pulled_per_step'])} rows = "
-            f"{gib(ps['sparse_bytes_pulled_per_step'])} of the sparse tables per trainer",
+            f"{gib(ps['sparse_bytes_pulled_per_step'])} of the sparse tables per trainer (de-duplicated prefetch)",
         )
     t.add_row("flops/step", f"{plan.flops_per_step:.3e}")
     if plan.mesh["pp"] > 1:

@@ -242,6 +242,24 @@ def ctr_mlp_dims(m: CTRModel) -> list[int]:
     return [len(m.sparse_tables) * m.embedding_dim + m.num_dense_features, *m.mlp_hidden, 1]
 
 
+def ctr_parameter_shapes(m: CTRModel) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of `fleetwise.models.ctr.CTRNet` by name and shape, in `named_parameters()`
+    order. The parameter server places variables by these names; a test checks them against torch."""
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for t in m.sparse_tables:
+        shapes.append((f"embeddings.{t.name}.weight", (t.num_embeddings, m.embedding_dim)))
+    for t in m.sparse_tables:
+        shapes.append((f"first_order.{t.name}.weight", (t.num_embeddings, 1)))
+    shapes.append(("dense_first_order.weight", (1, m.num_dense_features)))
+    shapes.append(("dense_first_order.bias", (1,)))
+    dims = ctr_mlp_dims(m)
+    for i, (a, b) in enumerate(zip(dims, dims[1:], strict=False)):
+        # nn.Sequential(Linear, ReLU, Linear, ReLU, ..., Linear): linears sit at even indices
+        shapes.append((f"mlp.{2 * i}.weight", (b, a)))
+        shapes.append((f"mlp.{2 * i}.bias", (b,)))
+    return shapes
+
+
 def _ctr_units(m: CTRModel) -> list[Unit]:
     fields = len(m.sparse_tables)
     rows = sum(t.num_embeddings for t in m.sparse_tables)
@@ -300,6 +318,7 @@ __all__ = [
     "tokens_per_sample",
     "masked_per_sample",
     "ctr_mlp_dims",
+    "ctr_parameter_shapes",
     "ceil_div",
     "largest",
     "math",
