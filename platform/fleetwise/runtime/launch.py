@@ -194,20 +194,31 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     proc.wait()
 
 
+# Failures that only echo another rank's death (its peers lose the connection or time out).
+SYMPTOMS = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "connectFullMesh")
+
+
 def root_cause(run_dir: Path, returncode: int) -> str:
-    """The first failure of the job, as torchrun observed it ("Root Cause" in its report): the rank
-    and its exception message (from the error file @record wrote), or its exit code / signal when
-    it died without one (os._exit, SIGKILL, OOM killer)."""
-    cause = _torchrun_root_cause(run_dir / "logs" / "launcher.log")
-    if cause is None:  # torchrun itself failed (bad arguments, rendezvous): its last words
+    """The first failure of the job: the rank and its exception message (from the error file
+    @record wrote), or its exit code / signal when it died without one (os._exit, SIGKILL, OOM
+    killer). torchrun's "first observed failure" can be a peer's connection error observed before
+    the dead rank was reaped, so a rank that died without an exception, or whose error is not such
+    a symptom, is preferred."""
+    failures = _torchrun_failures(run_dir / "logs" / "launcher.log")
+    if not failures:  # torchrun itself failed (bad arguments, rendezvous): its last words
         try:
             lines = (run_dir / "logs" / "launcher.log").read_text(errors="replace").strip().splitlines()
         except OSError:
             lines = []
         last = lines[-1].strip() if lines else ""
         return f"torchrun exited with code {returncode}: {last} (see {run_dir / 'logs' / 'launcher.log'})"
-    rank, code, error_file = cause
-    message = _error_file_message(Path(error_file)) if error_file and error_file != "<N/A>" else None
+    described = []
+    for rank, code, error_file in failures:
+        message = _error_file_message(Path(error_file)) if error_file and error_file != "<N/A>" else None
+        described.append((rank, code, message))
+    rank, code, message = next(
+        (f for f in described if not (f[2] and any(x in f[2] for x in SYMPTOMS))), described[0]
+    )
     if message:
         return f"rank {rank} failed: {message}"
     if code.lstrip("-").isdigit() and int(code) < 0:
@@ -219,22 +230,36 @@ def root_cause(run_dir: Path, returncode: int) -> str:
     return f"rank {rank} died with exit code {code} (no Python exception: see logs/rank_{rank}.log)"
 
 
-def _torchrun_root_cause(launcher_log: Path) -> tuple[str, str, str] | None:
+def _torchrun_failures(launcher_log: Path) -> list[tuple[str, str, str]]:
+    """(rank, exitcode, error_file) of every failure in torchrun's last report, root cause first."""
     try:
         text = launcher_log.read_text(errors="replace")
     except OSError:
-        return None
+        return []
     marker = text.rfind("Root Cause (first observed failure)")
     if marker < 0:
-        return None
-    fields = {}
-    for line in text[marker:].splitlines()[1:]:
-        key, sep, value = line.strip().partition(":")
-        if sep and key.strip() in ("rank", "exitcode", "error_file"):
-            fields.setdefault(key.strip(), value.strip())
-    if "rank" not in fields:
-        return None
-    return fields["rank"].split()[0], fields.get("exitcode", "?").split()[0], fields.get("error_file", "")
+        return []
+    start = text.rfind("Failures:", 0, marker)
+    sections = [text[marker:], text[start:marker] if start >= 0 else ""]
+    out = []
+    for section in sections:
+        entry: dict[str, str] = {}
+        for line in section.splitlines()[1:] + ["[end]:"]:
+            if line.startswith("[") and line.rstrip().endswith("]:"):
+                if "rank" in entry:
+                    out.append(
+                        (
+                            entry["rank"].split()[0],
+                            entry.get("exitcode", "?").split()[0],
+                            entry.get("error_file", ""),
+                        )
+                    )
+                entry = {}
+                continue
+            key, sep, value = line.strip().partition(":")
+            if sep and key.strip() in ("rank", "exitcode", "error_file"):
+                entry.setdefault(key.strip(), value.strip())
+    return out
 
 
 def _error_file_message(path: Path) -> str | None:
