@@ -128,7 +128,7 @@ def test_pulled_rows_are_a_small_fraction_of_the_criteo_tables():
     [
         (("recipe=gpt/tiny", "strategy=ps", "strategy.dense_fallback=true"), "strategy"),
         (("recipe=ctr/tiny", "hardware=a100"), "hardware"),
-        (("recipe=ctr/tiny", "checkpoint.resume=auto"), "checkpoint.resume"),
+        (("recipe=ctr/tiny", "checkpoint.resume=auto", "run.dir=/nonexistent/run"), "checkpoint.resume"),
         (("recipe=ctr/tiny", "fault.on_nonfinite=skip"), "fault.on_nonfinite"),
     ],
 )

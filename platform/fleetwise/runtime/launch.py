@@ -202,8 +202,7 @@ def root_cause(run_dir: Path, returncode: int) -> str:
     """The first failure of the job: the rank and its exception message (from the error file
     @record wrote), or its exit code / signal when it died without one (os._exit, SIGKILL, OOM
     killer). torchrun's "first observed failure" can be a peer's connection error observed before
-    the dead rank was reaped, so a rank that died without an exception, or whose error is not such
-    a symptom, is preferred."""
+    the dead rank was reaped, so failures are ranked by _blame_order."""
     failures = _torchrun_failures(run_dir / "logs" / "launcher.log")
     if not failures:  # torchrun itself failed (bad arguments, rendezvous): its last words
         try:
@@ -216,9 +215,7 @@ def root_cause(run_dir: Path, returncode: int) -> str:
     for rank, code, error_file in failures:
         message = _error_file_message(Path(error_file)) if error_file and error_file != "<N/A>" else None
         described.append((rank, code, message))
-    rank, code, message = next(
-        (f for f in described if not (f[2] and any(x in f[2] for x in SYMPTOMS))), described[0]
-    )
+    rank, code, message = min(described, key=_blame_order)  # min is stable: ties keep torchrun's order
     if message:
         return f"rank {rank} failed: {message}"
     if code.lstrip("-").isdigit() and int(code) < 0:
@@ -228,6 +225,17 @@ def root_cause(run_dir: Path, returncode: int) -> str:
             name = f"signal {-int(code)}"
         return f"rank {rank} was killed by {name}"
     return f"rank {rank} died with exit code {code} (no Python exception: see logs/rank_{rank}.log)"
+
+
+def _blame_order(failure: tuple[str, str, str | None]) -> int:
+    """How likely a failure is the cause rather than a consequence: a real exception first, then a
+    rank that died without one (os._exit, SIGKILL), then a peer's connection error or collective
+    timeout, and last a rank torchrun itself stopped with SIGTERM while tearing the group down
+    (a hung rank ends that way; its peer's timeout says more)."""
+    _, code, message = failure
+    if message:
+        return 2 if any(x in message for x in SYMPTOMS) else 0
+    return 3 if code == f"-{signal.SIGTERM.value}" else 1
 
 
 def _torchrun_failures(launcher_log: Path) -> list[tuple[str, str, str]]:
