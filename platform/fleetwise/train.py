@@ -44,8 +44,9 @@ def check_points(points: list[list[str]]) -> list[Problem]:
         pf = preflight(point, launching=True)
         prefix = f"[{' '.join(point)}] " if len(points) > 1 else ""
         problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in pf.problems]
-        if not pf.problems:
-            problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in resume_problems(pf.cfg)]
+        if pf.cfg is not None:  # the config parsed: what this machine and run directory say too
+            if not pf.problems:
+                problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in resume_problems(pf.cfg)]
             gpu = gpu_problem(pf.cfg)
             if gpu:
                 problems.append(

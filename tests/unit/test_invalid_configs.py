@@ -244,3 +244,22 @@ def test_memory_problem_lists_numbers_and_remedies_and_can_be_waived():
         )
         == []
     )
+
+
+@pytest.mark.parametrize("overrides,loc", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_train_refuses_it_with_exit_2_spawning_and_writing_nothing(overrides, loc, tmp_path, monkeypatch, capsys):
+    """The same corpus through `fleetwise train`: exit 2, the location named, no process started
+    (Popen is forbidden), no run directory, Hydra output, or MLflow store written."""
+    import subprocess
+
+    from fleetwise.cli import main
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError(f"a process was spawned for an invalid config: {args[:1]}")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", forbidden)
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    assert main(["train", *overrides, f"run.dir={run_dir}"]) == 2
+    assert loc in " ".join(capsys.readouterr().err.split())
+    assert list(tmp_path.iterdir()) == []

@@ -26,13 +26,19 @@ def preflight(overrides: list[str], *, launching: bool = False, enforce_memory: 
     from fleetwise.plan import make_plan
     from fleetwise.plan.remedies import remedies
 
+    problems: list[Problem] = []
     try:
         cfg = load_config(overrides, launching=launching)
     except ConfigError as err:
-        return Preflight(problems=err.problems)
+        if not launching:
+            return Preflight(problems=err.problems)
+        try:  # only rules about starting processes failed? Then plan it too and list everything
+            cfg = load_config(overrides)
+        except ConfigError:
+            return Preflight(problems=err.problems)
+        problems += err.problems
     plan = make_plan(cfg)
     fixes = [] if plan.fits else remedies(cfg)
-    problems: list[Problem] = []
     if not plan.fits and enforce_memory and cfg.plan.memory_check == "error":
         problems.append(memory_problem(plan, fixes))
     return Preflight(cfg=cfg, plan=plan, problems=problems, remedies=fixes)
