@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = tokenize(args.inputs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out = write_token_file(args.out, tokens, VOCAB, space_id=SPACE, tokenizer="bytes")
-    print(f"{len(tokens):,} tokens -> {out} (+ {out.with_suffix('.json').name}); use model.vocab_size={VOCAB}")
+    print(
+        f"{len(tokens):,} tokens -> {out} (+ {out.with_suffix('.json').name}); use model.vocab_size={VOCAB}"
+    )
     return 0
 
 

@@ -32,8 +32,9 @@ def test_whole_word_masking_masks_words_together_within_budget():
     rng = np.random.default_rng(0)
     tokens = np.arange(40) % 30
     words = np.repeat(np.arange(20), 2)  # every word is 2 tokens
-    out, labels = mask_sequence(tokens, words, rng, unit="whole_word", budget=6, max_span_words=3, mask_id=99,
-                                vocab=100)
+    out, labels = mask_sequence(
+        tokens, words, rng, unit="whole_word", budget=6, max_span_words=3, mask_id=99, vocab=100
+    )
     sel = np.flatnonzero(labels != IGNORE)
     assert len(sel) == 6
     assert all(((i ^ 1) in sel) for i in sel)  # both tokens of a word, or neither
@@ -42,7 +43,9 @@ def test_whole_word_masking_masks_words_together_within_budget():
 
 def test_masked_lm_batches_have_types_labels_and_a_reserved_mask_id():
     base = SyntheticTokens(99, 32, seed=3, num_samples=100)
-    mlm = MaskedLM(base, seq_len=32, vocab_size=100, masking="entity_span", mask_prob=0.15, max_span_words=3, seed=3)
+    mlm = MaskedLM(
+        base, seq_len=32, vocab_size=100, masking="entity_span", mask_prob=0.15, max_span_words=3, seed=3
+    )
     b = mlm.batch(np.arange(8))
     assert b["tokens"].shape == b["labels"].shape == b["token_types"].shape == (8, 32)
     assert ((b["labels"] != IGNORE).sum(1) <= round(32 * 0.15)).all()

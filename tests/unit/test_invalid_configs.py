@@ -247,7 +247,9 @@ def test_memory_problem_lists_numbers_and_remedies_and_can_be_waived():
 
 
 @pytest.mark.parametrize("overrides,loc", CASES, ids=[" ".join(c[0]) for c in CASES])
-def test_train_refuses_it_with_exit_2_spawning_and_writing_nothing(overrides, loc, tmp_path, monkeypatch, capsys):
+def test_train_refuses_it_with_exit_2_spawning_and_writing_nothing(
+    overrides, loc, tmp_path, monkeypatch, capsys
+):
     """The same corpus through `fleetwise train`: exit 2, the location named, no process started
     (Popen is forbidden), no run directory, Hydra output, or MLflow store written."""
     import subprocess

@@ -16,8 +16,14 @@ def _report(tmp_path, failures):
             path = tmp_path / f"error_{i}.json"
             path.write_text(json.dumps({"message": {"message": f"Traceback ...\n{message}\n"}}))
             error_file = str(path)
-        return [f"[{i}]:", "  time      : 2026-11-22_10:00:00", f"  rank      : {rank} (local_rank: {rank})",
-                f"  exitcode  : {code} (pid: 1{rank})", f"  error_file: {error_file}", "  traceback : ..."]
+        return [
+            f"[{i}]:",
+            "  time      : 2026-11-22_10:00:00",
+            f"  rank      : {rank} (local_rank: {rank})",
+            f"  exitcode  : {code} (pid: 1{rank})",
+            f"  error_file: {error_file}",
+            "  traceback : ...",
+        ]
 
     lines = ["fleetwise.runtime.worker FAILED", "-" * 20, "Failures:"]
     for i, f in enumerate(failures[1:], 1):
@@ -32,14 +38,21 @@ def _report(tmp_path, failures):
     "failures,expected",
     [
         # a rank that raised is the cause, whatever torchrun saw first
-        ([(0, 1, "RuntimeError: Connection reset by peer"), (1, 1, "FaultInjected: rank 1 at step 3")],
-         "rank 1 failed: FaultInjected: rank 1 at step 3"),
+        (
+            [(0, 1, "RuntimeError: Connection reset by peer"), (1, 1, "FaultInjected: rank 1 at step 3")],
+            "rank 1 failed: FaultInjected: rank 1 at step 3",
+        ),
         # a rank that died hard beats its peer's connection error
-        ([(0, 1, "RuntimeError: [gloo] Connection closed by peer"), (1, -9, None)], "rank 1 was killed by SIGKILL"),
+        (
+            [(0, 1, "RuntimeError: [gloo] Connection closed by peer"), (1, -9, None)],
+            "rank 1 was killed by SIGKILL",
+        ),
         ([(1, 1, "RuntimeError: Connection reset by peer"), (0, 3, None)], "rank 0 died with exit code 3"),
         # a hung rank is SIGTERMed by torchrun: the peer's collective timeout says more
-        ([(1, -15, None), (0, 1, "RuntimeError: Timed out waiting 5000ms for recv")],
-         "rank 0 failed: RuntimeError: Timed out waiting 5000ms for recv"),
+        (
+            [(1, -15, None), (0, 1, "RuntimeError: Timed out waiting 5000ms for recv")],
+            "rank 0 failed: RuntimeError: Timed out waiting 5000ms for recv",
+        ),
         # only SIGTERMs (the user stopped the job): say so
         ([(0, -15, None), (1, -15, None)], "rank 0 was killed by SIGTERM"),
     ],
