@@ -3,7 +3,6 @@ ranks without leaving processes behind, spans two "nodes" on loopback, runs Hydr
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -152,4 +151,3 @@ def test_cluster_launch_spans_the_slurm_allocation():
     out = cluster_launch(cfg, env)
     assert (out.launch.nnodes, out.launch.node_rank, out.launch.rdzv_endpoint) == ("2", 1, "gpu-a:29500")
     assert cluster_launch(cfg, None) is cfg
-    assert os.environ.get("SLURM_JOB_ID") is None or True
