@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from fleetwise.config.problems import Problem, did_you_mean
 from fleetwise.plan.preflight import preflight
@@ -57,6 +59,16 @@ def _print_cfg(overrides: list[str], which: str, resolve: bool) -> int:
     return EXIT_OK
 
 
+def _two_columns(rows) -> Table:
+    """Name and text, the text wrapping under itself on a narrow terminal."""
+    table = Table.grid(padding=(0, 1))
+    table.add_column(no_wrap=True, min_width=12)
+    table.add_column()
+    for name, text in rows:
+        table.add_row(f"  {name}", Text(text))
+    return table
+
+
 def print_help(command: str | None = None) -> int:
     from fleetwise.config.compose import config_dir, group_options
 
@@ -64,11 +76,10 @@ def print_help(command: str | None = None) -> int:
     console.print("[bold]fleetwise[/]: declarative distributed training for PyTorch\n")
     console.print("usage: fleetwise COMMAND [OVERRIDES…] [--json] [--cfg job] [--help]\n")
     console.print("[bold]commands[/]")
-    for name, (_, text) in COMMANDS.items():
-        console.print(f"  {name:<10} {text}", highlight=False)
+    console.print(_two_columns((name, text) for name, (_, text) in COMMANDS.items()))
     console.print("\n[bold]config groups[/] (choose one option each, e.g. strategy=hybrid)")
-    for group in sorted(p.name for p in config_dir().iterdir() if p.is_dir()):
-        console.print(f"  {group:<10} {', '.join(group_options(group))}", highlight=False)
+    groups = sorted(p.name for p in config_dir().iterdir() if p.is_dir())
+    console.print(_two_columns((g, ", ".join(group_options(g))) for g in groups))
     console.print(
         "\n[bold]overrides[/] set any key: train.steps=50 strategy.pp_degree=4 hardware.nodes=16; "
         "+key=value adds a key; --cfg job prints the composed config.\n"
