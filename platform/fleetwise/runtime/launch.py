@@ -151,21 +151,27 @@ def launch_job(
         proc = subprocess.Popen(
             cmd, stdout=launcher_log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        progress = _progress_bar(console)
+        task = progress.add_task("train", total=cfg.train.steps, status="starting the ranks")
         try:
             if on_started is not None:
                 on_started()
-            while True:
-                done = proc.poll() is not None
-                for line in rank0_log.lines():
-                    console.print(line, highlight=False, markup=False, soft_wrap=True)
-                for line in metrics.lines():
-                    if line.strip():
-                        records.append(json.loads(line))
-                if on_poll is not None:
-                    on_poll()
-                if done:
-                    break
-                time.sleep(0.2)
+            with progress:  # log lines print above the bar; no bar when the console is not a terminal
+                while True:
+                    done = proc.poll() is not None
+                    for line in rank0_log.lines():
+                        console.print(line, highlight=False, markup=False, soft_wrap=True)
+                    for line in metrics.lines():
+                        if line.strip():
+                            records.append(json.loads(line))
+                            progress.update(
+                                task, completed=records[-1].get("step", 0), status=_status(records[-1])
+                            )
+                    if on_poll is not None:
+                        on_poll()
+                    if done:
+                        break
+                    time.sleep(0.2)
         except KeyboardInterrupt:
             _stop(proc)
             raise
@@ -174,6 +180,31 @@ def launch_job(
                 _stop(proc)
     error = None if proc.returncode == 0 else root_cause(run_dir, proc.returncode)
     return JobResult(proc.returncode, run_dir, error, latest_per_step(records))
+
+
+def _progress_bar(console: Console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]steps"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+
+
+def _status(record: dict) -> str:
+    rate = (
+        f"{record['perf/tokens_per_s']:,.0f} tokens/s"
+        if "perf/tokens_per_s" in record
+        else f"{record.get('perf/samples_per_s', 0):,.0f} samples/s"
+    )
+    loss = record.get("train/loss")
+    return f"loss {loss:.4f} · {rate}" if isinstance(loss, (int, float)) else rate
 
 
 def latest_per_step(records: list[dict]) -> list[dict]:
