@@ -10,6 +10,7 @@ mlflow is imported inside functions only: `fleetwise validate`/`plan` must never
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import re
@@ -72,6 +73,8 @@ def configure_http() -> None:
 
 def client(uri: str) -> MlflowClient:
     configure_http()
+    # creating a fresh sqlite store logs two INFO lines per process (schema migration): not news
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
