@@ -115,7 +115,7 @@ def test_a_resumed_job_continues_its_run_and_keeps_the_original_params(store, tm
     second = tracker(run_dir, messages, params=changed)
     assert second.start() == run_id  # same run, not a new one
     assert store.get_run(run_id).info.status == "RUNNING"
-    write_steps(run_dir, range(11, 21))
+    write_steps(run_dir, range(8, 21))  # resumed from a checkpoint at step 7: steps 8-10 run again
     assert second.poll() == 10
     second.finish("FINISHED")
 
@@ -124,6 +124,7 @@ def test_a_resumed_job_continues_its_run_and_keeps_the_original_params(store, tm
     assert run.data.params["train.steps"] == "40"  # a new key is added
     assert len(messages.about("changed param")) == 1 and "strategy.dp_degree" in messages[0]
     assert history(store, run_id, "train/loss") == [(s, value("train/loss", s)) for s in range(1, 21)]
+    assert load_state(run_dir).rerun_lines == 3  # each step logged once
 
 
 def test_a_failed_run_carries_its_error_as_tag_and_error_txt(store, tmp_path):

@@ -81,6 +81,7 @@ def _to_stderr(message: str) -> None:
 class _Line:
     end_offset: int
     malformed: bool = False  # not a JSON object (a blank line is neither shipped nor counted)
+    rerun: bool = False  # a step at or before one already delivered (re-run after a resume)
     metrics: list = field(default_factory=list)  # mlflow.entities.Metric
 
 
@@ -265,6 +266,7 @@ class RunTracker:
                     )
                     state.run_id, state.setup_done = None, False
                     state.delivered_lines = state.delivered_offset = state.skipped_lines = 0
+                    state.rerun_lines = state.last_step = 0
             if state.run_id is None:
                 experiment_id = ensure_experiment(mlflow_client, state.experiment, state.tracking_uri)
                 run = mlflow_client.create_run(
@@ -381,6 +383,11 @@ class RunTracker:
         from mlflow.entities import Metric
 
         now, first_line = _now_ms(), self.state.delivered_lines  # before any batch advances it
+        # After a resume the steps since the last checkpoint are trained again and appended again.
+        # MLflow already has them (and cannot replace a point), so each step is logged once: the
+        # first time. In fp32 on the same layout the re-run values are identical anyway;
+        # metrics.jsonl keeps both.
+        latest = self.state.last_step
         batch: list[_Line] = []
         count = 0
         for i, (end, text) in enumerate(raw):
@@ -388,10 +395,15 @@ class RunTracker:
             line = _Line(end, malformed=record is None and bool(text.strip()))
             if record is not None:
                 stamp = int(record["time"] * 1000) if finite(record.get("time")) else now
-                step = int(record["step"]) if finite(record.get("step")) else first_line + i
-                line.metrics = [
-                    Metric(clean_key(k), v, stamp, step) for k, v in metric_values(record).items()
-                ]
+                explicit = finite(record.get("step"))
+                step = int(record["step"]) if explicit else first_line + i
+                if explicit and step <= latest:
+                    line.rerun = True
+                else:
+                    latest = max(latest, step)
+                    line.metrics = [
+                        Metric(clean_key(k), v, stamp, step) for k, v in metric_values(record).items()
+                    ]
             if batch and count + len(line.metrics) > MAX_METRICS_PER_BATCH:
                 yield batch
                 batch, count = [], 0
@@ -424,6 +436,7 @@ class RunTracker:
         state.delivered_offset = batch[-1].end_offset
         state.delivered_lines += len(batch)
         state.skipped_lines += sum(1 for line in batch if line.malformed)
+        state.rerun_lines += sum(1 for line in batch if line.rerun)
         steps = [m.step for line in batch for m in line.metrics]
         if steps:
             state.last_step = max(state.last_step, *steps)

@@ -40,6 +40,7 @@ class TrackingState:
     delivered_lines: int = 0  # lines of metrics.jsonl consumed (shipped or skipped as malformed)
     delivered_offset: int = 0  # byte offset just past the last consumed line
     skipped_lines: int = 0  # malformed lines, or lines MLflow rejected
+    rerun_lines: int = 0  # steps re-run after a resume, already in MLflow: not logged twice
     last_step: int = 0
     params: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
