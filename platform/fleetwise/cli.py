@@ -223,7 +223,11 @@ def cmd_calibrate(argv: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile_yaml(cal, args.name))
     if args.json:
-        print(json.dumps({"measured": cal.to_dict(), "profile": profile(cal, args.name), "path": str(out)}, indent=2))
+        print(
+            json.dumps(
+                {"measured": cal.to_dict(), "profile": profile(cal, args.name), "path": str(out)}, indent=2
+            )
+        )
     else:
         Console().print(
             f"[green]✓[/] peak fp32 {cal.peak_flops['fp32'] / 1e9:,.1f} GFLOP/s ({cal.cores} cores; one thread "

@@ -229,7 +229,9 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         units = [u for c, rr in enumerate(ranks) if rr == r for u in chunks[c]]
         fwd = sum(u.fwd_flops for u in units)
         block_fwd = sum(u.fwd_flops for u in units if u.kind == "block")
-        ops = sum(u.fwd_ops for u in units) + reforward_ops * sum(u.fwd_ops for u in units if u.kind == "block")
+        ops = sum(u.fwd_ops for u in units) + reforward_ops * sum(
+            u.fwd_ops for u in units if u.kind == "block"
+        )
         host_time.append(n * ops * op_s)
         stage_time.append(n * b * (3 * fwd + recompute_extra * block_fwd) / layout.mp / rate + host_time[-1])
     bubble = bubble_fraction(s.schedule, layout.pp, v, n)
@@ -239,7 +241,8 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     comm, calls = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
     bw = {dim: _bandwidth(cfg, layout, dim) for dim in ("dp", "sharding", "mp", "pp")}
     comm_time = {
-        dim: (comm[dim] / bw[dim] + calls[dim] * hw.comm_latency_us * 1e-6) * hw.ranks_per_core for dim in comm
+        dim: (comm[dim] / bw[dim] + calls[dim] * hw.comm_latency_us * 1e-6) * hw.ranks_per_core
+        for dim in comm
     }
     # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with backward compute on GPUs
     # (separate streams). On a CPU the same cores run both, so nothing is hidden.

@@ -5,7 +5,8 @@ What is measured (all on the current machine, nothing looked up):
   all threads); on a CPU this is the whole machine, shared by its ranks (`shared_compute`), and
   also with one thread (what one rank of a one-rank-per-core job gets);
 - matmul efficiency: a training-shaped GEMM (forward and both backward GEMMs through autograd,
-  512×512 activations and weights) over that peak;
+  1024×1024 activations and weights) over that peak. Every timing is the best of many runs:
+  on a shared machine noise only ever slows a run down;
 - per-op overhead: wall time of forward + backward of a chain of tiny layers (norm, linear, GELU,
   residual add: the op mix of a transformer block, at a width where FLOPs are negligible) divided
   by the aten ops its forward dispatches. The planner charges it per forward op of each unit;
@@ -64,7 +65,7 @@ def _timed(fn, reps: int, sync=lambda: None) -> float:
     return min(times)  # best of reps: on a shared machine noise only ever slows a run down
 
 
-def gemm_flops(size: int, device: torch.device, dtype: torch.dtype, reps: int = 5) -> float:
+def gemm_flops(size: int, device: torch.device, dtype: torch.dtype, reps: int = 10) -> float:
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -73,7 +74,7 @@ def gemm_flops(size: int, device: torch.device, dtype: torch.dtype, reps: int = 
     return inner * 2 * size**3 / t
 
 
-def training_gemm_flops(device: torch.device, dtype: torch.dtype, size: int = 512, reps: int = 5) -> float:
+def training_gemm_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, reps: int = 15) -> float:
     """A linear layer's forward and backward (3 GEMMs of size³) through autograd."""
     x = torch.randn(size, size, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(size, size, device=device, dtype=dtype, requires_grad=True)
@@ -96,13 +97,15 @@ class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def op_overhead_us(layers: int = 16, width: int = 16, reps: int = 20) -> float:
+def op_overhead_us(layers: int = 16, width: int = 16, reps: int = 50) -> float:
     """Seconds per forward aten op of a tiny pre-LN MLP chain, forward + backward (microseconds)."""
     from torch import nn
 
     torch.manual_seed(0)
     blocks = nn.ModuleList(
-        nn.ModuleDict({"ln": nn.LayerNorm(width), "fc1": nn.Linear(width, width), "fc2": nn.Linear(width, width)})
+        nn.ModuleDict(
+            {"ln": nn.LayerNorm(width), "fc1": nn.Linear(width, width), "fc2": nn.Linear(width, width)}
+        )
         for _ in range(layers)
     )
     x = torch.randn(2, 8, width)
