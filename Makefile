@@ -41,3 +41,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) outputs multirun mlruns mlflow.db dist .pytest_cache
+
+# Benchmarks (scripts/bench.py): overhead vs plain PyTorch, compute efficiency, pipeline bubble,
+# planner accuracy, start-up (+ GPU where CUDA exists). Writes bench/results.json and results.md.
+bench: $(STAMP)
+	$(VENV)/bin/python scripts/bench.py

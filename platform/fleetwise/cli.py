@@ -3,6 +3,7 @@
     fleetwise validate [OVERRIDES…] [--json]   exit 0 valid, 2 invalid (every problem listed)
     fleetwise plan     [OVERRIDES…] [--json]   the analytic plan (exit 2 if the config is invalid)
     fleetwise train    [OVERRIDES…] [-m]       run the job (exit 2 on a bad config, nothing started)
+    fleetwise calibrate [--out PATH] [--json]  measure this machine, write hardware profile `local`
 
 Heavy imports (torch, mlflow) stay out of validate/plan: they load inside the commands that use them.
 """
@@ -209,10 +210,51 @@ def cmd_checkpoint(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def cmd_calibrate(argv: list[str]) -> int:
+    """`fleetwise calibrate [--out PATH] [--name NAME] [--json] [--no-comm]`: measure peak matmul,
+    per-op overhead and all-reduce speed here, and write a hardware profile (hardware=NAME)."""
+    from pathlib import Path
+
+    from fleetwise.config.compose import user_config_dir
+
+    p = argparse.ArgumentParser(prog="fleetwise calibrate", description=cmd_calibrate.__doc__)
+    p.add_argument("--name", default="local", help="profile name (select it with hardware=NAME)")
+    p.add_argument(
+        "--out",
+        help="profile file (default: $FLEETWISE_CONFIG_DIR or ~/.config/fleetwise, hardware/NAME.yaml, "
+        "which fleetwise searches after its own conf/)",
+    )
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    p.add_argument("--no-comm", action="store_true", help="skip the 2-process all-reduce measurement")
+    args = p.parse_args(argv)
+    from fleetwise.runtime.calibrate import calibrate, profile, profile_yaml
+
+    cal = calibrate(comm=not args.no_comm)
+    out = Path(args.out) if args.out else user_config_dir() / "hardware" / f"{args.name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile_yaml(cal, args.name))
+    if args.json:
+        print(
+            json.dumps(
+                {"measured": cal.to_dict(), "profile": profile(cal, args.name), "path": str(out)}, indent=2
+            )
+        )
+    else:
+        Console().print(
+            f"[green]✓[/] peak fp32 {cal.peak_flops['fp32'] / 1e9:,.1f} GFLOP/s ({cal.cores} cores; one thread "
+            f"{cal.single_thread_flops / 1e9:,.1f}) · matmul efficiency {cal.matmul_efficiency:.2f} · op overhead "
+            f"{cal.op_overhead_us:.1f} µs · all-reduce {cal.allreduce_latency_us:,.0f} µs, "
+            f"{cal.allreduce_gbps:.2f} GB/s\n  profile written to {out}: use hardware={args.name}",
+            highlight=False,
+        )
+    return EXIT_OK
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
     "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
     "train": (cmd_train, "run the job on torch.distributed (torchrun; -m for Hydra sweeps)"),
+    "calibrate": (cmd_calibrate, "measure this machine (matmul, op overhead, all-reduce): hardware=local"),
     "checkpoint": (
         cmd_checkpoint,
         "checkpoint export RUN_DIR: one consolidated state dict for use elsewhere",

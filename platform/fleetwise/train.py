@@ -80,7 +80,7 @@ class JobFailed(RuntimeError):
 def run_hydra(overrides: list[str], multirun: bool) -> int:
     import hydra
 
-    from fleetwise.config.compose import config_dir
+    from fleetwise.config.compose import config_dir, search_path_overrides
 
     run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("run.dir=")), None)
     extra = []
@@ -89,6 +89,7 @@ def run_hydra(overrides: list[str], multirun: bool) -> int:
     _CODES.clear()
     app = hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(hydra_task)
     saved = sys.argv
+    extra += search_path_overrides(overrides)
     sys.argv = ["fleetwise train", *overrides, *extra, *(["--multirun"] if multirun else [])]
     try:
         app()

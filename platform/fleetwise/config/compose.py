@@ -8,6 +8,7 @@ not only the first.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,31 @@ def config_dir() -> Path:
     return packaged if packaged.is_dir() else here.parents[3] / "conf"
 
 
+def user_config_dir() -> Path:
+    """A config tree of the user's own, searched after conf/: $FLEETWISE_CONFIG_DIR, else
+    ~/.config/fleetwise. `fleetwise calibrate` writes hardware/local.yaml there, so
+    `hardware=local` works in a checkout and in an installed wheel alike."""
+    env = os.environ.get("FLEETWISE_CONFIG_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".config" / "fleetwise"
+
+
+def search_path_overrides(overrides: list[str]) -> list[str]:
+    """Hydra override adding the user config dir to the search path (when it exists and the user
+    did not set hydra.searchpath)."""
+    user = user_config_dir()
+    if not user.is_dir() or any(o.lstrip("+").startswith("hydra.searchpath=") for o in overrides):
+        return []
+    return [f"hydra.searchpath=[file://{user.resolve()}]"]
+
+
 def group_options(group: str) -> list[str]:
     """Options of a config group, e.g. 'recipe' -> ['ctr/tiny', ..., 'resnet/tiny']."""
-    root = config_dir() / group
-    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+    options = set()
+    for base in (config_dir(), user_config_dir()):
+        root = base / group
+        if root.is_dir():
+            options.update(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+    return sorted(options)
 
 
 def _is_group_override(text: str) -> bool:
@@ -41,6 +63,7 @@ def _compose(overrides: list[str], *, hydra_cfg: bool = False) -> Any:
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="fleetwise"):
+        overrides = list(overrides) + search_path_overrides(overrides)
         return compose(PRIMARY, overrides=overrides, return_hydra_config=hydra_cfg)
 
 

@@ -52,6 +52,17 @@ class HardwareConfig(Section):
     comm_latency_us: float = Field(
         20.0, ge=0, description="Fixed cost of one collective call, microseconds (calibrate measures it)."
     )
+    op_overhead_us: float = Field(
+        0.0,
+        ge=0,
+        description="Host time per forward op (dispatch, autograd, Python) with its backward, microseconds "
+        "(calibrate measures it; 0 on GPUs, where kernels queue behind the device's work).",
+    )
+    host_cores: int | None = Field(
+        None,
+        ge=1,
+        description="CPU cores the ranks of a node share (shared_compute); more ranks than cores time-share them.",
+    )
 
     @property
     def world_size(self) -> int:
@@ -60,6 +71,13 @@ class HardwareConfig(Section):
     @property
     def memory_per_device_bytes(self) -> int:
         return int(self.memory_per_device_gib * GIB)
+
+    @property
+    def ranks_per_core(self) -> float:
+        """How many ranks time-share one core (1 unless shared_compute with more ranks than cores)."""
+        if not self.shared_compute or not self.host_cores:
+            return 1.0
+        return max(1.0, self.devices_per_node / self.host_cores)
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s of one rank at the training precision (fp32 training uses TF32 where the profile has it)."""

@@ -10,8 +10,11 @@ Everything here is arithmetic on the validated config (no torch). Sources of the
   2021 eq. 3 without recompute): 6·N·tokens + attention 12·L·s·h·tokens for transformers.
 - Communication: ring collectives (all-reduce moves 2(n-1)/n of the buffer per device,
   all-gather and reduce-scatter (n-1)/n), Thakur et al. 2005.
-- Time: compute at `matmul_efficiency` × peak, stretched by the pipeline bubble, plus the
-  communication that is not overlapped with compute.
+- Time: compute at `matmul_efficiency` × peak, plus host time per op (`op_overhead_us` × the
+  forward ops of each unit, backward included; calibrated), stretched by the pipeline bubble,
+  plus the communication that is not overlapped with compute (latency per call + bytes over
+  bandwidth). CPU ranks that outnumber the cores (`host_cores`) time-share them: their host and
+  communication time stretch by ranks per core (their FLOP/s share is already peak / ranks).
 """
 
 from __future__ import annotations
@@ -174,7 +177,10 @@ def _rank_memory(
     # Peak of forward/backward vs peak of the optimizer step (foreach AdamW keeps about one
     # parameter-sized temporary).
     grads_live = mem.grads if (accumulating or engine in ("ddp", "zero1")) else 0.0
-    fwd_bwd = mem.params + mem.optimizer + grads_live + mem.activations
+    # gloo's all-reduce of a DDP bucket works on a copy of it (measured: +4 B per parameter at the
+    # backward peak); NCCL reduces the bucket in place
+    comm_copy = FP32 * p if engine in ("ddp", "zero1") and cfg.hardware.backend == "gloo" else 0.0
+    fwd_bwd = mem.params + mem.optimizer + grads_live + mem.activations + comm_copy
     if not accumulating and engine not in ("ddp", "zero1"):
         fwd_bwd = max(fwd_bwd, mem.params + mem.optimizer + mem.grads + transient)
     step_params = resting if engine == "fsdp" else mem.params
@@ -214,19 +220,30 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     peak = hw.peak_flops(t.precision)
     rate = peak * hw.matmul_efficiency
     recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1.0}[s.recompute]
-    stage_time = []
+    # both recompute modes re-run every op of a block in backward (selective reads saved matmul
+    # results back, but still dispatches the ops)
+    reforward_ops = 0.0 if s.recompute == "none" else 1.0
+    op_s = hw.op_overhead_us * 1e-6 * hw.ranks_per_core
+    stage_time, host_time = [], []
     for r in range(layout.pp):
         units = [u for c, rr in enumerate(ranks) if rr == r for u in chunks[c]]
         fwd = sum(u.fwd_flops for u in units)
         block_fwd = sum(u.fwd_flops for u in units if u.kind == "block")
-        stage_time.append(n * b * (3 * fwd + recompute_extra * block_fwd) / layout.mp / rate)
+        ops = sum(u.fwd_ops for u in units) + reforward_ops * sum(
+            u.fwd_ops for u in units if u.kind == "block"
+        )
+        host_time.append(n * ops * op_s)
+        stage_time.append(n * b * (3 * fwd + recompute_extra * block_fwd) / layout.mp / rate + host_time[-1])
     bubble = bubble_fraction(s.schedule, layout.pp, v, n)
     compute = max(stage_time)
     pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
 
     comm, calls = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
     bw = {dim: _bandwidth(cfg, layout, dim) for dim in ("dp", "sharding", "mp", "pp")}
-    comm_time = {dim: comm[dim] / bw[dim] + calls[dim] * hw.comm_latency_us * 1e-6 for dim in comm}
+    comm_time = {
+        dim: (comm[dim] / bw[dim] + calls[dim] * hw.comm_latency_us * 1e-6) * hw.ranks_per_core
+        for dim in comm
+    }
     # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with backward compute on GPUs
     # (separate streams). On a CPU the same cores run both, so nothing is hidden.
     overlappable = comm_time["dp"] + comm_time["sharding"]
@@ -281,6 +298,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         comm_bytes_per_step={k: int(v) for k, v in comm.items()},
         time_s={
             "compute": compute,
+            "host_ops": host_time[stage_time.index(compute)],
             "bubble": pipelined_compute - compute,
             **{f"comm_{k}": v for k, v in comm_time.items()},
             "comm_hidden": hidden,

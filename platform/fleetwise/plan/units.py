@@ -49,6 +49,9 @@ class Unit:
     attn_flops: float = 0.0  # per sample, attention score/context FLOPs (part of fwd_flops)
     mp_allreduces: int = 0  # tensor-parallel all-reduces of a (seq, hidden) activation per forward
     boundary_elements: float = 0.0  # elements per sample sent to the next pipeline stage
+    # aten ops the forward of one micro-batch dispatches (views included; the head counts its
+    # loss): each costs the profile's op_overhead_us of host time. A test counts them in torch.
+    fwd_ops: int = 0
 
     @property
     def params(self) -> int:
@@ -99,6 +102,7 @@ def _transformer_block(m: TransformerModel) -> Unit:
         acts={"none": none, "selective": selective, "full": full},
         mp_allreduces=2,
         boundary_elements=s * h,
+        fwd_ops=39,  # pre- and post-LN alike: 2 LN, 6 linears (t, addmm, views), SDPA, GELU, 2 adds
     )
 
 
@@ -111,6 +115,7 @@ def _gpt_units(m: GPTModel) -> list[Unit]:
         params_whole=s * h,
         mp_allreduces=1,
         boundary_elements=s * h,
+        fwd_ops=4,  # arange, 2 lookups, add
     )
     head = Unit(
         "head",
@@ -121,6 +126,7 @@ def _gpt_units(m: GPTModel) -> list[Unit]:
         # final LN input; LN output (saved by the LM head); log-softmax output (vocab-parallel)
         acts={"none": Acts(split=s * v, sp=s * h, whole=s * h + 2 * s)},
         transient=Acts(split=2 * s * v),  # logits, then the gradient of the logits
+        fwd_ops=10,  # LN, LM head (t, mm, views), log-softmax, NLL
     )
     return [emb] + [_transformer_block(m) for _ in range(m.num_layers)] + [head]
 
@@ -135,6 +141,7 @@ def _ernie_units(m: ERNIEModel) -> list[Unit]:
         acts={"none": Acts(sp=s * h, whole=2 * s)},  # embedding LN input
         mp_allreduces=1,
         boundary_elements=s * h,
+        fwd_ops=7,  # arange, 3 lookups, 2 adds, LN
     )
     head = Unit(
         "head",
@@ -147,6 +154,7 @@ def _ernie_units(m: ERNIEModel) -> list[Unit]:
         # dense input, GELU input, LN input, LN output; log-softmax output (vocab-parallel)
         acts={"none": Acts(split=s * v, whole=4 * s * h + 2 * s)},
         transient=Acts(split=2 * s * v),
+        fwd_ops=15,  # dense, GELU, LN, decoder (t, addmm, views), log-softmax, NLL
     )
     return [emb] + [_transformer_block(m) for _ in range(m.num_layers)] + [head]
 
@@ -181,6 +189,7 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
             # input image, conv output (BN input), ReLU output (maxpool input); maxpool indices (int64 = 2)
             acts={"none": Acts(whole=cin * size * size + 2 * w * s1 * s1 + 2 * w * s2 * s2)},
             boundary_elements=w * s2 * s2,
+            fwd_ops=7,  # conv, BN (3 ops), ReLU (+ detach), max-pool
         )
     )
     inplanes, spatial = w, s2
@@ -202,7 +211,11 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
                     + 4 * planes * planes * out * out
                 )
                 saved = 2 * planes * spatial * spatial + 2 * planes * out * out + 8 * planes * out * out
+            # conv 1, BN 3 (counter, buffer, norm) and ReLU 2 (+ detach) ops each; residual add:
+            # basic 2 conv+BN, 2 ReLU; bottleneck 3 conv+BN, 3 ReLU
+            ops = 2 * 4 + 2 * 2 + 1 if m.block == "basic" else 3 * 4 + 3 * 2 + 1
             if down:
+                ops += 4  # 1x1 conv + BN
                 params += inplanes * planes * expansion + 2 * planes * expansion
                 flops += 2 * inplanes * planes * expansion * out * out
                 saved += planes * expansion * out * out
@@ -218,6 +231,7 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
                         "full": Acts(whole=inplanes * spatial * spatial),
                     },
                     boundary_elements=planes * expansion * out * out,
+                    fwd_ops=ops,
                 )
             )
             inplanes, spatial = planes * expansion, out
@@ -229,6 +243,7 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
             fwd_flops=2 * inplanes * m.num_classes,
             acts={"none": Acts(whole=inplanes * spatial * spatial + inplanes + m.num_classes)},
             transient=Acts(whole=2 * m.num_classes),
+            fwd_ops=7,  # avg-pool, flatten, linear (t, addmm), log-softmax, NLL
         )
     )
     return units
@@ -266,6 +281,7 @@ def _ctr_units(m: CTRModel) -> list[Unit]:
     dims = ctr_mlp_dims(m)
     mlp = sum(a * b + b for a, b in zip(dims, dims[1:], strict=False))
     mlp_flops = 2 * sum(a * b for a, b in zip(dims, dims[1:], strict=False))
+    linears = len(dims) - 1
     return [
         Unit(
             "embedding",
@@ -273,6 +289,7 @@ def _ctr_units(m: CTRModel) -> list[Unit]:
             # per table: k-dim embedding + 1-dim first-order weight; dense first-order linear (+bias)
             params_whole=rows * (m.embedding_dim + 1) + m.num_dense_features + 1,
             acts={"none": Acts(whole=fields * (m.embedding_dim + 1))},
+            fwd_ops=4 * fields + 2,  # per table: select + lookup, twice (embedding, first order); stack, cat
         ),
         Unit(
             "mlp",
@@ -280,6 +297,8 @@ def _ctr_units(m: CTRModel) -> list[Unit]:
             params_whole=mlp,
             fwd_flops=mlp_flops + 4 * fields * m.embedding_dim,
             acts={"none": Acts(whole=2 * sum(dims[1:]) + dims[0])},
+            # dense first order 5, FM 8 (DeepFM), concat 2, linears 2 each, ReLU 2 each, output 2, loss 1
+            fwd_ops=5 + (8 if m.kind == "deepfm" else 0) + 2 + 2 * linears + 2 * (linears - 1) + 3,
         ),
     ]
 

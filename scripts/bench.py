@@ -1,0 +1,384 @@
+"""fleetwise benchmarks: the platform against plain PyTorch, the planner against reality.
+
+    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu] [--quick]
+                            [--reps 3] [--out bench]          (make bench runs all suites)
+
+Writes OUT/results.json (every row, every target, met or missed) and OUT/results.md (the tables,
+also printed). Every number is measured in this run, on this machine: first `fleetwise calibrate`
+measures peak matmul, per-op overhead and gloo all-reduce speed into a hardware profile `local`
+(in a temporary FLEETWISE_CONFIG_DIR), and every job plans with `hardware=local`.
+Compared things run interleaved (A B A B ...) so machine noise hits both sides alike; ratios are
+reported as the median over repetitions with the min-max spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform as host
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+PY = sys.executable
+WARMUP = 3  # steps excluded from step times: 1-2 carry the exact memory tracker, 3 settles
+SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu")
+TARGETS = {"overhead_ratio": 1.03, "memory_error": 0.10, "time_error": 0.25, "total_s": 600}
+
+
+class Bench:
+    def __init__(self, out: Path, quick: bool, reps: int):
+        self.out, self.quick, self.reps = out, quick, reps
+        self.tmp = Path(tempfile.mkdtemp(prefix="fleetwise-bench-"))
+        self.env = dict(os.environ)
+        self.env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "platform"), self.env.get("PYTHONPATH", "")])
+        self.env["FLEETWISE_CONFIG_DIR"] = str(self.tmp / "config")
+        self.env["MLFLOW_TRACKING_URI"] = f"sqlite:///{self.tmp}/mlflow.db"
+        self.env.pop("OMP_NUM_THREADS", None)
+        self.runs = 0
+        self.first_step: dict[int, list[float]] = {}  # ranks -> launch-to-first-step seconds
+        self.calibration: dict = {}
+        self.retries: list[str] = []
+
+    # -- processes -------------------------------------------------------------------------------
+    def sh(self, cmd: list[str], retry: bool = False, **kw) -> subprocess.CompletedProcess:
+        env = kw.pop("env", self.env)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, **kw)
+        if proc.returncode != 0 and retry:  # a gloo process that died on a signal (seen once in ~50 runs)
+            self.retries.append(" ".join(cmd[-4:]) + f": exit {proc.returncode}, retried")
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, **kw)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:6])}… failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        return proc
+
+    def fleetwise(self, *args: str) -> subprocess.CompletedProcess:
+        return self.sh([PY, "-m", "fleetwise.cli", *args])
+
+    def train(self, overrides: list[str]) -> tuple[Path, list[dict], dict]:
+        """`fleetwise train` with hardware=local; returns run dir, metrics records and plan."""
+        self.runs += 1
+        run_dir = self.tmp / f"run{self.runs}"
+        launched = time.time()
+        self.fleetwise("train", "hardware=local", *overrides, f"run.dir={run_dir}")
+        records = read_jsonl(run_dir / "metrics.jsonl")
+        plan = json.loads((run_dir / "plan.json").read_text())
+        self.first_step.setdefault(plan["world_size"], []).append(records[0]["time"] - launched)
+        return run_dir, records, plan
+
+    def plain(self, config: Path, ranks: int) -> list[dict]:
+        out = self.tmp / f"plain{self.runs}.jsonl"
+        self.runs += 1
+        script = str(SCRIPTS / "bench_plain_loop.py")
+        if ranks == 1:
+            cmd = [PY, script, str(config), str(out)]
+        else:
+            cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script, str(config), str(out)]
+        # the launcher's thread split: cores / ranks each
+        env = self.env | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+        self.sh(cmd, retry=True, env=env)
+        return read_jsonl(out)
+
+    # -- suites ----------------------------------------------------------------------------------
+    def calibrate(self) -> dict:
+        proc = self.fleetwise("calibrate", "--json")
+        self.calibration = json.loads(proc.stdout)
+        return {"measured": self.calibration["measured"], "profile": self.calibration["profile"]}
+
+    def overhead(self) -> dict:
+        steps = 20 if self.quick else 40
+        rows = []
+        for recipe in ("gpt/tiny", "resnet/tiny"):
+            for ranks in (1, 2):
+                overrides = [f"recipe={recipe}", f"hardware.devices_per_node={ranks}", f"train.steps={steps}"]
+                fw_step, pl_step, fw_int, pl_int = [], [], [], []
+                for _ in range(self.reps):  # interleaved: fleetwise, plain, fleetwise, plain, ...
+                    run_dir, records, _ = self.train(overrides)
+                    fw_step.append(median_step(records))
+                    fw_int.append(median_interval(records))
+                    plain = self.plain(run_dir / "config.yaml", ranks)
+                    pl_step.append(median_step(plain))
+                    pl_int.append(median_interval(plain))
+                ratios = [a / b for a, b in zip(fw_step, pl_step, strict=True)]
+                interval = [a / b for a, b in zip(fw_int, pl_int, strict=True)]
+                rows.append(
+                    {
+                        "model": recipe,
+                        "ranks": ranks,
+                        "fleetwise_step_s": statistics.median(fw_step),
+                        "plain_step_s": statistics.median(pl_step),
+                        "ratio": statistics.median(ratios),
+                        "ratio_min": min(ratios),
+                        "ratio_max": max(ratios),
+                        "interval_ratio": statistics.median(interval),
+                        "interval_ratio_min": min(interval),
+                        "interval_ratio_max": max(interval),
+                        "met": statistics.median(ratios) <= TARGETS["overhead_ratio"],
+                    }
+                )
+        return {"target": f"step-time ratio <= {TARGETS['overhead_ratio']}", "reps": self.reps, "rows": rows}
+
+    def compute(self) -> dict:
+        model = ["model.num_layers=6", "model.hidden_size=512", "model.num_attention_heads=8",
+                 "model.ffn_hidden_size=2048", "model.seq_len=256"]  # fmt: skip
+        overrides = ["recipe=gpt/tiny", *model, "hardware.devices_per_node=1", "train.global_batch_size=4",
+                     "train.micro_batch_size=4", f"train.steps={WARMUP + (2 if self.quick else 4)}"]  # fmt: skip
+        _, records, plan = self.train(overrides)
+        step = median_step(records)
+        achieved = plan["flops_per_step"] / step
+        peak = self.calibration["measured"]["peak_flops"]["fp32"]
+        return {
+            "rows": [
+                {
+                    "model": "GPT 6 layers, d=512, seq 256, batch 4 (fp32, 1 process)",
+                    "step_s": step,
+                    "achieved_gflops": achieved / 1e9,
+                    "peak_gflops": peak / 1e9,
+                    "fraction_of_peak": achieved / peak,
+                    "predicted_step_s": plan["step_time_s"],
+                }
+            ]
+        }
+
+    def pipeline(self) -> dict:
+        rows = []
+        for pp in (2, 4):
+            out = self.tmp / f"pipeline{pp}.json"
+            # micro-batch counts pp, 2pp, 4pp (quick: pp, 2pp)
+            counts = [pp, 2 * pp] if self.quick else [pp, 2 * pp, 4 * pp]
+            cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={pp}",
+                   str(SCRIPTS / "bench_pipeline.py"), str(out), "--microbatches", ",".join(map(str, counts)),
+                   "--steps", "2" if self.quick else "3"]  # fmt: skip
+            self.sh(cmd, env=self.env | {"OMP_NUM_THREADS": "1"})
+            for r in json.loads(out.read_text()):
+                r["error"] = r["measured"] - r["predicted"]
+                rows.append(r)
+        return {"measure": "1 - (on-CPU + run-queue time of each rank's main thread) / step wall time, mean over ranks", "rows": rows}
+
+    PLANNER = [
+        ("dp, 1 rank", ["recipe=gpt/tiny", "hardware.devices_per_node=1"]),
+        ("dp, 1 rank, recompute full", ["recipe=gpt/tiny", "hardware.devices_per_node=1", "strategy.recompute=full"]),
+        ("dp, 1 rank, recompute selective", ["recipe=gpt/tiny", "hardware.devices_per_node=1", "strategy.recompute=selective"]),
+        ("dp 2", ["recipe=gpt/tiny", "hardware.devices_per_node=2"]),
+        ("dp 4", ["recipe=gpt/tiny", "hardware.devices_per_node=4"]),
+        ("dp 2, recompute full", ["recipe=gpt/tiny", "hardware.devices_per_node=2", "strategy.recompute=full"]),
+        ("sharding 2, stage 1", ["recipe=gpt/tiny", "strategy=sharding", "strategy.sharding_stage=1", "hardware.devices_per_node=2"]),
+        ("sharding 2, stage 2", ["recipe=gpt/tiny", "strategy=sharding", "strategy.sharding_stage=2", "hardware.devices_per_node=2"]),
+        ("sharding 2, stage 3", ["recipe=gpt/tiny", "strategy=sharding", "strategy.sharding_stage=3", "hardware.devices_per_node=2"]),
+        ("mp 2", ["recipe=gpt/tiny", "strategy=mp", "hardware.devices_per_node=2"]),
+        ("pp 2, 1F1B", ["recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2"]),
+        ("pp 2, GPipe", ["recipe=gpt/tiny", "strategy=pp", "strategy.schedule=GPipe", "hardware.devices_per_node=2"]),
+        ("hybrid pp 2 x mp 2", ["recipe=gpt/tiny", "strategy=hybrid", "strategy.pp_degree=2", "strategy.mp_degree=2", "hardware.devices_per_node=4"]),
+        ("resnet dp, 1 rank", ["recipe=resnet/tiny", "hardware.devices_per_node=1"]),
+        ("resnet dp 2", ["recipe=resnet/tiny", "hardware.devices_per_node=2"]),
+    ]  # fmt: skip
+
+    def planner(self) -> dict:
+        configs = self.PLANNER[::3] if self.quick else self.PLANNER
+        rows = []
+        for name, overrides in configs:
+            _, records, plan = self.train([*overrides, f"train.steps={WARMUP + 3}"])
+            mem = max(r["memory/peak_bytes_max"] for r in records)
+            step = median_step(records)
+            mem_err = plan["memory_bytes"]["total"] / mem - 1
+            time_err = plan["step_time_s"] / step - 1
+            rows.append(
+                {
+                    "config": name,
+                    "overrides": overrides,
+                    "predicted_bytes": plan["memory_bytes"]["total"],
+                    "measured_bytes": int(mem),
+                    "memory_error": mem_err,
+                    "memory_met": abs(mem_err) <= TARGETS["memory_error"],
+                    "predicted_step_s": plan["step_time_s"],
+                    "measured_step_s": step,
+                    "time_error": time_err,
+                    "time_met": abs(time_err) <= TARGETS["time_error"],
+                    "plan_time_s": plan["time_s"],
+                }
+            )
+        worst_mem = max(rows, key=lambda r: abs(r["memory_error"]))
+        worst_time = max(rows, key=lambda r: abs(r["time_error"]))
+        return {
+            "targets": {"memory": f"±{TARGETS['memory_error']:.0%}", "time": f"±{TARGETS['time_error']:.0%}"},
+            "rows": rows,
+            "worst_memory": {"config": worst_mem["config"], "error": worst_mem["memory_error"]},
+            "worst_time": {"config": worst_time["config"], "error": worst_time["time_error"]},
+            "memory_met": all(r["memory_met"] for r in rows),
+            "time_met": all(r["time_met"] for r in rows),
+        }
+
+    def startup(self) -> dict:
+        rows = []
+        args = ["recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=8", "strategy=hybrid",
+                "strategy.pp_degree=2", "strategy.mp_degree=2", "strategy.sharding_degree=2", "strategy.sharding_stage=2"]  # fmt: skip
+        for command in ("validate", "plan"):
+            times = []
+            for _ in range(self.reps):
+                start = time.perf_counter()
+                self.fleetwise(command, *args)
+                times.append(time.perf_counter() - start)
+            rows.append(row_of(f"fleetwise {command}", times))
+        if 1 not in self.first_step:
+            self.train(["recipe=gpt/tiny", "hardware.devices_per_node=1", f"train.steps={WARMUP}"])
+        self.train(["recipe=gpt/tiny", "hardware.devices_per_node=8", f"train.steps={WARMUP}"])
+        for ranks in (1, 8):
+            rows.append(row_of(f"fleetwise train -> first step, {ranks} rank{'s' if ranks > 1 else ''}", self.first_step[ranks]))
+        return {"rows": rows}
+
+    def gpu(self) -> dict:
+        out = self.tmp / "gpu.json"
+        self.sh([PY, str(SCRIPTS / "bench_gpu.py"), str(out)] + (["--quick"] if self.quick else []))
+        return json.loads(out.read_text())
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def median_step(records: list[dict]) -> float:
+    return statistics.median(r["perf/step_time_s"] for r in records if r["step"] > WARMUP)
+
+
+def median_interval(records: list[dict]) -> float:
+    """Median wall time between consecutive step ends (everything the loop does per step)."""
+    ends = [r["time"] for r in records if r["step"] >= WARMUP]
+    return statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
+
+
+def row_of(name: str, times: list[float]) -> dict:
+    return {"what": name, "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": len(times)}
+
+
+# -- report ----------------------------------------------------------------------------------------
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def pct(x: float) -> str:
+    return f"{x:+.1%}"
+
+
+def ok(met: bool) -> str:
+    return "✅" if met else "❌"
+
+
+def markdown(results: dict) -> str:
+    s, out = results["suites"], []
+    m = results["machine"]
+    out.append(f"# fleetwise benchmarks\n\n{m['cpu']} · {m['cores']} cores · torch {m['torch']} · total {results['total_s']:.0f} s "
+               f"({ok(results['total_s'] < TARGETS['total_s'])} < {TARGETS['total_s']} s)\n")  # fmt: skip
+    if "calibrate" in s:
+        c = s["calibrate"]["measured"]
+        out.append("## Calibration (`fleetwise calibrate`)\n")
+        out.append(table(["peak fp32 (all cores)", "one thread", "matmul efficiency", "op overhead", "all-reduce latency", "all-reduce bandwidth"],
+                         [[f"{c['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s", f"{c['single_thread_flops'] / 1e9:.1f} GFLOP/s",
+                           f"{c['matmul_efficiency']:.2f}", f"{c['op_overhead_us']:.1f} µs", f"{c['allreduce_latency_us']:.0f} µs",
+                           f"{c['allreduce_gbps']:.2f} GB/s"]]))  # fmt: skip
+    if "overhead" in s:
+        o = s["overhead"]
+        out.append(f"\n## 1. Overhead: fleetwise train / plain PyTorch loop ({o['reps']} interleaved reps; target ≤ {TARGETS['overhead_ratio']})\n")
+        out.append(table(["model", "ranks", "fleetwise step", "plain step", "step ratio (min–max)", "per-step wall ratio (min–max)", "met"],
+                         [[r["model"], str(r["ranks"]), f"{r['fleetwise_step_s'] * 1e3:.1f} ms", f"{r['plain_step_s'] * 1e3:.1f} ms",
+                           f"{r['ratio']:.3f} ({r['ratio_min']:.3f}–{r['ratio_max']:.3f})",
+                           f"{r['interval_ratio']:.3f} ({r['interval_ratio_min']:.3f}–{r['interval_ratio_max']:.3f})", ok(r["met"])]
+                          for r in o["rows"]]))  # fmt: skip
+    if "compute" in s:
+        out.append("\n## 2. Compute efficiency (achieved / calibrated peak matmul FLOP/s)\n")
+        out.append(table(["model", "step", "achieved", "peak", "fraction", "planned step"],
+                         [[r["model"], f"{r['step_s']:.3f} s", f"{r['achieved_gflops']:.1f} GFLOP/s", f"{r['peak_gflops']:.1f} GFLOP/s",
+                           f"{r['fraction_of_peak']:.1%}", f"{r['predicted_step_s']:.3f} s"] for r in s["compute"]["rows"]]))  # fmt: skip
+    if "pipeline" in s:
+        out.append(f"\n## 3. Pipeline bubble: measured vs planner formula\n\nmeasure: {s['pipeline']['measure']}\n")
+        out.append(table(["pp", "schedule", "micro-batches", "step", "measured (min–max)", "formula", "difference"],
+                         [[str(r["pp"]), r["schedule"] + (f" (v={r['virtual_stages']})" if r["virtual_stages"] > 1 else ""),
+                           str(r["microbatches"]), f"{r['step_time_s'] * 1e3:.0f} ms",
+                           f"{r['measured']:.3f} ({r['measured_min']:.3f}–{r['measured_max']:.3f})", f"{r['predicted']:.3f}",
+                           f"{r['error']:+.3f}"] for r in s["pipeline"]["rows"]]))  # fmt: skip
+    if "planner" in s:
+        p = s["planner"]
+        out.append(f"\n## 4. Planner accuracy (hardware=local; targets: memory {p['targets']['memory']}, time {p['targets']['time']})\n")
+        out.append(table(["config", "memory plan", "measured", "error", "", "step plan", "measured", "error", ""],
+                         [[r["config"], f"{r['predicted_bytes'] / 2**20:.2f} MiB", f"{r['measured_bytes'] / 2**20:.2f} MiB",
+                           pct(r["memory_error"]), ok(r["memory_met"]), f"{r['predicted_step_s'] * 1e3:.1f} ms",
+                           f"{r['measured_step_s'] * 1e3:.1f} ms", pct(r["time_error"]), ok(r["time_met"])] for r in p["rows"]]))  # fmt: skip
+        out.append(f"\nworst memory error: {pct(p['worst_memory']['error'])} ({p['worst_memory']['config']}) · "
+                   f"worst time error: {pct(p['worst_time']['error'])} ({p['worst_time']['config']})")  # fmt: skip
+    if "startup" in s:
+        out.append("\n## 5. Start-up (wall time)\n")
+        out.append(table(["what", "median", "min–max", "runs"],
+                         [[r["what"], f"{r['median_s']:.2f} s", f"{r['min_s']:.2f}–{r['max_s']:.2f} s", str(r["n"])]
+                          for r in s["startup"]["rows"]]))  # fmt: skip
+    if "gpu" in s:
+        g = s["gpu"]
+        out.append("\n## 6. GPU\n")
+        if "skipped" in g:
+            out.append(f"skipped: {g['skipped']}")
+        else:
+            out.append(table(["config", "step", "MFU", "memory plan", "max_memory_allocated", "error"],
+                             [[r["config"], f"{r['step_s'] * 1e3:.1f} ms", f"{r['mfu']:.1%}", f"{r['predicted_bytes'] / 2**30:.2f} GiB",
+                               f"{r['measured_bytes'] / 2**30:.2f} GiB", pct(r["memory_error"])] for r in g["rows"]]))  # fmt: skip
+    for name, err in results.get("errors", {}).items():
+        out.append(f"\n**suite {name} failed**: {err.splitlines()[0]}")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", default=",".join(SUITES), help=f"comma-separated subset of {','.join(SUITES)}")
+    p.add_argument("--quick", action="store_true", help="fewer steps, configs and reps (a smoke run)")
+    p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 3; quick 2)")
+    p.add_argument("--out", default=str(ROOT / "bench"), help="output folder (results.json, results.md)")
+    args = p.parse_args()
+    chosen = [x.strip() for x in args.suite.split(",") if x.strip()]
+    unknown = set(chosen) - set(SUITES)
+    if unknown:
+        p.error(f"unknown suite(s) {sorted(unknown)}; choose from {','.join(SUITES)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(out, args.quick, args.reps or (2 if args.quick else 3))
+    started = time.perf_counter()
+    import torch
+
+    results: dict = {
+        "machine": {"cpu": host.processor() or host.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+                    "python": host.python_version(), "cuda": torch.cuda.is_available()},  # fmt: skip
+        "targets": TARGETS,
+        "quick": args.quick,
+        "suites": {},
+        "errors": {},
+    }
+    try:
+        for name in ["calibrate", *chosen]:
+            began = time.perf_counter()
+            print(f"[bench] {name} …", flush=True)
+            try:
+                results["suites"][name] = getattr(bench, name)()
+                results["suites"][name]["wall_s"] = time.perf_counter() - began
+            except Exception as exc:  # noqa: BLE001 - one failing suite must not hide the others' numbers
+                if name == "calibrate":
+                    raise
+                results["errors"][name] = str(exc)
+            print(f"[bench] {name} done in {time.perf_counter() - began:.0f} s", flush=True)
+    finally:
+        shutil.rmtree(bench.tmp, ignore_errors=True)
+    results["retries"] = bench.retries
+    results["total_s"] = time.perf_counter() - started
+    results["total_met"] = results["total_s"] < TARGETS["total_s"]
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    text = markdown(results)
+    (out / "results.md").write_text(text)
+    print(text)
+    return 1 if results["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
