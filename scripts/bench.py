@@ -55,7 +55,9 @@ class Bench:
             self.retries.append(" ".join(cmd[-4:]) + f": exit {proc.returncode}, retried")
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, **kw)
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:6])}… failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            raise RuntimeError(
+                f"{' '.join(cmd[:6])}… failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            )
         return proc
 
     def fleetwise(self, *args: str) -> subprocess.CompletedProcess:
@@ -79,7 +81,16 @@ class Bench:
         if ranks == 1:
             cmd = [PY, script, str(config), str(out)]
         else:
-            cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script, str(config), str(out)]
+            cmd = [
+                PY,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={ranks}",
+                script,
+                str(config),
+                str(out),
+            ]
         # the launcher's thread split: cores / ranks each
         env = self.env | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
         self.sh(cmd, retry=True, env=env)
@@ -159,7 +170,10 @@ class Bench:
             for r in json.loads(out.read_text()):
                 r["error"] = r["measured"] - r["predicted"]
                 rows.append(r)
-        return {"measure": "1 - (on-CPU + run-queue time of each rank's main thread) / step wall time, mean over ranks", "rows": rows}
+        return {
+            "measure": "1 - (on-CPU + run-queue time of each rank's main thread) / step wall time, mean over ranks",
+            "rows": rows,
+        }
 
     PLANNER = [
         ("dp, 1 rank", ["recipe=gpt/tiny", "hardware.devices_per_node=1"]),
@@ -229,7 +243,12 @@ class Bench:
             self.train(["recipe=gpt/tiny", "hardware.devices_per_node=1", f"train.steps={WARMUP}"])
         self.train(["recipe=gpt/tiny", "hardware.devices_per_node=8", f"train.steps={WARMUP}"])
         for ranks in (1, 8):
-            rows.append(row_of(f"fleetwise train -> first step, {ranks} rank{'s' if ranks > 1 else ''}", self.first_step[ranks]))
+            rows.append(
+                row_of(
+                    f"fleetwise train -> first step, {ranks} rank{'s' if ranks > 1 else ''}",
+                    self.first_step[ranks],
+                )
+            )
         return {"rows": rows}
 
     def gpu(self) -> dict:
@@ -254,7 +273,13 @@ def median_interval(records: list[dict]) -> float:
 
 
 def row_of(name: str, times: list[float]) -> dict:
-    return {"what": name, "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": len(times)}
+    return {
+        "what": name,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "n": len(times),
+    }
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -285,7 +310,9 @@ def markdown(results: dict) -> str:
                            f"{c['allreduce_gbps']:.2f} GB/s"]]))  # fmt: skip
     if "overhead" in s:
         o = s["overhead"]
-        out.append(f"\n## 1. Overhead: fleetwise train / plain PyTorch loop ({o['reps']} interleaved reps; target ≤ {TARGETS['overhead_ratio']})\n")
+        out.append(
+            f"\n## 1. Overhead: fleetwise train / plain PyTorch loop ({o['reps']} interleaved reps; target ≤ {TARGETS['overhead_ratio']})\n"
+        )
         out.append(table(["model", "ranks", "fleetwise step", "plain step", "step ratio (min–max)", "per-step wall ratio (min–max)", "met"],
                          [[r["model"], str(r["ranks"]), f"{r['fleetwise_step_s'] * 1e3:.1f} ms", f"{r['plain_step_s'] * 1e3:.1f} ms",
                            f"{r['ratio']:.3f} ({r['ratio_min']:.3f}–{r['ratio_max']:.3f})",
@@ -297,7 +324,9 @@ def markdown(results: dict) -> str:
                          [[r["model"], f"{r['step_s']:.3f} s", f"{r['achieved_gflops']:.1f} GFLOP/s", f"{r['peak_gflops']:.1f} GFLOP/s",
                            f"{r['fraction_of_peak']:.1%}", f"{r['predicted_step_s']:.3f} s"] for r in s["compute"]["rows"]]))  # fmt: skip
     if "pipeline" in s:
-        out.append(f"\n## 3. Pipeline bubble: measured vs planner formula\n\nmeasure: {s['pipeline']['measure']}\n")
+        out.append(
+            f"\n## 3. Pipeline bubble: measured vs planner formula\n\nmeasure: {s['pipeline']['measure']}\n"
+        )
         out.append(table(["pp", "schedule", "micro-batches", "step", "measured (min–max)", "formula", "difference"],
                          [[str(r["pp"]), r["schedule"] + (f" (v={r['virtual_stages']})" if r["virtual_stages"] > 1 else ""),
                            str(r["microbatches"]), f"{r['step_time_s'] * 1e3:.0f} ms",
@@ -305,7 +334,9 @@ def markdown(results: dict) -> str:
                            f"{r['error']:+.3f}"] for r in s["pipeline"]["rows"]]))  # fmt: skip
     if "planner" in s:
         p = s["planner"]
-        out.append(f"\n## 4. Planner accuracy (hardware=local; targets: memory {p['targets']['memory']}, time {p['targets']['time']})\n")
+        out.append(
+            f"\n## 4. Planner accuracy (hardware=local; targets: memory {p['targets']['memory']}, time {p['targets']['time']})\n"
+        )
         out.append(table(["config", "memory plan", "measured", "error", "", "step plan", "measured", "error", ""],
                          [[r["config"], f"{r['predicted_bytes'] / 2**20:.2f} MiB", f"{r['measured_bytes'] / 2**20:.2f} MiB",
                            pct(r["memory_error"]), ok(r["memory_met"]), f"{r['predicted_step_s'] * 1e3:.1f} ms",
@@ -349,8 +380,13 @@ def main() -> int:
     import torch
 
     results: dict = {
-        "machine": {"cpu": host.processor() or host.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-                    "python": host.python_version(), "cuda": torch.cuda.is_available()},  # fmt: skip
+        "machine": {
+            "cpu": host.processor() or host.machine(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": host.python_version(),
+            "cuda": torch.cuda.is_available(),
+        },  # fmt: skip
         "targets": TARGETS,
         "quick": args.quick,
         "suites": {},
