@@ -244,7 +244,11 @@ def cmd_calibrate(argv: list[str]) -> int:
             f"[green]✓[/] peak fp32 {cal.peak_flops['fp32'] / 1e9:,.1f} GFLOP/s ({cal.cores} cores; one thread "
             f"{cal.single_thread_flops / 1e9:,.1f}) · matmul efficiency {cal.matmul_efficiency:.2f} · op overhead "
             f"{cal.op_overhead_us:.1f} µs · all-reduce {cal.allreduce_latency_us:,.0f} µs, "
-            f"{cal.allreduce_gbps:.2f} GB/s\n  profile written to {out}: use hardware={args.name}",
+            f"{cal.allreduce_gbps:.2f} GB/s\n  host costs: elementwise {cal.elementwise_ns:.2f} ns · update "
+            f"{cal.update_us_per_tensor:.0f} µs/tensor + {cal.update_ns_per_param:.2f} ns/param · conv call "
+            f"{cal.conv_call_us:.0f} µs · DTensor {cal.dtensor_op_us:.0f} µs/op · FSDP "
+            f"{cal.fsdp_us_per_tensor:.0f} µs/collective·tensor · co-run slowdown {cal.co_run_slowdown:.2f}"
+            f"\n  profile written to {out}: use hardware={args.name}",
             highlight=False,
         )
     return EXIT_OK

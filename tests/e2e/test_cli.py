@@ -164,3 +164,34 @@ def _timed(bin_):
     r = run(bin_, "plan", "recipe=gpt/gpt3_1.3b")
     assert r.returncode == 0
     return time.perf_counter() - t
+
+
+def test_calibrate_writes_a_profile_the_planner_uses(fleetwise_bin, tmp_path):
+    """`fleetwise calibrate` measures this machine (no comm: the 2-process part is the bench's) and
+    writes a profile that `hardware=local` selects from any directory."""
+    import yaml
+
+    env = {**__import__("os").environ, "FLEETWISE_CONFIG_DIR": str(tmp_path)}
+    r = subprocess.run(
+        [fleetwise_bin, "calibrate", "--no-comm", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    measured = json.loads(r.stdout)["measured"]
+    profile = yaml.safe_load((tmp_path / "hardware" / "local.yaml").read_text())
+    assert measured["peak_flops"]["fp32"] > 1e9
+    # the host costs the planner's time model charges, each measured (> 0) on this machine
+    for key in ("op_overhead_us", "elementwise_ns", "update_us_per_tensor", "conv_call_us"):
+        assert profile[key] > 0, key
+    curve = profile["gemm_efficiency"]
+    assert curve[0][1] < curve[-1][1] <= 1.0  # small GEMMs run further below peak than large ones
+    r = subprocess.run(
+        [fleetwise_bin, "plan", "recipe=gpt/tiny", "hardware=local", "--json"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["time_s"]["elementwise"] > 0 and plan["time_s"]["update"] > 0

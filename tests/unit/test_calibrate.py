@@ -19,6 +19,15 @@ MEASURED = dict(
     allreduce_latency_us=200.0,
     allreduce_gbps=1.5,
     memory_gib=16.0,
+    gemm_curve={"1e5": 0.1, "1e7": 0.5, "1e9": 0.95},
+    gemm_curve_one_thread={"1e5": 0.5, "1e7": 0.9, "1e9": 1.0},
+    elementwise_ns=2.0,
+    update_us_per_tensor=30.0,
+    update_ns_per_param=1.0,
+    dtensor_op_us=400.0,
+    fsdp_us_per_tensor=300.0,
+    co_run_slowdown=1.5,
+    conv_call_us=200.0,
 )
 
 
@@ -39,9 +48,10 @@ def test_calibrated_profile_is_selectable_and_planned_with(local_profile):
     assert (hw.name, hw.devices_per_node, hw.host_cores, hw.shared_compute) == ("local", 2, 2, True)
     plan = make_plan(cfg)
     assert plan.device_peak_flops == pytest.approx(150e9 / 2)  # the machine's peak, shared by 2 ranks
-    # host time: every forward op of the 8 micro-batches at 10 µs (1 rank per core)
+    # host time: every forward op of the 8 micro-batches at 10 µs (1 rank per core), 1.5x slower
+    # with the other rank running too
     ops = sum(u.fwd_ops for u in model_units(cfg.model))
-    assert plan.time_s["host_ops"] == pytest.approx(8 // 2 * ops * 10e-6)
+    assert plan.time_s["host_ops"] == pytest.approx(8 // 2 * ops * 10e-6 * 1.5)
     # DDP over 2 ranks: one all-reduce of the gradients (ring volume) plus the measured latency
     grads = 4 * plan.params
     assert plan.time_s["comm_dp"] == pytest.approx(grads / 1.5e9 + 200e-6)
@@ -66,32 +76,115 @@ def test_gloo_ddp_bucket_copy_is_planned_nccl_is_not():
 
 @pytest.mark.parametrize("recipe", ["gpt/tiny", "ernie/tiny", "resnet/tiny"])
 def test_planned_op_counts_match_the_ops_torch_dispatches(recipe):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from fleetwise.runtime.calibrate import OpCounter
     from fleetwise.runtime.modeling import build_model, build_source, model_spec
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
 
     cfg, problems = compose(f"recipe={recipe}", "hardware.devices_per_node=1")
     assert problems == []
     model, spec = build_model(cfg), model_spec(cfg)
-    batch = build_source(cfg).batch(np.arange(2))
     first = model.embed if hasattr(model, "embed") else model.stem
-    counted = []
-    with Count() as c:  # with autograd on: what training dispatches (saved-tensor detaches included)
-        h = first(*[batch[k] for k in spec.inputs])
-    counted.append(c.n)
-    for layer in model.layers.values():
-        with Count() as c:
-            h = layer(h)
-        counted.append(c.n)
-    with Count() as c:
-        out = model.head(h) if getattr(model, "output", None) is None else model.output(model.norm(h))
-        spec.loss(out, batch[spec.label])
-    counted.append(c.n)
-    assert [u.fwd_ops for u in model_units(cfg.model)] == counted
+
+    def count(batch_size: int) -> list[OpCounter]:
+        batch = build_source(cfg).batch(np.arange(batch_size))
+        counted = []
+        with OpCounter() as c:  # with autograd on: what training dispatches (saved-tensor detaches included)
+            h = first(*[batch[k] for k in spec.inputs])
+        counted.append(c)
+        for layer in model.layers.values():
+            with OpCounter() as c:
+                h = layer(h)
+            counted.append(c)
+        with OpCounter() as c:
+            out = model.head(h) if getattr(model, "output", None) is None else model.output(model.norm(h))
+            spec.loss(out, batch[spec.label])
+        counted.append(c)
+        return counted
+
+    two, four = count(2), count(4)
+    units = model_units(cfg.model)
+    tail = [model.head] if hasattr(model, "head") else [model.norm, model.output]
+    tensors = [first, *model.layers.values(), tail]
+    assert [u.param_tensors for u in units] == [
+        sum(1 for m in (t if isinstance(t, list) else [t]) for _ in m.parameters()) for t in tensors
+    ]
+    assert [u.fwd_ops for u in units] == [c.count for c in two] == [c.count for c in four]
+    assert [u.fwd_gemms for u in units] == [c.gemms for c in two]
+    assert [u.fwd_convs for u in units] == [c.convs for c in two]
+    # elements per sample: what 2 more samples add (per-batch terms cancel)
+    assert [u.fwd_elementwise for u in units] == [
+        (c4.elements - c2.elements) / 2 for c2, c4 in zip(two, four, strict=True)
+    ]
+
+
+def test_gemm_efficiency_curve_is_interpolated_for_the_ranks_thread_count(local_profile):
+    one_rank, _ = compose("recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=1")
+    two_ranks, _ = compose("recipe=gpt/tiny", "hardware=local")
+    hw1, hw2 = one_rank.hardware, two_ranks.hardware
+    assert (hw1.threads_per_rank, hw2.threads_per_rank) == (2, 1)
+    # all threads: 0.1 at 1e5 FLOPs, 0.5 at 1e7 -> 0.3 halfway in log FLOPs; clamped at the ends
+    assert hw1.gemm_fraction(1e6) == pytest.approx(0.3)
+    assert hw1.gemm_fraction(1e3) == pytest.approx(0.1)
+    assert hw1.gemm_fraction(1e12) == pytest.approx(0.95)
+    assert hw2.gemm_fraction(1e6) == pytest.approx(0.7)  # one thread per rank: its own curve
+
+
+def test_small_gemms_and_elementwise_ops_slow_the_planned_step(local_profile):
+    cfg, _ = compose("recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=1")
+    plan = make_plan(cfg)
+    units = model_units(cfg.model)
+    b, n = cfg.train.micro_batch_size, cfg.train.global_batch_size // cfg.train.micro_batch_size
+    elements = sum(u.fwd_elementwise for u in units)
+    assert plan.time_s["elementwise"] == pytest.approx(n * b * elements * 2e-9)
+    gemm = plan.time_s["compute"] - plan.time_s["host_ops"] - plan.time_s["elementwise"]
+    at_constant_efficiency = n * b * 3 * sum(u.fwd_flops for u in units) / (150e9 * 0.9)
+    assert gemm > 2 * at_constant_efficiency  # tiny GEMMs (~1e6 FLOPs) run at ~0.3 of peak
+
+
+def test_parameter_update_is_charged_per_tensor_and_element(local_profile):
+    adamw, _ = compose("recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=1")
+    sgd, _ = compose(
+        "recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=1", "optim=sgd", "optim.momentum=0"
+    )
+    units = model_units(adamw.model)
+    tensors, params = sum(u.param_tensors for u in units), sum(u.params for u in units)
+    expected = tensors * 30e-6 + params * 1e-9
+    assert make_plan(adamw).time_s["update"] == pytest.approx(expected)
+    assert make_plan(sgd).time_s["update"] == pytest.approx(expected / 2)  # param + grad, no state
+
+
+def test_tensor_parallel_ops_pay_the_dtensor_overhead(local_profile):
+    dp, _ = compose("recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=2")
+    mp, _ = compose("recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=2", "strategy=mp")
+    ops = sum(u.fwd_ops for u in model_units(dp.model))
+    n = 16 // 2  # mp ranks see the whole batch: 8 micro-batches each
+    # DTensor's overhead was measured on co-running ranks: only the plain part is slowed down
+    assert make_plan(mp).time_s["host_ops"] == pytest.approx(n * ops * (1.5 * 10 + 400) * 1e-6)
+    assert make_plan(dp).time_s["host_ops"] == pytest.approx(n // 2 * ops * 1.5 * 10e-6)
+
+
+def test_fsdp_collectives_pay_host_time_per_parameter_tensor(local_profile):
+    def comm(stage):
+        cfg, _ = compose(
+            "recipe=gpt/tiny", "hardware=local", "strategy=sharding", f"strategy.sharding_stage={stage}"
+        )
+        plan = make_plan(cfg)
+        return plan.time_s["comm_sharding"]
+
+    units = model_units(compose("recipe=gpt/tiny")[0].model)
+    per_call = (200 + 300 * sum(u.param_tensors for u in units) / len(units)) * 1e-6
+    # stage 3 gathers every unit again for the backward: one more call per unit and micro-batch
+    # (4 per rank), each with its latency and FSDP's host work for the unit's tensors
+    assert comm(3) - comm(2) == pytest.approx(4 * len(units) * per_call, rel=0.05)
+
+
+def test_co_running_ranks_and_convolutions_are_charged(local_profile):
+    one, _ = compose("recipe=resnet/tiny", "hardware=local", "hardware.devices_per_node=1")
+    two, _ = compose("recipe=resnet/tiny", "hardware=local", "hardware.devices_per_node=2")
+    assert (one.hardware.co_run_factor, two.hardware.co_run_factor) == (1.0, 1.5)
+    units = model_units(one.model)
+    ops, convs = sum(u.fwd_ops for u in units), sum(u.fwd_convs for u in units)
+    assert convs == 12  # stem, 2 per basic block, 3 downsampling 1x1
+    n = 16 // 2
+    assert make_plan(one).time_s["host_ops"] == pytest.approx(n * (ops * 10 + convs * 200) * 1e-6)
+    # 2 ranks: half the micro-batches each, every op 1.5x slower
+    assert make_plan(two).time_s["host_ops"] == pytest.approx(1.5 * n / 2 * (ops * 10 + convs * 200) * 1e-6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field
@@ -58,6 +59,55 @@ class HardwareConfig(Section):
         description="Host time per forward op (dispatch, autograd, Python) with its backward, microseconds "
         "(calibrate measures it; 0 on GPUs, where kernels queue behind the device's work).",
     )
+    gemm_efficiency: list[tuple[float, float]] | None = Field(
+        None,
+        description="Measured (FLOPs of one GEMM, fraction of peak) points, one rank on all cores: small "
+        "GEMMs run far below peak. Unset: every GEMM at matmul_efficiency (calibrate measures it).",
+    )
+    gemm_efficiency_one_thread: list[tuple[float, float]] | None = Field(
+        None,
+        description="The same points for a one-thread rank (several ranks per CPU node), as a fraction "
+        "of one core's share of the peak.",
+    )
+    elementwise_ns: float = Field(
+        0.0,
+        ge=0,
+        description="Host time per element a non-matmul op (norm, activation, add, softmax) writes, "
+        "forward with its backward, nanoseconds (calibrate measures it; 0 on GPUs).",
+    )
+    update_us_per_tensor: float = Field(
+        0.0,
+        ge=0,
+        description="Host time of the parameter update (gradient norm, clipping, AdamW) per parameter "
+        "tensor, microseconds (calibrate measures it; 0: not charged).",
+    )
+    update_ns_per_param: float = Field(
+        0.0, ge=0, description="The same update's time per parameter element, nanoseconds."
+    )
+    dtensor_op_us: float = Field(
+        0.0,
+        ge=0,
+        description="Extra host time per forward op of a tensor-parallel (DTensor) module, with its "
+        "backward, microseconds (calibrate measures it on CPUs; 0: not charged).",
+    )
+    fsdp_us_per_tensor: float = Field(
+        0.0,
+        ge=0,
+        description="Extra host time of FSDP per collective (a unit's all-gather or reduce-scatter) and "
+        "parameter tensor it carries, microseconds (calibrate measures it on CPUs; 0: not charged).",
+    )
+    co_run_slowdown: float = Field(
+        1.0,
+        ge=1,
+        description="How much slower a CPU rank's work gets when every core runs a rank in lockstep than "
+        "when it runs alone (shared execution units, noise, waiting for the slowest; calibrate measures it).",
+    )
+    conv_call_us: float = Field(
+        0.0,
+        ge=0,
+        description="Extra host time per convolution call, forward with its backward, microseconds "
+        "(calibrate measures it on CPUs; 0: not charged).",
+    )
     host_cores: int | None = Field(
         None,
         ge=1,
@@ -71,6 +121,35 @@ class HardwareConfig(Section):
     @property
     def memory_per_device_bytes(self) -> int:
         return int(self.memory_per_device_gib * GIB)
+
+    @property
+    def threads_per_rank(self) -> int | None:
+        """Intra-op threads of one CPU rank (the launcher gives each its share of the cores)."""
+        if not self.shared_compute or not self.host_cores:
+            return None
+        return max(1, self.host_cores // self.devices_per_node)
+
+    def gemm_fraction(self, gemm_flops: float) -> float:
+        """Fraction of the rank's peak a GEMM of `gemm_flops` FLOPs reaches: the measured curve for
+        the rank's thread count, interpolated in log FLOPs (clamped at its ends), else the constant
+        matmul_efficiency."""
+        one = self.threads_per_rank == 1 and self.host_cores and self.host_cores > 1
+        curve = (self.gemm_efficiency_one_thread if one else None) or self.gemm_efficiency
+        if not curve or gemm_flops <= 0:
+            return self.matmul_efficiency
+        points = sorted(curve)
+        if gemm_flops <= points[0][0]:
+            return points[0][1]
+        for (f0, e0), (f1, e1) in zip(points, points[1:], strict=False):
+            if gemm_flops <= f1:
+                w = math.log(gemm_flops / f0) / math.log(f1 / f0)
+                return e0 + w * (e1 - e0)
+        return points[-1][1]
+
+    @property
+    def co_run_factor(self) -> float:
+        """co_run_slowdown where CPU ranks share a node, else 1."""
+        return self.co_run_slowdown if self.shared_compute and self.devices_per_node > 1 else 1.0
 
     @property
     def ranks_per_core(self) -> float:

@@ -10,11 +10,17 @@ Everything here is arithmetic on the validated config (no torch). Sources of the
   2021 eq. 3 without recompute): 6·N·tokens + attention 12·L·s·h·tokens for transformers.
 - Communication: ring collectives (all-reduce moves 2(n-1)/n of the buffer per device,
   all-gather and reduce-scatter (n-1)/n), Thakur et al. 2005.
-- Time: compute at `matmul_efficiency` × peak, plus host time per op (`op_overhead_us` × the
-  forward ops of each unit, backward included; calibrated), stretched by the pipeline bubble,
-  plus the communication that is not overlapped with compute (latency per call + bytes over
-  bandwidth). CPU ranks that outnumber the cores (`host_cores`) time-share them: their host and
-  communication time stretch by ranks per core (their FLOP/s share is already peak / ranks).
+- Time: GEMMs at a fraction of peak that depends on their size (the calibrated curve; else
+  `matmul_efficiency`), plus host time per op (`op_overhead_us` × the forward ops of each unit,
+  backward included; more under tensor parallelism: `dtensor_op_us`, and per convolution:
+  `conv_call_us`) and per element the other
+  ops write (`elementwise_ns`), stretched by the pipeline bubble; plus the communication that is
+  not overlapped with compute (latency per call + bytes over bandwidth, and FSDP's host work per
+  collective: `fsdp_us_per_tensor`); plus the parameter update once per step (a cost per tensor
+  and per element). `fleetwise calibrate` measures all of these constants. CPU ranks that
+  outnumber the cores (`host_cores`) time-share them: their host and communication time stretch by
+  ranks per core (their FLOP/s share is already peak / ranks); ranks that share a node also slow
+  each other down (`co_run_slowdown`, measured with every core running a rank in lockstep).
 """
 
 from __future__ import annotations
@@ -196,6 +202,25 @@ def _flops_per_sample(cfg: RunConfig, units: list[Unit]) -> float:
     return 3 * sum(u.fwd_flops for u in units)
 
 
+def _update_time(cfg: RunConfig, layout: Layout, chunks, ranks: list[int], engine: str) -> float:
+    """Host time of the once-per-step parameter update (gradient norm, clipping, optimizer step) of
+    the slowest pipeline rank: a cost per parameter tensor plus one per element, calibrated with
+    AdamW and scaled by the state tensors the optimizer reads and writes (SGD does less)."""
+    hw = cfg.hardware
+    if not (hw.update_us_per_tensor or hw.update_ns_per_param):
+        return 0.0
+    k = optimizer_state_factor(cfg.optim.name, cfg.optim.momentum)
+    scale = (2 + k) / 4  # param and grad, plus k state tensors; AdamW (k = 2) is 1
+    shard = layout.sharding if engine in ("fsdp", "zero1") else 1
+    worst = 0.0
+    for r in range(layout.pp):
+        units = [u for c, rr in enumerate(ranks) if rr == r for u in chunks[c]]
+        tensors = sum(u.param_tensors for u in units)
+        params = sum(u.params_on_rank(layout.mp) for u in units) / shard
+        worst = max(worst, tensors * hw.update_us_per_tensor * 1e-6 + params * hw.update_ns_per_param * 1e-9)
+    return worst * scale * hw.ranks_per_core * hw.co_run_factor
+
+
 def _collective_plan(cfg: RunConfig) -> Plan:
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
@@ -218,30 +243,49 @@ def _collective_plan(cfg: RunConfig) -> Plan:
 
     # --- time ---------------------------------------------------------------------------------
     peak = hw.peak_flops(t.precision)
-    rate = peak * hw.matmul_efficiency
     recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1.0}[s.recompute]
     # both recompute modes re-run every op of a block in backward (selective reads saved matmul
     # results back, but still dispatches the ops)
     reforward_ops = 0.0 if s.recompute == "none" else 1.0
-    op_s = hw.op_overhead_us * 1e-6 * hw.ranks_per_core
-    stage_time, host_time = [], []
+    slow = hw.co_run_factor  # ranks sharing a CPU node slow each other down
+    # under tensor parallelism every op of every unit goes through DTensor (measured on 2 ranks
+    # running together: its co-run slowdown is in it already)
+    dtensor_us = hw.dtensor_op_us if layout.mp > 1 else 0.0
+    op_s = (slow * hw.op_overhead_us + dtensor_us) * 1e-6 * hw.ranks_per_core
+    elem_s = slow * hw.elementwise_ns * 1e-9 * hw.ranks_per_core
+    stage_time, host_time, elementwise_time = [], [], []
     for r in range(layout.pp):
         units = [u for c, rr in enumerate(ranks) if rr == r for u in chunks[c]]
-        fwd = sum(u.fwd_flops for u in units)
-        block_fwd = sum(u.fwd_flops for u in units if u.kind == "block")
-        ops = sum(u.fwd_ops for u in units) + reforward_ops * sum(
-            u.fwd_ops for u in units if u.kind == "block"
+        gemm = 0.0
+        for u in units:
+            flops = b * u.fwd_flops / layout.mp  # one micro-batch's forward on this rank
+            if flops:
+                passes = 3 + (recompute_extra if u.kind == "block" else 0.0)
+                gemm += n * passes * flops / (peak * hw.gemm_fraction(flops / max(1, u.fwd_gemms)))
+        redo = [u for u in units if u.kind == "block"]
+        ops = sum(u.fwd_ops for u in units) + reforward_ops * sum(u.fwd_ops for u in redo)
+        elements = sum(u.fwd_elementwise for u in units) + reforward_ops * sum(
+            u.fwd_elementwise for u in redo
         )
-        host_time.append(n * ops * op_s)
-        stage_time.append(n * b * (3 * fwd + recompute_extra * block_fwd) / layout.mp / rate + host_time[-1])
+        convs = sum(u.fwd_convs for u in units) + reforward_ops * sum(u.fwd_convs for u in redo)
+        host_time.append(n * (ops * op_s + convs * slow * hw.conv_call_us * 1e-6 * hw.ranks_per_core))
+        elementwise_time.append(n * b * elements * elem_s)
+        stage_time.append(slow * gemm + host_time[-1] + elementwise_time[-1])
     bubble = bubble_fraction(s.schedule, layout.pp, v, n)
+    update = _update_time(cfg, layout, chunks, ranks, engine)
     compute = max(stage_time)
     pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
 
-    comm, calls = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
+    comm, calls, unit_tensors = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
     bw = {dim: _bandwidth(cfg, layout, dim) for dim in ("dp", "sharding", "mp", "pp")}
+    # FSDP's own host work per collective grows with the parameter tensors of the unit
+    fsdp_us = hw.fsdp_us_per_tensor * unit_tensors if engine == "fsdp" else 0.0
     comm_time = {
-        dim: (comm[dim] / bw[dim] + calls[dim] * hw.comm_latency_us * 1e-6) * hw.ranks_per_core
+        dim: (
+            comm[dim] / bw[dim]
+            + calls[dim] * (hw.comm_latency_us + (fsdp_us if dim in ("dp", "sharding") else 0.0)) * 1e-6
+        )
+        * hw.ranks_per_core
         for dim in comm
     }
     # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with backward compute on GPUs
@@ -249,7 +293,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     overlappable = comm_time["dp"] + comm_time["sharding"]
     hidden = min(overlappable, (2 / 3) * compute) if hw.device_type == "cuda" else 0.0
     exposed = comm_time["mp"] + comm_time["pp"] + overlappable - hidden
-    step = pipelined_compute + exposed
+    step = pipelined_compute + exposed + update
     mfu = flops_per_step / (step * layout.world_size * peak) if step > 0 else 0.0
 
     stages = []
@@ -299,9 +343,11 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         time_s={
             "compute": compute,
             "host_ops": host_time[stage_time.index(compute)],
+            "elementwise": elementwise_time[stage_time.index(compute)],
             "bubble": pipelined_compute - compute,
             **{f"comm_{k}": v for k, v in comm_time.items()},
             "comm_hidden": hidden,
+            "update": update,
         },
         stages=stages,
         notes=notes,
@@ -316,8 +362,9 @@ def _bandwidth(cfg: RunConfig, layout: Layout, dim: str) -> float:
 
 def _comm(
     cfg: RunConfig, layout: Layout, chunks: list[list[Unit]], ranks: list[int], p: float, n: int, engine: str
-) -> tuple[dict[str, float], dict[str, int]]:
-    """Bytes one device sends per step, and collective calls, per mesh dimension (worst pp rank)."""
+) -> tuple[dict[str, float], dict[str, int], float]:
+    """Bytes one device sends per step, and collective calls, per mesh dimension (worst pp rank),
+    and the parameter tensors of an average unit (what one FSDP collective carries)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     b = cfg.train.micro_batch_size
@@ -338,7 +385,7 @@ def _comm(
         group = dp * sh
         vol["dp"] = 2 * (group - 1) / group * grad_bytes
         vol["sharding"] = (sh - 1) / sh * FP32 * p  # broadcast of each rank's updated partition
-        calls["dp"], calls["sharding"] = 1, sh
+        calls["dp"], calls["sharding"] = 1, sh  # one bucket broadcast from each owner
     elif engine == "fsdp":
         gathers = 1 if (not reshard_after_forward(s.sharding_stage) or pp > 1) else 2
         scatters = 1 if pp > 1 else n  # pipelined FSDP reduce-scatters once, after the last micro-batch
@@ -362,7 +409,7 @@ def _comm(
         boundary = max((u.boundary_elements for u in worst_units), default=0.0)
         vol["pp"] = n * local_chunks * 2 * b * boundary * act  # activations forward, gradients back
         calls["pp"] = n * local_chunks * 2
-    return vol, calls
+    return vol, calls, sum(u.param_tensors for u in worst_units) / n_units
 
 
 # --------------------------------------------------------------------------------------------------

@@ -52,6 +52,15 @@ class Unit:
     # aten ops the forward of one micro-batch dispatches (views included; the head counts its
     # loss): each costs the profile's op_overhead_us of host time. A test counts them in torch.
     fwd_ops: int = 0
+    # of those, the matmul-like ops (linear, conv, SDPA): the planner times them at the GEMM
+    # efficiency of their average size. A test counts them in torch.
+    fwd_gemms: int = 0
+    # elements per sample that the other (non-view) ops write in forward (norms, activations, adds,
+    # lookups, log-softmax): each costs the profile's elementwise_ns with its backward. Per-batch
+    # terms (positions, BatchNorm statistics, the loss) are left out; the same test counts them.
+    fwd_elementwise: float = 0.0
+    param_tensors: int = 0  # parameter tensors: the optimizer step costs time per tensor too
+    fwd_convs: int = 0  # of the GEMMs, convolutions: each costs the profile's conv_call_us more
 
     @property
     def params(self) -> int:
@@ -103,6 +112,9 @@ def _transformer_block(m: TransformerModel) -> Unit:
         mp_allreduces=2,
         boundary_elements=s * h,
         fwd_ops=39,  # pre- and post-LN alike: 2 LN, 6 linears (t, addmm, views), SDPA, GELU, 2 adds
+        fwd_gemms=7,  # 6 linears, SDPA
+        param_tensors=16,  # 6 linears and 2 layer norms, weight and bias each
+        fwd_elementwise=2 * (s * h + 2 * s) + 2 * s * h + s * f,  # 2 LN (+ mean, rstd), 2 adds, GELU
     )
 
 
@@ -116,6 +128,8 @@ def _gpt_units(m: GPTModel) -> list[Unit]:
         mp_allreduces=1,
         boundary_elements=s * h,
         fwd_ops=4,  # arange, 2 lookups, add
+        fwd_elementwise=2 * s * h,  # token lookups, the sum with the positions (looked up once per batch)
+        param_tensors=2,
     )
     head = Unit(
         "head",
@@ -127,6 +141,9 @@ def _gpt_units(m: GPTModel) -> list[Unit]:
         acts={"none": Acts(split=s * v, sp=s * h, whole=s * h + 2 * s)},
         transient=Acts(split=2 * s * v),  # logits, then the gradient of the logits
         fwd_ops=10,  # LN, LM head (t, mm, views), log-softmax, NLL
+        fwd_gemms=1,
+        fwd_elementwise=s * h + 2 * s + s * v,  # LN, log-softmax
+        param_tensors=3,  # LN weight and bias, LM head
     )
     return [emb] + [_transformer_block(m) for _ in range(m.num_layers)] + [head]
 
@@ -142,6 +159,8 @@ def _ernie_units(m: ERNIEModel) -> list[Unit]:
         mp_allreduces=1,
         boundary_elements=s * h,
         fwd_ops=7,  # arange, 3 lookups, 2 adds, LN
+        fwd_elementwise=5 * s * h + 2 * s,  # word and type lookups, 2 adds, LN (+ mean, rstd)
+        param_tensors=5,  # 3 tables, LN
     )
     head = Unit(
         "head",
@@ -155,6 +174,9 @@ def _ernie_units(m: ERNIEModel) -> list[Unit]:
         acts={"none": Acts(split=s * v, whole=4 * s * h + 2 * s)},
         transient=Acts(split=2 * s * v),
         fwd_ops=15,  # dense, GELU, LN, decoder (t, addmm, views), log-softmax, NLL
+        fwd_gemms=2,
+        fwd_elementwise=2 * s * h + 2 * s + s * v,  # GELU, LN, log-softmax
+        param_tensors=6,  # dense, LN, decoder
     )
     return [emb] + [_transformer_block(m) for _ in range(m.num_layers)] + [head]
 
@@ -190,6 +212,10 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
             acts={"none": Acts(whole=cin * size * size + 2 * w * s1 * s1 + 2 * w * s2 * s2)},
             boundary_elements=w * s2 * s2,
             fwd_ops=7,  # conv, BN (3 ops), ReLU (+ detach), max-pool
+            fwd_gemms=1,
+            fwd_elementwise=2 * w * s1 * s1 + 2 * w * s2 * s2,  # BN, ReLU, max-pool and its indices
+            param_tensors=3,  # conv, BN weight and bias
+            fwd_convs=1,
         )
     )
     inplanes, spatial = w, s2
@@ -203,6 +229,9 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
                 params = 9 * inplanes * planes + 9 * planes * planes + 4 * planes
                 flops = 2 * 9 * (inplanes * planes + planes * planes) * out * out
                 saved = 4 * planes * out * out  # conv1 out, ReLU1 out, conv2 out, block output
+                convs = 2
+                # BN and ReLU after each conv, the residual add
+                elementwise = 5 * planes * out * out
             else:
                 params = inplanes * planes + 9 * planes * planes + 4 * planes * planes + 2 * planes * 6
                 flops = 2 * (
@@ -211,6 +240,8 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
                     + 4 * planes * planes * out * out
                 )
                 saved = 2 * planes * spatial * spatial + 2 * planes * out * out + 8 * planes * out * out
+                convs = 3
+                elementwise = 2 * planes * spatial * spatial + 14 * planes * out * out
             # conv 1, BN 3 (counter, buffer, norm) and ReLU 2 (+ detach) ops each; residual add:
             # basic 2 conv+BN, 2 ReLU; bottleneck 3 conv+BN, 3 ReLU
             ops = 2 * 4 + 2 * 2 + 1 if m.block == "basic" else 3 * 4 + 3 * 2 + 1
@@ -219,6 +250,8 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
                 params += inplanes * planes * expansion + 2 * planes * expansion
                 flops += 2 * inplanes * planes * expansion * out * out
                 saved += planes * expansion * out * out
+                convs += 1
+                elementwise += planes * expansion * out * out
             units.append(
                 Unit(
                     f"layer{stage + 1}.{i}",
@@ -232,6 +265,10 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
                     },
                     boundary_elements=planes * expansion * out * out,
                     fwd_ops=ops,
+                    fwd_gemms=convs,
+                    fwd_elementwise=elementwise,
+                    param_tensors=3 * convs,  # each conv and its BN's weight and bias
+                    fwd_convs=convs,
                 )
             )
             inplanes, spatial = planes * expansion, out
@@ -244,6 +281,9 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
             acts={"none": Acts(whole=inplanes * spatial * spatial + inplanes + m.num_classes)},
             transient=Acts(whole=2 * m.num_classes),
             fwd_ops=7,  # avg-pool, flatten, linear (t, addmm), log-softmax, NLL
+            fwd_gemms=1,
+            fwd_elementwise=inplanes + m.num_classes,  # pooled features, log-softmax
+            param_tensors=2,
         )
     )
     return units
@@ -290,6 +330,8 @@ def _ctr_units(m: CTRModel) -> list[Unit]:
             params_whole=rows * (m.embedding_dim + 1) + m.num_dense_features + 1,
             acts={"none": Acts(whole=fields * (m.embedding_dim + 1))},
             fwd_ops=4 * fields + 2,  # per table: select + lookup, twice (embedding, first order); stack, cat
+            fwd_elementwise=2 * fields * (m.embedding_dim + 1),  # the lookups, then stacked
+            param_tensors=2 * fields + 2,  # embedding and first-order table per field, dense linear
         ),
         Unit(
             "mlp",
@@ -299,6 +341,12 @@ def _ctr_units(m: CTRModel) -> list[Unit]:
             acts={"none": Acts(whole=2 * sum(dims[1:]) + dims[0])},
             # dense first order 5, FM 8 (DeepFM), concat 2, linears 2 each, ReLU 2 each, output 2, loss 1
             fwd_ops=5 + (8 if m.kind == "deepfm" else 0) + 2 + 2 * linears + 2 * (linears - 1) + 3,
+            fwd_gemms=linears + 1,  # the MLP and the dense first-order linear
+            param_tensors=2 * linears,
+            # concatenated input, ReLU outputs, FM squares and sums (DeepFM)
+            fwd_elementwise=dims[0]
+            + sum(dims[1:-1])
+            + (4 * fields * m.embedding_dim if m.kind == "deepfm" else 0),
         ),
     ]
 

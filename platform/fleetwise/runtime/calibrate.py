@@ -4,14 +4,29 @@ What is measured (all on the current machine, nothing looked up):
 - peak fp32 matmul FLOP/s: the best of square GEMMs of a few sizes, every core busy (one process,
   all threads); on a CPU this is the whole machine, shared by its ranks (`shared_compute`), and
   also with one thread (what one rank of a one-rank-per-core job gets);
+- GEMM efficiency by size: square GEMMs from 16 to 1024, with all threads (a job of one rank) and
+  with one thread (ranks that share the cores), as a fraction of the peak the rank's threads own:
+  the GEMMs of small models run far below peak;
 - matmul efficiency: a training-shaped GEMM (forward and both backward GEMMs through autograd,
-  1024×1024 activations and weights) over that peak. Every timing is the best of many runs:
-  on a shared machine noise only ever slows a run down;
+  1024×1024 activations and weights) over that peak. These two are the best of many runs (a peak
+  is what the hardware can do; on a shared machine noise only ever slows a run down);
 - per-op overhead: wall time of forward + backward of a chain of tiny layers (norm, linear, GELU,
   residual add: the op mix of a transformer block, at a width where FLOPs are negligible) divided
   by the aten ops its forward dispatches. The planner charges it per forward op of each unit;
+- elementwise cost: forward + backward of a chain of norms, GELUs, adds and log-softmaxes on
+  64×256 activations, less the per-op overhead, divided by the elements those ops write;
+- convolution set-up: a small 3×3 convolution's forward + backward, less its FLOPs at peak and the
+  per-op overhead (oneDNN's per-call cost, which dominates the convolutions of small images);
+- parameter update: gradient norm, clipping and an AdamW step (what the trainer does once per step)
+  over many small tensors (the cost per tensor) and a few large ones (the cost per element).
+  The efficiency curve and these three host costs are medians of many runs, not the best: the
+  planner predicts a training step's median time, and a step meets the machine's noise too;
 - collective latency and bandwidth: all-reduce between 2 processes (gloo on CPU, nccl on GPU) of a
-  4-byte tensor (latency) and of 16 MiB (bandwidth, ring volume 2(n-1)/n of the buffer).
+  4-byte tensor (latency) and of 16 MiB (bandwidth, ring volume 2(n-1)/n of the buffer);
+- tensor-parallel overhead (CPU): the same tiny chain with column/row-parallel linears (DTensor) on
+  those 2 processes against the plain chain, less its collectives' latency, per forward op; and
+  FSDP2 (a unit per block) the same way, per collective and parameter tensor; and how much slower
+  host work gets when both processes run it in lockstep than when one runs it alone.
 On a GPU the peak is bf16 (and fp32/TF32) on device 0, and the per-op overhead is not charged
 (kernels queue asynchronously behind the GPU's work).
 """
@@ -29,6 +44,7 @@ from typing import Any
 import torch
 
 GEMM_SIZES = (256, 512, 1024, 2048)
+CURVE_SIZES = (8, 32, 64, 128, 256, 512, 1024)
 LATENCY_BYTES = 4
 BANDWIDTH_BYTES = 16 * 2**20
 
@@ -47,13 +63,24 @@ class Calibration:
     allreduce_gbps: float
     memory_gib: float
     notes: list[str] = field(default_factory=list)
+    # FLOPs of one GEMM -> fraction of peak: all threads (of the machine's peak), one thread (of
+    # one core's share of it)
+    gemm_curve: dict[str, float] = field(default_factory=dict)
+    gemm_curve_one_thread: dict[str, float] = field(default_factory=dict)
+    elementwise_ns: float = 0.0
+    update_us_per_tensor: float = 0.0
+    update_ns_per_param: float = 0.0
+    dtensor_op_us: float = 0.0
+    fsdp_us_per_tensor: float = 0.0
+    co_run_slowdown: float = 1.0
+    conv_call_us: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _timed(fn, reps: int, sync=lambda: None) -> float:
-    """Fastest of `reps` runs of `fn`, in seconds, after one warm-up."""
+def _timed(fn, reps: int, sync=lambda: None, typical: bool = False) -> float:
+    """Fastest (or, `typical`, the median) of `reps` runs of `fn`, in seconds, after one warm-up."""
     fn()
     sync()
     times = []
@@ -62,15 +89,24 @@ def _timed(fn, reps: int, sync=lambda: None) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - start)
+    if typical:
+        return statistics.median(times)
     return min(times)  # best of reps: on a shared machine noise only ever slows a run down
 
 
-def gemm_flops(size: int, device: torch.device, dtype: torch.dtype, reps: int = 10) -> float:
+def gemm_flops(
+    size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int = 10,
+    budget: float = 2e9,
+    typical: bool = False,
+) -> float:
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    inner = max(1, int(2e9 // (2 * size**3))) if device.type == "cpu" else 20
-    t = _timed(lambda: [a @ b for _ in range(inner)], reps, sync)
+    inner = min(5000, max(1, int(budget // (2 * size**3)))) if device.type == "cpu" else 20
+    t = _timed(lambda: [a @ b for _ in range(inner)], reps, sync, typical)
     return inner * 2 * size**3 / t
 
 
@@ -87,14 +123,48 @@ def training_gemm_flops(device: torch.device, dtype: torch.dtype, size: int = 10
     return 3 * 2 * size**3 / t
 
 
-class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+def gemm_curve(device: torch.device, peak: float) -> dict[str, float]:
+    """FLOPs of one square GEMM -> its FLOP/s over `peak`, at the current thread count. The time of
+    the smallest GEMM (a call that does almost no arithmetic) is taken out of every size: the
+    planner charges it already as per-op overhead."""
+    seconds = {
+        n: 2 * n**3 / gemm_flops(n, device, torch.float32, reps=7, budget=2e8, typical=True)
+        for n in CURVE_SIZES
+    }
+    call = seconds[CURVE_SIZES[0]]
+    return {
+        str(2 * n**3): round(min(1.0, 2 * n**3 / max(seconds[n] - call, 1e-9) / peak), 4)
+        for n in CURVE_SIZES[1:]
+    }
+
+
+GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "linear", "matmul"})
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops a region dispatches: all of them (`count`), the matmul-like ones
+    (`gemms`: linear, conv, attention; `convs` of them convolutions) and the elements the other
+    non-view ops write (`elements`): the planner's per-unit fwd_ops, fwd_gemms, fwd_convs and
+    fwd_elementwise count the same things."""
+
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.gemms = 0
+        self.convs = 0
+        self.elements = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         self.count += 1
-        return func(*args, **(kwargs or {}))
+        name = func._schema.name.split("::")[-1]
+        if name in GEMM_OPS or name.startswith("_scaled_dot_product"):
+            self.gemms += 1
+            self.convs += name == "convolution"
+        elif not func.is_view and name != "_unsafe_view":
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.elements += sum(o.numel() for o in outs if isinstance(o, torch.Tensor))
+        return out
 
 
 def op_overhead_us(layers: int = 16, width: int = 16, reps: int = 50) -> float:
@@ -116,10 +186,163 @@ def op_overhead_us(layers: int = 16, width: int = 16, reps: int = 50) -> float:
             h = h + b["fc2"](nn.functional.gelu(b["fc1"](b["ln"](h)), approximate="tanh"))
         return h.sum()
 
-    with torch.no_grad(), _CountOps() as counter:
+    with torch.no_grad(), OpCounter() as counter:
         forward()
-    t = _timed(lambda: forward().backward(), reps)
+    t = _timed(lambda: forward().backward(), reps, typical=True)
     return t / counter.count * 1e6
+
+
+def elementwise_ns(overhead_us: float, tokens: int = 64, width: int = 256, reps: int = 30) -> float:
+    """Nanoseconds per element written by a norm/activation/add/softmax chain, forward + backward,
+    after the per-op overhead is taken out."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    norms = [nn.LayerNorm(width) for _ in range(4)]
+    x = torch.randn(tokens, width, requires_grad=True)
+
+    def forward():
+        h = x
+        for ln in norms:
+            h = h + nn.functional.gelu(ln(h), approximate="tanh")
+        return nn.functional.log_softmax(h, -1).sum()
+
+    with torch.no_grad(), OpCounter() as counter:
+        forward()
+    t = _timed(lambda: forward().backward(), reps, typical=True)
+    return max(0.0, t - counter.count * overhead_us * 1e-6) / counter.elements * 1e9
+
+
+def conv_call_us(overhead_us: float, peak: float, reps: int = 50) -> float:
+    """Host time of one small convolution's forward and backward beyond its FLOPs at peak and the
+    per-op overhead: the set-up (oneDNN primitives, layout reorders) every conv call pays."""
+    conv = torch.nn.Conv2d(16, 16, 3, padding=1, bias=False)
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+    grad = torch.randn(2, 16, 8, 8)  # a dense incoming gradient, as a BatchNorm's backward gives
+    flops = 3 * 2 * 9 * 16 * 16 * 8 * 8 * 2  # forward + 2 backward GEMM-equivalents
+    t = _timed(lambda: conv(x).backward(grad), reps, typical=True)
+    return max(0.0, t - flops / peak - overhead_us * 1e-6) * 1e6
+
+
+def update_cost(reps: int = 15) -> tuple[float, float]:
+    """(µs per parameter tensor, ns per parameter) of one optimizer step as the trainer runs it:
+    global gradient norm, clipping, AdamW (torch's default implementation for CPU tensors)."""
+
+    def seconds(tensors: int, size: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(size)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn(size)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+
+        def step():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            for p in params:
+                p.grad.mul_(1.0 / (float(norm) + 1e-6))
+            opt.step()
+
+        return _timed(step, reps, typical=True)
+
+    small, large = (256, 16), (8, 2**17)
+    t_small, t_large = seconds(*small), seconds(*large)
+    # t = tensors·a + elements·b, solved from the two shapes
+    elements = (small[0] * small[1], large[0] * large[1])
+    b = max(
+        0.0, (t_large - t_small * large[0] / small[0]) / (elements[1] - elements[0] * large[0] / small[0])
+    )
+    a = max(0.0, (t_small - elements[0] * b) / small[0])
+    return a * 1e6, b * 1e9
+
+
+class _Block(torch.nn.Module):
+    """A pre-LN MLP block: the op mix of a transformer block at a width where FLOPs are negligible."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(width)
+        self.fc1 = torch.nn.Linear(width, width)
+        self.fc2 = torch.nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(h)), approximate="tanh"))
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, layers: int, width: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict({str(i): _Block(width) for i in range(layers)})
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.layers.values():
+            h = block(h)
+        return h.sum()
+
+
+def dtensor_op_us(mesh, latency_s: float, layers: int = 8, width: int = 16, reps: int = 30) -> float:
+    """Extra host time per forward op of a tensor-parallel (DTensor) module over the same plain one,
+    forward + backward, after its collectives' latency is taken out: sharding propagation, the
+    subclass dispatch and waiting for the peer. Run on every rank of a 2-rank `mesh`."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    plain, tp = _Chain(layers, width), _Chain(layers, width)
+    plan = {f"layers.{i}.fc1": ColwiseParallel() for i in range(layers)}
+    plan |= {f"layers.{i}.fc2": RowwiseParallel() for i in range(layers)}
+    parallelize_module(tp, mesh, plan)
+    x = torch.randn(2, 8, width)
+    with torch.no_grad(), OpCounter() as counter:
+        plain(x)
+    t_plain = _timed(lambda: plain(x).backward(), reps, typical=True)
+    t_tp = _timed(lambda: tp(x).backward(), reps, typical=True)
+    collectives = 2 * layers  # row-parallel output (forward), column-parallel input grad (backward)
+    return max(0.0, t_tp - t_plain - collectives * latency_s) / counter.count * 1e6
+
+
+def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16, reps: int = 30) -> float:
+    """Extra host time of FSDP2 per collective (a unit's all-gather or reduce-scatter) and per
+    parameter tensor it carries, forward + backward, over the same plain module and after the
+    collectives' latency is taken out: the hooks, the copies into and out of the flat buffers (per
+    tensor) and waiting for the peer."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    plain, sharded = _Chain(layers, width), _Chain(layers, width)
+    for block in sharded.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    x = torch.randn(2, 8, width)
+    t_plain = _timed(lambda: plain(x).backward(), reps, typical=True)
+    t_sharded = _timed(lambda: sharded(x).backward(), reps, typical=True)
+    collectives = 2 * layers  # an all-gather and a reduce-scatter per block (the root holds none)
+    tensors = sum(1 for _ in sharded.layers["0"].parameters())
+    return max(0.0, t_sharded - t_plain - collectives * latency_s) / collectives / tensors * 1e6
+
+
+def co_run_slowdown(reps: int = 30) -> float:
+    """How much slower host-bound work gets when every process of the job runs it at once, in
+    lockstep (each iteration lasts as long as its slowest rank), than when rank 0 runs it alone:
+    cores that share execution units or caches, the noise of a shared machine, and waiting for the
+    slowest rank at every collective. Run on every rank; the same value comes back to all."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    chain, x = _Chain(16, 64), torch.randn(4, 16, 64)
+
+    def work():
+        for _ in range(4):
+            chain(x).backward()
+
+    work()
+    alone, together = [], []
+    for times, everyone in ((alone, False), (together, True)):
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            if everyone or dist.get_rank() == 0:
+                work()
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank (alone: rank 0)
+            times.append(float(took))
+    return max(1.0, statistics.median(together) / statistics.median(alone))
 
 
 def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_file: str) -> None:
@@ -146,13 +369,26 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
         med = torch.tensor([statistics.median(times)], dtype=torch.float64)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
         results[nbytes] = float(med)
+    if backend == "gloo":  # on GPUs DTensor's host work overlaps the kernels
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        slow = torch.tensor([dtensor_op_us(mesh, results[LATENCY_BYTES])], dtype=torch.float64)
+        dist.all_reduce(slow, op=dist.ReduceOp.MAX)
+        results["dtensor_op_us"] = float(slow)
+        slow = torch.tensor([fsdp_us_per_tensor(mesh, results[LATENCY_BYTES])], dtype=torch.float64)
+        dist.all_reduce(slow, op=dist.ReduceOp.MAX)
+        results["fsdp_us_per_tensor"] = float(slow)
+        results["co_run_slowdown"] = co_run_slowdown()
     if rank == 0:
         Path(out_file).write_text(repr(results))
     dist.destroy_process_group()
 
 
-def allreduce_speed(backend: str, world: int = 2) -> tuple[float, float]:
-    """(latency in µs, bandwidth in GB/s per direction) of an all-reduce between `world` processes."""
+def allreduce_speed(backend: str, world: int = 2) -> dict[str, float]:
+    """Latency (µs) and bandwidth (GB/s per direction) of an all-reduce between `world` processes,
+    and (gloo only) the extra µs per forward op of a tensor-parallel module between them, per FSDP
+    collective and parameter tensor, and the slowdown of host work run by all of them at once."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="fleetwise-calibrate-") as tmp:
@@ -162,7 +398,13 @@ def allreduce_speed(backend: str, world: int = 2) -> tuple[float, float]:
     latency = results[LATENCY_BYTES]
     moved = 2 * (world - 1) / world * BANDWIDTH_BYTES  # bytes each rank sends in a ring all-reduce
     bandwidth = moved / max(results[BANDWIDTH_BYTES] - latency, 1e-9)
-    return latency * 1e6, bandwidth / 1e9
+    return {
+        "latency_us": latency * 1e6,
+        "gbps": bandwidth / 1e9,
+        "dtensor_op_us": results.get("dtensor_op_us", 0.0),
+        "fsdp_us_per_tensor": results.get("fsdp_us_per_tensor", 0.0),
+        "co_run_slowdown": results.get("co_run_slowdown", 1.0),
+    }
 
 
 def _memory_gib(device: torch.device) -> float:
@@ -191,14 +433,19 @@ def calibrate(*, comm: bool = True) -> Calibration:
         train = training_gemm_flops(device, torch.bfloat16 if cuda else torch.float32)
         efficiency = min(1.0, train / (peak["bf16"] if cuda else peak["fp32"]))
         overhead = 0.0 if cuda else op_overhead_us()
+        elementwise = 0.0 if cuda else elementwise_ns(overhead)
+        per_tensor, per_param = (0.0, 0.0) if cuda else update_cost()
+        conv = 0.0 if cuda else conv_call_us(overhead, peak["fp32"])
+        curve = gemm_curve(device, peak["fp32"]) if not cuda else {}
         torch.set_num_threads(1)
         single = gemm_flops(512, device, torch.float32) if not cuda else peak["fp32"]
+        curve_one = gemm_curve(device, peak["fp32"] / cores) if not cuda and cores > 1 else {}
     finally:
         torch.set_num_threads(threads)
-    latency, bandwidth = 0.0, 0.0
+    comm_speed: dict[str, float] = {}
     backend = "nccl" if cuda else "gloo"
     if comm and (not cuda or torch.cuda.device_count() >= 2):
-        latency, bandwidth = allreduce_speed(backend)
+        comm_speed = allreduce_speed(backend)
     elif comm:
         notes.append("one GPU: collective latency and bandwidth not measured (profile keeps defaults)")
     return Calibration(
@@ -210,10 +457,19 @@ def calibrate(*, comm: bool = True) -> Calibration:
         single_thread_flops=single,
         matmul_efficiency=efficiency,
         op_overhead_us=overhead,
-        allreduce_latency_us=latency,
-        allreduce_gbps=bandwidth,
+        allreduce_latency_us=comm_speed.get("latency_us", 0.0),
+        allreduce_gbps=comm_speed.get("gbps", 0.0),
         memory_gib=_memory_gib(device),
         notes=notes,
+        gemm_curve=curve,
+        gemm_curve_one_thread=curve_one,
+        elementwise_ns=elementwise,
+        update_us_per_tensor=per_tensor,
+        update_ns_per_param=per_param,
+        conv_call_us=conv,
+        dtensor_op_us=comm_speed.get("dtensor_op_us", 0.0),
+        fsdp_us_per_tensor=comm_speed.get("fsdp_us_per_tensor", 0.0),
+        co_run_slowdown=comm_speed.get("co_run_slowdown", 1.0),
     )
 
 
@@ -246,7 +502,18 @@ def profile(cal: Calibration, name: str = "local") -> dict[str, Any]:
         "matmul_efficiency": round(cal.matmul_efficiency, 4),
         "comm_latency_us": round(cal.allreduce_latency_us, 1) if cal.allreduce_latency_us else 20.0,
         "op_overhead_us": round(cal.op_overhead_us, 2),
+        "elementwise_ns": round(cal.elementwise_ns, 3),
+        "update_us_per_tensor": round(cal.update_us_per_tensor, 2),
+        "update_ns_per_param": round(cal.update_ns_per_param, 3),
+        "dtensor_op_us": round(cal.dtensor_op_us, 2),
+        "fsdp_us_per_tensor": round(cal.fsdp_us_per_tensor, 2),
+        "co_run_slowdown": round(cal.co_run_slowdown, 3),
+        "conv_call_us": round(cal.conv_call_us, 2),
     }
+    if cal.gemm_curve:
+        out["gemm_efficiency"] = [[float(f), e] for f, e in cal.gemm_curve.items()]
+    if cal.gemm_curve_one_thread:
+        out["gemm_efficiency_one_thread"] = [[float(f), e] for f, e in cal.gemm_curve_one_thread.items()]
     return out
 
 
