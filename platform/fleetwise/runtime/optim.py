@@ -39,8 +39,15 @@ def build_optimizer(
     if zero_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
+        # parameters_as_bucket_view: after the step each rank broadcasts its partition as one
+        # bucket, instead of one broadcast per parameter tensor (latency-bound on gloo)
         return ZeroRedundancyOptimizer(
-            groups, optimizer_class=cls, process_group=zero_group, lr=cfg.lr, **kwargs
+            groups,
+            optimizer_class=cls,
+            process_group=zero_group,
+            parameters_as_bucket_view=True,
+            lr=cfg.lr,
+            **kwargs,
         )
     return cls(groups, lr=cfg.lr, **kwargs)
 
