@@ -121,7 +121,14 @@ def save(run_dir: Path, step: int, trainer, *, keep: int) -> Path:
             "files": _manifest(tmp),
         }
         (tmp / META).write_text(json.dumps(meta, indent=2))
+        # A checkpoint of this step from an earlier job in this run dir (one resumed from an older
+        # step) is superseded: set it aside under a `.tmp` name, which is never resumed from.
+        replaced = final.with_name(final.name + ".replaced.tmp")
+        if final.exists():
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
         tmp.rename(final)
+        shutil.rmtree(replaced, ignore_errors=True)
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()

@@ -87,12 +87,12 @@ class TensorPeak:
 
     GPU: the allocator's max_memory_allocated (reset every step), exact and free.
     CPU: `LiveTensorBytes` follows every allocation through a dispatch mode; that costs time, so
-    only sampled steps are tracked (the first two: the second is the first with optimizer state,
-    i.e. the steady-state peak)."""
+    only sampled steps are tracked: the first two this process runs (in a fresh job the second is
+    the first with optimizer state, i.e. the steady-state peak; a resumed job has it from the first)."""
 
-    def __init__(self, device: torch.device, sample_steps: tuple[int, ...] = (1, 2)):
+    def __init__(self, device: torch.device, samples: int = 2):
         self.device = device
-        self.sample_steps = sample_steps
+        self.samples = samples  # steps still to track
         self.peak = 0  # running max over measured steps
 
     @contextlib.contextmanager
@@ -102,9 +102,10 @@ class TensorPeak:
             yield
             self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
             return
-        if step not in self.sample_steps:
+        if self.samples <= 0:
             yield
             return
+        self.samples -= 1
         tracker = LiveTensorBytes(state_tensors(modules, optimizers))
         with tracker:
             yield
