@@ -5,7 +5,7 @@
 
 Writes OUT/results.json (every row, every target, met or missed) and OUT/results.md (the tables,
 also printed). Every number is measured in this run, on this machine: first `fleetwise calibrate`
-measures peak matmul, per-op overhead and gloo all-reduce speed into a hardware profile `local`
+measures peak matmul, GEMM efficiency by size, host costs and gloo all-reduce speed into a profile `local`
 (in a temporary FLEETWISE_CONFIG_DIR), and every job plans with `hardware=local`.
 Compared things run interleaved (A B A B ...) so machine noise hits both sides alike; ratios are
 reported as the median over repetitions with the min-max spread.
@@ -197,7 +197,7 @@ class Bench:
         configs = self.PLANNER[::3] if self.quick else self.PLANNER
         rows = []
         for name, overrides in configs:
-            _, records, plan = self.train([*overrides, f"train.steps={WARMUP + 3}"])
+            _, records, plan = self.train([*overrides, f"train.steps={WARMUP + (3 if self.quick else 8)}"])
             mem = max(r["memory/peak_bytes_max"] for r in records)
             step = median_step(records)
             mem_err = plan["memory_bytes"]["total"] / mem - 1
@@ -308,6 +308,15 @@ def markdown(results: dict) -> str:
                          [[f"{c['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s", f"{c['single_thread_flops'] / 1e9:.1f} GFLOP/s",
                            f"{c['matmul_efficiency']:.2f}", f"{c['op_overhead_us']:.1f} µs", f"{c['allreduce_latency_us']:.0f} µs",
                            f"{c['allreduce_gbps']:.2f} GB/s"]]))  # fmt: skip
+        curve = ", ".join(f"{float(f):.0e}: {e:.2f}" for f, e in c.get("gemm_curve", {}).items())
+        curve1 = ", ".join(f"{float(f):.0e}: {e:.2f}" for f, e in c.get("gemm_curve_one_thread", {}).items())
+        out.append("\nHost costs the planner charges (medians; the planner's time model, plan/planner.py):\n")
+        out.append(table(["elementwise", "update per tensor", "update per param", "conv call", "DTensor per op", "FSDP per collective·tensor", "co-run slowdown"],
+                         [[f"{c.get('elementwise_ns', 0):.2f} ns", f"{c.get('update_us_per_tensor', 0):.1f} µs",
+                           f"{c.get('update_ns_per_param', 0):.2f} ns", f"{c.get('conv_call_us', 0):.0f} µs",
+                           f"{c.get('dtensor_op_us', 0):.0f} µs", f"{c.get('fsdp_us_per_tensor', 0):.0f} µs",
+                           f"{c.get('co_run_slowdown', 1):.2f}"]]))  # fmt: skip
+        out.append(f"\nGEMM efficiency by FLOPs per GEMM, all threads: {curve}; one thread: {curve1}\n")
     if "overhead" in s:
         o = s["overhead"]
         out.append(
