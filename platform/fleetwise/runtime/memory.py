@@ -7,7 +7,7 @@ import contextlib
 import resource
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,7 +24,8 @@ class LiveTensorBytes(TorchDispatchMode):
     """Exact bytes of live tensor storage, and their peak, while active.
 
     Every op's outputs are recorded by storage (a view shares its base's storage and is counted
-    once); a weakref finaliser subtracts a storage when it is freed. Tensors alive before the
+    once); a weakref finaliser subtracts a storage when it is freed, and in-place storage resizes
+    (FSDP2's way of freeing and re-allocating unsharded parameters) are followed. Tensors alive before the
     step (parameters, gradients, optimizer state) are registered up front. DTensors are counted by
     their local shard: that is what this rank holds."""
 
@@ -58,6 +59,32 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
+
+    def _resized(self, storage, nbytes: int) -> None:
+        """A storage resized in place: FSDP2 frees a resharded parameter with `resize_(0)` and
+        re-allocates it for the next all-gather, on the same storage object and outside dispatch."""
+        key = storage._cdata
+        if key not in self.live:
+            return
+        self.current += nbytes - self.live[key]
+        self.live[key] = nbytes
+        self.peak = max(self.peak, self.current)
+
+    def __enter__(self):
+        tracker, resize = self, torch.UntypedStorage.resize_
+
+        def resize_and_track(storage, size):
+            out = resize(storage, size)
+            tracker._resized(storage, storage.nbytes())
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = resize_and_track
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -96,7 +123,10 @@ class TensorPeak:
         self.peak = 0  # running max over measured steps
 
     @contextlib.contextmanager
-    def measure(self, step: int, modules: list, optimizers: list) -> Iterator[None]:
+    def measure(
+        self, step: int, modules: list, optimizers: list, buffers: Iterable[torch.Tensor] = ()
+    ) -> Iterator[None]:
+        """`buffers`: other tensors that persist across steps (a pipeline stage's receive buffers)."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
@@ -106,7 +136,7 @@ class TensorPeak:
             yield
             return
         self.samples -= 1
-        tracker = LiveTensorBytes(state_tensors(modules, optimizers))
+        tracker = LiveTensorBytes(state_tensors(modules, optimizers) + list(buffers))
         with tracker:
             yield
         self.peak = max(self.peak, tracker.peak)

@@ -1,0 +1,32 @@
+"""The live-tensor tracker behind the CPU memory metric (runtime/memory.py)."""
+
+import torch
+
+from fleetwise.runtime.memory import LiveTensorBytes
+
+
+def test_counts_outputs_once_per_storage_and_frees_them():
+    x = torch.zeros(1024)  # 4 KiB, alive before tracking
+    with LiveTensorBytes([x]) as t:
+        y = x + 1  # +4 KiB
+        v = y.view(32, 32)  # a view: no new storage
+        del y, v
+        z = x * 2  # the freed storage is gone, +4 KiB again
+        assert t.current == 8192
+    assert t.peak == 8192
+    del z
+
+
+def test_follows_in_place_storage_resizes_like_fsdp_frees_parameters():
+    """FSDP2 frees an unsharded parameter with storage.resize_(0) and re-allocates it for the next
+    all-gather on the same storage object, outside dispatch: the tracker must see both."""
+    p = torch.zeros(1024)
+    with LiveTensorBytes([p]) as t:
+        p.untyped_storage().resize_(0)
+        assert t.current == 0
+        q = torch.ones(256) * 2  # 1 KiB while the parameter is freed
+        p.untyped_storage().resize_(4096)
+        assert t.current == 4096 + 1024
+        del q
+    assert t.peak == 4096 + 1024
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # restored on exit
