@@ -22,7 +22,7 @@ from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv, build_mesh
 from fleetwise.runtime.modeling import build_source
 from fleetwise.runtime.optim import Optimizers, clip_, grad_norm
-from fleetwise.runtime.parallelize import DTYPES, ParallelModel, flat_group, parallelize
+from fleetwise.runtime.parallelize import DTYPES, ParallelModel, flat_group, parallelize, pipeline_buffers
 
 log = logging.getLogger("fleetwise")
 
@@ -83,7 +83,11 @@ class Trainer:
             target = batch[spec.label].to(self.env.device) if self.model.has_last else None
             losses: list[torch.Tensor] = []
             with self._loss_context(), self.autocast():
-                self.model.schedule.step(*args, target=target, losses=losses if self.model.has_last else None)
+                # return_outputs=False: otherwise the last stage keeps every micro-batch's output
+                # (the logits: n·b·s·v) alive until the step ends, only to merge them for us
+                self.model.schedule.step(
+                    *args, target=target, losses=losses if self.model.has_last else None, return_outputs=False
+                )
             return torch.stack([_plain(x) for x in losses]).mean() if self.model.has_last else None
 
         (part,) = self.model.parts
@@ -115,7 +119,9 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         self.model.train()
         start = time.perf_counter()
-        with self.memory.measure(step, self.model.parts, self.optimizers.local()):
+        with self.memory.measure(
+            step, self.model.parts, self.optimizers.local(), pipeline_buffers(self.model.stages)
+        ):
             loss = self.forward_backward(step)
             inject_fault(self.cfg.fault, self.env.rank, step, self.env.restart, self.named_params)
             if self.scaler:
