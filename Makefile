@@ -40,7 +40,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check platform tests scripts
 
 clean:
-	rm -rf $(VENV) outputs multirun mlruns mlflow.db dist .pytest_cache
+	rm -rf $(VENV) outputs multirun mlruns mlartifacts mlflow.db dist .pytest_cache
 
 # Benchmarks (scripts/bench.py): overhead vs plain PyTorch, compute efficiency, pipeline bubble,
 # planner accuracy, start-up (+ GPU where CUDA exists). Writes bench/results.json and results.md.
