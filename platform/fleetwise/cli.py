@@ -246,8 +246,9 @@ def cmd_calibrate(argv: list[str]) -> int:
             f"{cal.op_overhead_us:.1f} µs · all-reduce {cal.allreduce_latency_us:,.0f} µs, "
             f"{cal.allreduce_gbps:.2f} GB/s\n  host costs: elementwise {cal.elementwise_ns:.2f} ns · update "
             f"{cal.update_us_per_tensor:.0f} µs/tensor + {cal.update_ns_per_param:.2f} ns/param · conv call "
-            f"{cal.conv_call_us:.0f} µs · DTensor {cal.dtensor_op_us:.0f} µs/op · FSDP "
-            f"{cal.fsdp_us_per_tensor:.0f} µs/collective·tensor · co-run slowdown {cal.co_run_slowdown:.2f}"
+            f"{cal.conv_call_us:.0f} µs · checkpointing {cal.checkpoint_op_us:.0f} µs/op (selective "
+            f"{cal.selective_checkpoint_op_us:.0f}) · DTensor {cal.dtensor_op_us:.0f} µs/op · FSDP "
+            f"{cal.fsdp_us_per_tensor:.0f} µs/unit pass·tensor · co-run slowdown {cal.co_run_slowdown:.2f}"
             f"\n  profile written to {out}: use hardware={args.name}",
             highlight=False,
         )

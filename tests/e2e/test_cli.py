@@ -184,7 +184,13 @@ def test_calibrate_writes_a_profile_the_planner_uses(fleetwise_bin, tmp_path):
     profile = yaml.safe_load((tmp_path / "hardware" / "local.yaml").read_text())
     assert measured["peak_flops"]["fp32"] > 1e9
     # the host costs the planner's time model charges, each measured (> 0) on this machine
-    for key in ("op_overhead_us", "elementwise_ns", "update_us_per_tensor", "conv_call_us"):
+    for key in (
+        "op_overhead_us",
+        "elementwise_ns",
+        "update_us_per_tensor",
+        "conv_call_us",
+        "selective_checkpoint_op_us",
+    ):
         assert profile[key] > 0, key
     curve = profile["gemm_efficiency"]
     assert curve[0][1] < curve[-1][1] <= 1.0  # small GEMMs run further below peak than large ones

@@ -62,7 +62,9 @@ def test_ddp_memory_of_tiny_gpt_by_hand():
     # DDP keeps its gradient buckets, so the forward/backward peak holds everything at once, plus
     # the copy of the bucket gloo's all-reduce works on (NCCL reduces in place).
     bucket_copy = 4 * p
-    assert m["total"] == params + grads + adam + saved + logits_transient + bucket_copy
+    inputs = b * 2 * 8 * s  # this rank's batch: int64 tokens and labels (one micro-batch on 8 ranks)
+    assert m["inputs"] == inputs
+    assert m["total"] == params + grads + adam + saved + logits_transient + bucket_copy + inputs
     assert plan.engine == "ddp"
     assert plan.comm_bytes_per_step["dp"] == int(2 * 7 / 8 * grads)
 
@@ -139,3 +141,51 @@ def test_parameter_server_plan_counts_server_shards_and_pulled_rows():
     assert 0 < ps["rows_pulled_per_step"] <= 4 * 32 * plan.batch["accumulate_steps"]
     assert ps["sparse_bytes_pulled_per_step"] < ps["sparse_table_bytes"] / 10
     assert plan.world_size == 4
+
+
+def test_pipeline_receive_buffers_by_hand():
+    """torch.distributed.pipelining allocates a receive buffer per micro-batch for activations (all
+    but the first stage) and gradients (all but the last), and keeps in-flight outputs."""
+    cfg, plan = plan_of("recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2")
+    b, s, h, n = 2, 32, 64, 8
+    assert plan.batch["num_microbatches"] == n
+    # stage 0 (the worst, 1F1B keeps 2 micro-batches in flight): n gradient buffers + 2 held outputs
+    assert plan.memory_bytes["pipeline_buffers"] == 4 * (n + 2) * b * s * h
+    # recompute does not shrink them: they are the engine's, not autograd's
+    _, full = plan_of(
+        "recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2", "strategy.recompute=full"
+    )
+    assert full.memory_bytes["pipeline_buffers"] == plan.memory_bytes["pipeline_buffers"]
+    _, dp = plan_of("recipe=gpt/tiny", "hardware.devices_per_node=2")
+    assert dp.memory_bytes["pipeline_buffers"] == 0
+
+
+def test_input_batch_and_gradient_accumulation_transient_of_tiny_resnet():
+    _, one = plan_of("recipe=resnet/tiny", "hardware.devices_per_node=1")
+    _, eight = plan_of("recipe=resnet/tiny")
+    per_sample = 4 * 3 * 32 * 32 + 8  # fp32 image, int64 label
+    assert one.memory_bytes["inputs"] == 16 * per_sample  # the whole step's batch, 8 micro-batches
+    assert eight.memory_bytes["inputs"] == 2 * per_sample  # one micro-batch per rank
+    # accumulating 8 micro-batches: the largest weight's fresh gradient (layer 4's 3x3 conv, 64x64x9)
+    # is alive next to its .grad; without accumulation it is the .grad itself. It replaces the
+    # smaller transient of the head (logits and their gradient: 2 samples x 2 x 10 classes)
+    largest = 4 * 9 * 64 * 64
+    assert one.memory_bytes["activations"] - eight.memory_bytes["activations"] == largest - 4 * 2 * 2 * 10
+
+
+def test_fsdp_mixed_precision_runs_the_residual_stream_in_16_bits():
+    base = (
+        "recipe=gpt/tiny",
+        "strategy=hybrid",
+        "strategy.pp_degree=2",
+        "hardware=a100",
+        "train.precision=bf16",
+    )
+    # the same 16 samples per pipeline replica: alone (autocast), or one of 2 FSDP shards
+    _, fsdp = plan_of(*base, "hardware.devices_per_node=4", "strategy.sharding_degree=2",
+                      "strategy.sharding_stage=2", "train.global_batch_size=32")  # fmt: skip
+    _, plain = plan_of(*base, "hardware.devices_per_node=2", "train.global_batch_size=16")
+    assert (fsdp.engine, plain.engine) == ("fsdp", "none")
+    # autocast keeps the residual stream, hence the stage boundary, in fp32
+    assert plain.comm_bytes_per_step["pp"] == 2 * fsdp.comm_bytes_per_step["pp"]
+    assert plain.memory_bytes["pipeline_buffers"] == 2 * fsdp.memory_bytes["pipeline_buffers"]

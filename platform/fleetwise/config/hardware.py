@@ -93,8 +93,9 @@ class HardwareConfig(Section):
     fsdp_us_per_tensor: float = Field(
         0.0,
         ge=0,
-        description="Extra host time of FSDP per collective (a unit's all-gather or reduce-scatter) and "
-        "parameter tensor it carries, microseconds (calibrate measures it on CPUs; 0: not charged).",
+        description="Extra host time of FSDP per unit, micro-batch (its forward and backward, with the "
+        "unit's all-gather and reduce-scatter) and parameter tensor, microseconds (calibrate measures "
+        "it on CPUs; 0: not charged).",
     )
     co_run_slowdown: float = Field(
         1.0,
@@ -106,6 +107,18 @@ class HardwareConfig(Section):
         0.0,
         ge=0,
         description="Extra host time per convolution call, forward with its backward, microseconds "
+        "(calibrate measures it on CPUs; 0: not charged).",
+    )
+    checkpoint_op_us: float = Field(
+        0.0,
+        ge=0,
+        description="Extra host time per forward op of a fully checkpointed block beyond re-running it "
+        "(saved-tensor hooks, recompute bookkeeping), microseconds (calibrate measures it on CPUs; 0: not charged).",
+    )
+    selective_checkpoint_op_us: float = Field(
+        0.0,
+        ge=0,
+        description="The same for selective checkpointing, whose policy dispatch mode sees every op twice "
         "(calibrate measures it on CPUs; 0: not charged).",
     )
     host_cores: int | None = Field(

@@ -12,11 +12,11 @@ Everything here is arithmetic on the validated config (no torch). Sources of the
   all-gather and reduce-scatter (n-1)/n), Thakur et al. 2005.
 - Time: GEMMs at a fraction of peak that depends on their size (the calibrated curve; else
   `matmul_efficiency`), plus host time per op (`op_overhead_us` × the forward ops of each unit,
-  backward included; more under tensor parallelism: `dtensor_op_us`, and per convolution:
-  `conv_call_us`) and per element the other
+  backward included; more under tensor parallelism: `dtensor_op_us`, per convolution:
+  `conv_call_us`, and per recomputed op: `checkpoint_op_us`) and per element the other
   ops write (`elementwise_ns`), stretched by the pipeline bubble; plus the communication that is
-  not overlapped with compute (latency per call + bytes over bandwidth, and FSDP's host work per
-  collective: `fsdp_us_per_tensor`); plus the parameter update once per step (a cost per tensor
+  not overlapped with compute (latency per call + bytes over bandwidth); FSDP's host work per unit,
+  micro-batch and parameter tensor (`fsdp_us_per_tensor`); plus the parameter update once per step (a cost per tensor
   and per element). `fleetwise calibrate` measures all of these constants. CPU ranks that
   outnumber the cores (`host_cores`) time-share them: their host and communication time stretch by
   ranks per core (their FLOP/s share is already peak / ranks); ranks that share a node also slow
@@ -36,7 +36,7 @@ from fleetwise.config.strategy import CollectiveStrategy, PSStrategy
 from fleetwise.config.validate import layout_of
 from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, split_layers
 from fleetwise.plan.ps import placement as ps_placement
-from fleetwise.plan.units import Unit, masked_per_sample, model_units
+from fleetwise.plan.units import Unit, input_bytes_per_sample, masked_per_sample, model_units
 
 FP32 = 4
 
@@ -47,6 +47,8 @@ class Memory:
     grads: float = 0.0
     optimizer: float = 0.0
     activations: float = 0.0
+    inputs: float = 0.0  # the step's batch this rank holds (all its micro-batches)
+    pipeline_buffers: float = 0.0  # torch.distributed.pipelining's receive buffers (the whole job)
     total: float = 0.0
 
     def as_ints(self) -> dict[str, int]:
@@ -117,9 +119,13 @@ def _ends(units: list[Unit]) -> tuple[list[Unit], list[Unit], list[Unit]]:
 # Collective plan
 
 
-def _act_bytes(precision: str) -> tuple[int, int]:
-    """(bytes of matmul outputs, bytes of the residual stream / norm inputs) under autocast."""
-    return (FP32, FP32) if precision == "fp32" else (2, FP32)
+def _act_bytes(precision: str, engine: str) -> tuple[int, int]:
+    """(bytes of matmul outputs, bytes of the residual stream / norm inputs). Autocast computes
+    matmuls in 16 bits but keeps the residual stream in fp32; FSDP's MixedPrecisionPolicy casts
+    the parameters instead (no autocast, see the trainer), so everything runs in 16 bits."""
+    if precision == "fp32":
+        return FP32, FP32
+    return (2, 2) if engine == "fsdp" else (2, FP32)
 
 
 def _rank_memory(
@@ -159,7 +165,7 @@ def _rank_memory(
         mem.grads = FP32 * p
         mem.optimizer = k * FP32 * p / (sh if engine == "zero1" else 1)
 
-    split_bytes, whole_bytes = _act_bytes(cfg.train.precision)
+    split_bytes, whole_bytes = _act_bytes(cfg.train.precision, engine)
     flight = chunks_in_flight(s.schedule, layout.pp, s.virtual_stages if pipelined else 1, n, rank)
     acts, transient = 0.0, 0.0
     for i, c in enumerate(local):
@@ -178,7 +184,15 @@ def _rank_memory(
                     transient,
                     b * (full.split / mp * split_bytes + full.sp * whole_bytes + full.whole * whole_bytes),
                 )
+    if pipelined:
+        mem.pipeline_buffers = _pipeline_buffers(chunks, local, flight, n, b) * whole_bytes
+    if accumulating and engine != "fsdp":
+        # a parameter's fresh gradient before autograd adds it into .grad (FSDP reduce-scatters
+        # each unit's gradients instead, its buffers are in `working`)
+        transient = max(transient, FP32 * max((u.largest_on_rank(mp) for u in units), default=0.0))
     mem.activations = acts + transient
+    # every rank loads its share of the step's batch at once (a pipeline schedule splits it itself)
+    mem.inputs = n * b * input_bytes_per_sample(cfg.model)
 
     # Peak of forward/backward vs peak of the optimizer step (foreach AdamW keeps about one
     # parameter-sized temporary).
@@ -186,15 +200,41 @@ def _rank_memory(
     # gloo's all-reduce of a DDP bucket works on a copy of it (measured: +4 B per parameter at the
     # backward peak); NCCL reduces the bucket in place
     comm_copy = FP32 * p if engine in ("ddp", "zero1") and cfg.hardware.backend == "gloo" else 0.0
-    fwd_bwd = mem.params + mem.optimizer + grads_live + mem.activations + comm_copy
+    fwd_bwd = (
+        mem.params
+        + mem.optimizer
+        + grads_live
+        + mem.activations
+        + mem.inputs
+        + mem.pipeline_buffers
+        + comm_copy
+    )
     if not accumulating and engine not in ("ddp", "zero1"):
-        fwd_bwd = max(fwd_bwd, mem.params + mem.optimizer + mem.grads + transient)
+        fwd_bwd = max(fwd_bwd, mem.params + mem.optimizer + mem.grads + transient + mem.inputs)
     step_params = resting if engine == "fsdp" else mem.params
     step_grads = (0.0 if offloaded else FP32 * p / sh) if engine == "fsdp" else mem.grads
     step_temp = (FP32 * p / (sh if engine != "ddp" else 1)) if k == 2 else 0.0
-    opt_step = step_params + step_grads + mem.optimizer + step_temp
+    opt_step = step_params + step_grads + mem.optimizer + step_temp + mem.pipeline_buffers
     mem.total = max(fwd_bwd, opt_step)
     return mem, p
+
+
+def _pipeline_buffers(
+    chunks: list[list[Unit]], local: list[int], flight: dict[int, int], n: int, b: int
+) -> float:
+    """Elements a pipeline rank holds beyond its units' saved activations. torch.distributed.pipelining
+    allocates, per local chunk and for the whole job, one receive buffer per micro-batch for the
+    activations it receives (all but the first chunk; those of in-flight micro-batches are the
+    first block's saved input already) and one for the gradients (all but the last chunk); and it
+    keeps each in-flight micro-batch's output until its backward."""
+    total = 0.0
+    for i, c in enumerate(local):
+        held = min(n, flight.get(i, 1))
+        if c > 0:
+            total += (n - held) * b * chunks[c - 1][-1].boundary_elements
+        if c < len(chunks) - 1:
+            total += (n + held) * b * chunks[c][-1].boundary_elements
+    return total
 
 
 def _flops_per_sample(cfg: RunConfig, units: list[Unit]) -> float:
@@ -253,6 +293,14 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     dtensor_us = hw.dtensor_op_us if layout.mp > 1 else 0.0
     op_s = (slow * hw.op_overhead_us + dtensor_us) * 1e-6 * hw.ranks_per_core
     elem_s = slow * hw.elementwise_ns * 1e-9 * hw.ranks_per_core
+    # FSDP's host work (its hooks, the copies into and out of the flat collective buffers) runs for
+    # every unit in every micro-batch's forward and backward, whatever the ZeRO stage; measured on
+    # co-running ranks like DTensor's. A stage-3 re-gather adds only its collective's latency.
+    fsdp_s = hw.fsdp_us_per_tensor * 1e-6 * hw.ranks_per_core if engine == "fsdp" else 0.0
+    # activation checkpointing's own machinery per forward op of a recomputed block, on top of the
+    # re-run ops above (selective checkpointing's policy dispatch mode costs more than full)
+    checkpoint_us = {"none": 0.0, "full": hw.checkpoint_op_us, "selective": hw.selective_checkpoint_op_us}
+    checkpoint_s = slow * checkpoint_us[s.recompute] * 1e-6 * hw.ranks_per_core
     stage_time, host_time, elementwise_time = [], [], []
     for r in range(layout.pp):
         units = [u for c, rr in enumerate(ranks) if rr == r for u in chunks[c]]
@@ -268,7 +316,17 @@ def _collective_plan(cfg: RunConfig) -> Plan:
             u.fwd_elementwise for u in redo
         )
         convs = sum(u.fwd_convs for u in units) + reforward_ops * sum(u.fwd_convs for u in redo)
-        host_time.append(n * (ops * op_s + convs * slow * hw.conv_call_us * 1e-6 * hw.ranks_per_core))
+        tensors = sum(u.param_tensors for u in units)
+        redo_ops = sum(u.fwd_ops for u in redo) if s.recompute != "none" else 0
+        host_time.append(
+            n
+            * (
+                ops * op_s
+                + redo_ops * checkpoint_s
+                + convs * slow * hw.conv_call_us * 1e-6 * hw.ranks_per_core
+                + tensors * fsdp_s
+            )
+        )
         elementwise_time.append(n * b * elements * elem_s)
         stage_time.append(slow * gemm + host_time[-1] + elementwise_time[-1])
     bubble = bubble_fraction(s.schedule, layout.pp, v, n)
@@ -276,16 +334,10 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     compute = max(stage_time)
     pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
 
-    comm, calls, unit_tensors = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
+    comm, calls = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
     bw = {dim: _bandwidth(cfg, layout, dim) for dim in ("dp", "sharding", "mp", "pp")}
-    # FSDP's own host work per collective grows with the parameter tensors of the unit
-    fsdp_us = hw.fsdp_us_per_tensor * unit_tensors if engine == "fsdp" else 0.0
     comm_time = {
-        dim: (
-            comm[dim] / bw[dim]
-            + calls[dim] * (hw.comm_latency_us + (fsdp_us if dim in ("dp", "sharding") else 0.0)) * 1e-6
-        )
-        * hw.ranks_per_core
+        dim: (comm[dim] / bw[dim] + calls[dim] * hw.comm_latency_us * 1e-6) * hw.ranks_per_core
         for dim in comm
     }
     # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with backward compute on GPUs
@@ -362,13 +414,12 @@ def _bandwidth(cfg: RunConfig, layout: Layout, dim: str) -> float:
 
 def _comm(
     cfg: RunConfig, layout: Layout, chunks: list[list[Unit]], ranks: list[int], p: float, n: int, engine: str
-) -> tuple[dict[str, float], dict[str, int], float]:
-    """Bytes one device sends per step, and collective calls, per mesh dimension (worst pp rank),
-    and the parameter tensors of an average unit (what one FSDP collective carries)."""
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Bytes one device sends per step, and collective calls, per mesh dimension (worst pp rank)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     b = cfg.train.micro_batch_size
-    act = 2 if cfg.train.precision != "fp32" else FP32
+    act, residual = _act_bytes(cfg.train.precision, engine)
     gather = 2 if cfg.train.precision != "fp32" else FP32
     dp, sh, mp, pp = layout.dp, layout.sharding, layout.mp, layout.pp
     vol = {"dp": 0.0, "sharding": 0.0, "mp": 0.0, "pp": 0.0}
@@ -407,9 +458,9 @@ def _comm(
     if pp > 1:
         local_chunks = max(1, len(chunks) // pp)
         boundary = max((u.boundary_elements for u in worst_units), default=0.0)
-        vol["pp"] = n * local_chunks * 2 * b * boundary * act  # activations forward, gradients back
+        vol["pp"] = n * local_chunks * 2 * b * boundary * residual  # activations forward, gradients back
         calls["pp"] = n * local_chunks * 2
-    return vol, calls, sum(u.param_tensors for u in worst_units) / n_units
+    return vol, calls
 
 
 # --------------------------------------------------------------------------------------------------
@@ -460,7 +511,8 @@ def _ps_plan(cfg: RunConfig) -> Plan:
         per_server = [int(even)] * s.num_servers
     server_bytes = max(per_server)
     acts = sum(u.saved("none").total for u in units) * b * FP32
-    trainer_bytes = FP32 * dense_params * 2 + FP32 * pulled_rows * row_width * 2 + acts
+    inputs = n * b * input_bytes_per_sample(m)  # a trainer loads all its micro-batches of the step
+    trainer_bytes = FP32 * dense_params * 2 + FP32 * pulled_rows * row_width * 2 + acts + inputs
     # per trainer per step: values pulled; gradients pushed with their row ids (int64), the ids also
     # sent once with the prefetch request
     pull = FP32 * (dense_params + pulled_rows * row_width)
@@ -479,6 +531,7 @@ def _ps_plan(cfg: RunConfig) -> Plan:
         grads=FP32 * dense_params,
         optimizer=0.0,
         activations=acts + FP32 * pulled_rows * row_width * 2,
+        inputs=inputs,
         total=worst,
     )
     return Plan(

@@ -52,7 +52,8 @@ def memory_problem(plan: Plan, fixes: list[Remedy]) -> Problem:
     return Problem(
         "hardware.memory_per_device_gib",
         f"the worst device needs {gib(m['total'])} (params {gib(m['params'])}, grads {gib(m['grads'])}, "
-        f"optimizer {gib(m['optimizer'])}, activations {gib(m['activations'])}) but has "
+        f"optimizer {gib(m['optimizer'])}, activations {gib(m['activations'])}, inputs {gib(m['inputs'])}, pipeline buffers "
+        f"{gib(m['pipeline_buffers'])}) but has "
         f"{gib(plan.device_memory_bytes)}",
         f"cheapest remedies: {cures}; or plan.memory_check=warn to launch anyway",
     )

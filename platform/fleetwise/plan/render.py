@@ -88,7 +88,8 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
     t.add_row(
         "",
         f"params {gib(mem['params'])} · grads {gib(mem['grads'])} · optimizer {gib(mem['optimizer'])}"
-        f" · activations {gib(mem['activations'])}",
+        f" · activations {gib(mem['activations'])} · inputs {gib(mem['inputs'])}"
+        + (f" · pipeline buffers {gib(mem['pipeline_buffers'])}" if mem["pipeline_buffers"] else ""),
     )
     if len(plan.stages) > 1:
         worst = max(plan.stages, key=lambda s: s["memory_total_bytes"])

@@ -61,10 +61,18 @@ class Unit:
     fwd_elementwise: float = 0.0
     param_tensors: int = 0  # parameter tensors: the optimizer step costs time per tensor too
     fwd_convs: int = 0  # of the GEMMs, convolutions: each costs the profile's conv_call_us more
+    # elements of the unit's largest parameter tensor, split by mp / replicated: while gradients
+    # accumulate, autograd computes a tensor's new gradient before adding it into .grad, so one
+    # extra gradient of (at most) this size is briefly alive. A test compares with torch.
+    largest_split: int = 0
+    largest_whole: int = 0
 
     @property
     def params(self) -> int:
         return self.params_split + self.params_whole
+
+    def largest_on_rank(self, mp: int) -> float:
+        return max(self.largest_split / mp, self.largest_whole)
 
     def params_on_rank(self, mp: int) -> float:
         return self.params_split / mp + self.params_whole
@@ -114,6 +122,8 @@ def _transformer_block(m: TransformerModel) -> Unit:
         fwd_ops=39,  # pre- and post-LN alike: 2 LN, 6 linears (t, addmm, views), SDPA, GELU, 2 adds
         fwd_gemms=7,  # 6 linears, SDPA
         param_tensors=16,  # 6 linears and 2 layer norms, weight and bias each
+        largest_split=max(h * f, h * h),
+        largest_whole=h,
         fwd_elementwise=2 * (s * h + 2 * s) + 2 * s * h + s * f,  # 2 LN (+ mean, rstd), 2 adds, GELU
     )
 
@@ -130,6 +140,8 @@ def _gpt_units(m: GPTModel) -> list[Unit]:
         fwd_ops=4,  # arange, 2 lookups, add
         fwd_elementwise=2 * s * h,  # token lookups, the sum with the positions (looked up once per batch)
         param_tensors=2,
+        largest_split=v * h,
+        largest_whole=s * h,
     )
     head = Unit(
         "head",
@@ -144,6 +156,8 @@ def _gpt_units(m: GPTModel) -> list[Unit]:
         fwd_gemms=1,
         fwd_elementwise=s * h + 2 * s + s * v,  # LN, log-softmax
         param_tensors=3,  # LN weight and bias, LM head
+        largest_split=h * v,
+        largest_whole=h,
     )
     return [emb] + [_transformer_block(m) for _ in range(m.num_layers)] + [head]
 
@@ -161,6 +175,8 @@ def _ernie_units(m: ERNIEModel) -> list[Unit]:
         fwd_ops=7,  # arange, 3 lookups, 2 adds, LN
         fwd_elementwise=5 * s * h + 2 * s,  # word and type lookups, 2 adds, LN (+ mean, rstd)
         param_tensors=5,  # 3 tables, LN
+        largest_split=v * h,
+        largest_whole=max(s, m.type_vocab_size) * h,
     )
     head = Unit(
         "head",
@@ -177,6 +193,8 @@ def _ernie_units(m: ERNIEModel) -> list[Unit]:
         fwd_gemms=2,
         fwd_elementwise=2 * s * h + 2 * s + s * v,  # GELU, LN, log-softmax
         param_tensors=6,  # dense, LN, decoder
+        largest_split=h * v,
+        largest_whole=h * h,
     )
     return [emb] + [_transformer_block(m) for _ in range(m.num_layers)] + [head]
 
@@ -216,6 +234,7 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
             fwd_elementwise=2 * w * s1 * s1 + 2 * w * s2 * s2,  # BN, ReLU, max-pool and its indices
             param_tensors=3,  # conv, BN weight and bias
             fwd_convs=1,
+            largest_whole=49 * cin * w,
         )
     )
     inplanes, spatial = w, s2
@@ -230,6 +249,7 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
                 flops = 2 * 9 * (inplanes * planes + planes * planes) * out * out
                 saved = 4 * planes * out * out  # conv1 out, ReLU1 out, conv2 out, block output
                 convs = 2
+                largest = 9 * max(inplanes, planes) * planes
                 # BN and ReLU after each conv, the residual add
                 elementwise = 5 * planes * out * out
             else:
@@ -241,6 +261,7 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
                 )
                 saved = 2 * planes * spatial * spatial + 2 * planes * out * out + 8 * planes * out * out
                 convs = 3
+                largest = max(inplanes * planes, 9 * planes * planes, expansion * planes * planes)
                 elementwise = 2 * planes * spatial * spatial + 14 * planes * out * out
             # conv 1, BN 3 (counter, buffer, norm) and ReLU 2 (+ detach) ops each; residual add:
             # basic 2 conv+BN, 2 ReLU; bottleneck 3 conv+BN, 3 ReLU
@@ -251,6 +272,7 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
                 flops += 2 * inplanes * planes * expansion * out * out
                 saved += planes * expansion * out * out
                 convs += 1
+                largest = max(largest, inplanes * planes * expansion)
                 elementwise += planes * expansion * out * out
             units.append(
                 Unit(
@@ -269,6 +291,7 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
                     fwd_elementwise=elementwise,
                     param_tensors=3 * convs,  # each conv and its BN's weight and bias
                     fwd_convs=convs,
+                    largest_whole=largest,
                 )
             )
             inplanes, spatial = planes * expansion, out
@@ -284,6 +307,7 @@ def _resnet_units(m: ResNetModel) -> list[Unit]:
             fwd_gemms=1,
             fwd_elementwise=inplanes + m.num_classes,  # pooled features, log-softmax
             param_tensors=2,
+            largest_whole=inplanes * m.num_classes,
         )
     )
     return units
@@ -332,6 +356,9 @@ def _ctr_units(m: CTRModel) -> list[Unit]:
             fwd_ops=4 * fields + 2,  # per table: select + lookup, twice (embedding, first order); stack, cat
             fwd_elementwise=2 * fields * (m.embedding_dim + 1),  # the lookups, then stacked
             param_tensors=2 * fields + 2,  # embedding and first-order table per field, dense linear
+            largest_whole=max(
+                [t.num_embeddings * m.embedding_dim for t in m.sparse_tables] + [m.num_dense_features]
+            ),
         ),
         Unit(
             "mlp",
@@ -343,6 +370,7 @@ def _ctr_units(m: CTRModel) -> list[Unit]:
             fwd_ops=5 + (8 if m.kind == "deepfm" else 0) + 2 + 2 * linears + 2 * (linears - 1) + 3,
             fwd_gemms=linears + 1,  # the MLP and the dense first-order linear
             param_tensors=2 * linears,
+            largest_whole=max(a * b for a, b in zip(dims, dims[1:], strict=False)),
             # concatenated input, ReLU outputs, FM squares and sums (DeepFM)
             fwd_elementwise=dims[0]
             + sum(dims[1:-1])
@@ -363,6 +391,19 @@ def model_units(m: ModelConfig) -> list[Unit]:
 
 def total_params(m: ModelConfig) -> int:
     return sum(u.params for u in model_units(m))
+
+
+def input_bytes_per_sample(m: ModelConfig) -> int:
+    """Bytes of one sample of the batch a rank holds for the whole step, as the data sources
+    (`fleetwise.data`) build it: int64 token ids and labels (ERNIE adds token types), fp32 images
+    with an int64 label, CTR int64 ids per field with fp32 dense features and an fp32 label."""
+    if isinstance(m, ERNIEModel):
+        return 3 * 8 * m.seq_len
+    if isinstance(m, TransformerModel):
+        return 2 * 8 * m.seq_len
+    if isinstance(m, ResNetModel):
+        return 4 * m.in_channels * m.image_size**2 + 8
+    return 8 * len(m.sparse_tables) + 4 * m.num_dense_features + 4
 
 
 def tokens_per_sample(m: ModelConfig) -> int:

@@ -4,9 +4,10 @@ What is measured (all on the current machine, nothing looked up):
 - peak fp32 matmul FLOP/s: the best of square GEMMs of a few sizes, every core busy (one process,
   all threads); on a CPU this is the whole machine, shared by its ranks (`shared_compute`), and
   also with one thread (what one rank of a one-rank-per-core job gets);
-- GEMM efficiency by size: square GEMMs from 16 to 1024, with all threads (a job of one rank) and
-  with one thread (ranks that share the cores), as a fraction of the peak the rank's threads own:
-  the GEMMs of small models run far below peak;
+- GEMM efficiency by size: a square Linear's forward + backward (3 GEMMs) from 32 to 1024, less
+  the per-op overhead of its ops, with all threads (a job of one rank) and with one thread (ranks
+  that share the cores), as a fraction of the peak the rank's threads own: the GEMMs of small
+  models run far below peak;
 - matmul efficiency: a training-shaped GEMM (forward and both backward GEMMs through autograd,
   1024×1024 activations and weights) over that peak. These two are the best of many runs (a peak
   is what the hardware can do; on a shared machine noise only ever slows a run down);
@@ -17,6 +18,8 @@ What is measured (all on the current machine, nothing looked up):
   64×256 activations, less the per-op overhead, divided by the elements those ops write;
 - convolution set-up: a small 3×3 convolution's forward + backward, less its FLOPs at peak and the
   per-op overhead (oneDNN's per-call cost, which dominates the convolutions of small images);
+- activation checkpointing: a chain of fleetwise's transformer blocks with full and with selective
+  checkpointing against the plain chain, per forward op, beyond re-running the forward;
 - parameter update: gradient norm, clipping and an AdamW step (what the trainer does once per step)
   over many small tensors (the cost per tensor) and a few large ones (the cost per element).
   The efficiency curve and these three host costs are medians of many runs, not the best: the
@@ -25,7 +28,7 @@ What is measured (all on the current machine, nothing looked up):
   4-byte tensor (latency) and of 16 MiB (bandwidth, ring volume 2(n-1)/n of the buffer);
 - tensor-parallel overhead (CPU): the same tiny chain with column/row-parallel linears (DTensor) on
   those 2 processes against the plain chain, less its collectives' latency, per forward op; and
-  FSDP2 (a unit per block) the same way, per collective and parameter tensor; and how much slower
+  FSDP2 (a unit per block) the same way, per unit pass and parameter tensor; and how much slower
   host work gets when both processes run it in lockstep than when one runs it alone.
 On a GPU the peak is bf16 (and fp32/TF32) on device 0, and the per-op overhead is not charged
 (kernels queue asynchronously behind the GPU's work).
@@ -44,7 +47,7 @@ from typing import Any
 import torch
 
 GEMM_SIZES = (256, 512, 1024, 2048)
-CURVE_SIZES = (8, 32, 64, 128, 256, 512, 1024)
+CURVE_SIZES = (32, 64, 128, 256, 512, 1024)
 LATENCY_BYTES = 4
 BANDWIDTH_BYTES = 16 * 2**20
 
@@ -74,6 +77,8 @@ class Calibration:
     fsdp_us_per_tensor: float = 0.0
     co_run_slowdown: float = 1.0
     conv_call_us: float = 0.0
+    checkpoint_op_us: float = 0.0
+    selective_checkpoint_op_us: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,19 +128,30 @@ def training_gemm_flops(device: torch.device, dtype: torch.dtype, size: int = 10
     return 3 * 2 * size**3 / t
 
 
-def gemm_curve(device: torch.device, peak: float) -> dict[str, float]:
-    """FLOPs of one square GEMM -> its FLOP/s over `peak`, at the current thread count. The time of
-    the smallest GEMM (a call that does almost no arithmetic) is taken out of every size: the
-    planner charges it already as per-op overhead."""
-    seconds = {
-        n: 2 * n**3 / gemm_flops(n, device, torch.float32, reps=7, budget=2e8, typical=True)
-        for n in CURVE_SIZES
-    }
-    call = seconds[CURVE_SIZES[0]]
-    return {
-        str(2 * n**3): round(min(1.0, 2 * n**3 / max(seconds[n] - call, 1e-9) / peak), 4)
-        for n in CURVE_SIZES[1:]
-    }
+def gemm_curve(peak: float, overhead_us: float, reps: int = 7, budget: float = 3e8) -> dict[str, float]:
+    """FLOPs of one forward GEMM -> the fraction of `peak` a training step gets from it, at the
+    current thread count. Measured the way the planner charges a step: a square Linear's forward
+    and both backward GEMMs (transposed operands, the bias gradient, autograd), less the per-op
+    overhead the planner already charges for the ops its forward dispatches. Small GEMMs in a
+    backward pass run far below what a bare `a @ b` of the same size reaches."""
+    out = {}
+    for n in CURVE_SIZES:
+        lin = torch.nn.Linear(n, n)
+        x = torch.randn(n, n, requires_grad=True)
+        grad = torch.randn(n, n)
+        with OpCounter() as ops:  # with autograd on, as the planner's per-unit op counts are
+            lin(x)
+        flops = 3 * 2 * n**3
+        inner = max(1, int(budget // flops))
+
+        def step(lin=lin, x=x, grad=grad, inner=inner):
+            for _ in range(inner):
+                lin(x).backward(grad)
+
+        t = _timed(step, reps, typical=True) / inner
+        compute = max(t - ops.count * overhead_us * 1e-6, flops / peak)
+        out[str(2 * n**3)] = round(flops / compute / peak, 4)
+    return out
 
 
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "linear", "matmul"})
@@ -253,6 +269,45 @@ def update_cost(reps: int = 15) -> tuple[float, float]:
     return a * 1e6, b * 1e9
 
 
+def checkpoint_op_us(
+    overhead_us: float, blocks: int = 8, width: int = 16, reps: int = 30
+) -> tuple[float, float]:
+    """(full, selective): extra host time per forward op of an activation-checkpointed transformer
+    block (fleetwise's own PreLNBlock, at a width where FLOPs are negligible), forward + backward,
+    beyond re-running its forward, which the planner charges as per-op overhead already. It is the
+    checkpoint machinery: saved-tensor hooks and the recompute's bookkeeping, and for selective
+    checkpointing the dispatch mode that applies the save/recompute policy to every op, twice."""
+    from fleetwise.models.transformer import PreLNBlock
+    from fleetwise.runtime.recompute import apply_recompute
+
+    def chain(mode: str) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleDict({str(i): PreLNBlock(width, 2, 4 * width) for i in range(blocks)})
+        if mode != "none":
+            apply_recompute(model, mode)
+        return model
+
+    def step(model: torch.nn.Module) -> None:
+        h = x
+        for block in model.layers.values():
+            h = block(h)
+        h.sum().backward()
+
+    x = torch.randn(2, 8, width)
+    plain = chain("none")
+    with OpCounter() as ops:  # with autograd on, as the planner's per-unit op counts are
+        plain.layers["0"](x)
+    block_ops = blocks * ops.count
+    t_plain = _timed(lambda: step(plain), reps, typical=True)
+    extra = []
+    for mode in ("full", "selective"):
+        model = chain(mode)
+        t = _timed(lambda m=model: step(m), reps, typical=True)
+        extra.append(max(0.0, (t - t_plain) / block_ops * 1e6 - overhead_us))
+    return extra[0], extra[1]
+
+
 class _Block(torch.nn.Module):
     """A pre-LN MLP block: the op mix of a transformer block at a width where FLOPs are negligible."""
 
@@ -298,10 +353,11 @@ def dtensor_op_us(mesh, latency_s: float, layers: int = 8, width: int = 16, reps
 
 
 def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16, reps: int = 30) -> float:
-    """Extra host time of FSDP2 per collective (a unit's all-gather or reduce-scatter) and per
-    parameter tensor it carries, forward + backward, over the same plain module and after the
-    collectives' latency is taken out: the hooks, the copies into and out of the flat buffers (per
-    tensor) and waiting for the peer."""
+    """Extra host time of FSDP2 per unit and parameter tensor in one forward + backward, over the
+    same plain module and after its collectives' latency is taken out: the hooks, the copies into
+    and out of the flat all-gather and reduce-scatter buffers (per tensor) and waiting for the peer.
+    It is paid for every unit in every micro-batch (the hooks run whether or not they gather), so
+    the planner charges it per unit pass, not per collective."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -314,7 +370,7 @@ def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16,
     t_sharded = _timed(lambda: sharded(x).backward(), reps, typical=True)
     collectives = 2 * layers  # an all-gather and a reduce-scatter per block (the root holds none)
     tensors = sum(1 for _ in sharded.layers["0"].parameters())
-    return max(0.0, t_sharded - t_plain - collectives * latency_s) / collectives / tensors * 1e6
+    return max(0.0, t_sharded - t_plain - collectives * latency_s) / layers / tensors * 1e6
 
 
 def co_run_slowdown(reps: int = 30) -> float:
@@ -436,10 +492,11 @@ def calibrate(*, comm: bool = True) -> Calibration:
         elementwise = 0.0 if cuda else elementwise_ns(overhead)
         per_tensor, per_param = (0.0, 0.0) if cuda else update_cost()
         conv = 0.0 if cuda else conv_call_us(overhead, peak["fp32"])
-        curve = gemm_curve(device, peak["fp32"]) if not cuda else {}
+        checkpoint, selective = (0.0, 0.0) if cuda else checkpoint_op_us(overhead)
+        curve = gemm_curve(peak["fp32"], overhead) if not cuda else {}
         torch.set_num_threads(1)
         single = gemm_flops(512, device, torch.float32) if not cuda else peak["fp32"]
-        curve_one = gemm_curve(device, peak["fp32"] / cores) if not cuda and cores > 1 else {}
+        curve_one = gemm_curve(peak["fp32"] / cores, overhead) if not cuda and cores > 1 else {}
     finally:
         torch.set_num_threads(threads)
     comm_speed: dict[str, float] = {}
@@ -467,6 +524,8 @@ def calibrate(*, comm: bool = True) -> Calibration:
         update_us_per_tensor=per_tensor,
         update_ns_per_param=per_param,
         conv_call_us=conv,
+        checkpoint_op_us=checkpoint,
+        selective_checkpoint_op_us=selective,
         dtensor_op_us=comm_speed.get("dtensor_op_us", 0.0),
         fsdp_us_per_tensor=comm_speed.get("fsdp_us_per_tensor", 0.0),
         co_run_slowdown=comm_speed.get("co_run_slowdown", 1.0),
@@ -509,6 +568,8 @@ def profile(cal: Calibration, name: str = "local") -> dict[str, Any]:
         "fsdp_us_per_tensor": round(cal.fsdp_us_per_tensor, 2),
         "co_run_slowdown": round(cal.co_run_slowdown, 3),
         "conv_call_us": round(cal.conv_call_us, 2),
+        "checkpoint_op_us": round(cal.checkpoint_op_us, 2),
+        "selective_checkpoint_op_us": round(cal.selective_checkpoint_op_us, 2),
     }
     if cal.gemm_curve:
         out["gemm_efficiency"] = [[float(f), e] for f, e in cal.gemm_curve.items()]
