@@ -166,6 +166,9 @@ def test_input_batch_and_gradient_accumulation_transient_of_tiny_resnet():
     per_sample = 4 * 3 * 32 * 32 + 8  # fp32 image, int64 label
     assert one.memory_bytes["inputs"] == 16 * per_sample  # the whole step's batch, 8 micro-batches
     assert eight.memory_bytes["inputs"] == 2 * per_sample  # one micro-batch per rank
+    # on a GPU the batch waits in host memory and one micro-batch at a time is on the device
+    _, gpu = plan_of("recipe=resnet/tiny", "hardware=a100", "hardware.devices_per_node=1")
+    assert gpu.memory_bytes["inputs"] == 2 * per_sample
     # accumulating 8 micro-batches: the largest weight's fresh gradient (layer 4's 3x3 conv, 64x64x9)
     # is alive next to its .grad; without accumulation it is the .grad itself. It replaces the
     # smaller transient of the head (logits and their gradient: 2 samples x 2 x 10 classes)

@@ -191,8 +191,11 @@ def _rank_memory(
         # each unit's gradients instead, its buffers are in `working`)
         transient = max(transient, FP32 * max((u.largest_on_rank(mp) for u in units), default=0.0))
     mem.activations = acts + transient
-    # every rank loads its share of the step's batch at once (a pipeline schedule splits it itself)
-    mem.inputs = n * b * input_bytes_per_sample(cfg.model)
+    # Every rank loads its share of the step's batch at once. On a GPU it stays in host memory and
+    # each micro-batch is copied over in turn, except under a pipeline schedule, which takes the
+    # whole batch on the device and splits it itself.
+    on_device = n * b if (cfg.hardware.device_type == "cpu" or pipelined) else b
+    mem.inputs = on_device * input_bytes_per_sample(cfg.model)
 
     # Peak of forward/backward vs peak of the optimizer step (foreach AdamW keeps about one
     # parameter-sized temporary).
