@@ -97,4 +97,9 @@ def main(config: str, out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    code = main(*sys.argv[1:3])
+    # like fleetwise's worker: skip the interpreter's teardown, where gloo sometimes aborts a
+    # finished process (pytorch/pytorch#179291)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
