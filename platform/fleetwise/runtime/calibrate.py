@@ -49,6 +49,19 @@ import torch
 
 GEMM_SIZES = (256, 512, 1024, 2048)
 CURVE_SIZES = (32, 64, 128, 256, 512, 1024)
+# the scalar host costs of a training step: Calibration fields and hardware profile keys alike
+HOST_COSTS = (
+    "op_overhead_us",
+    "elementwise_ns",
+    "update_us_per_tensor",
+    "update_ns_per_param",
+    "conv_call_us",
+    "checkpoint_op_us",
+    "selective_checkpoint_op_us",
+    "dtensor_op_us",
+    "fsdp_us_per_tensor",
+    "co_run_slowdown",
+)
 LATENCY_BYTES = 4
 BANDWIDTH_BYTES = 16 * 2**20
 
@@ -100,19 +113,12 @@ def _timed(fn, reps: int, sync=lambda: None, typical: bool = False) -> float:
     return min(times)  # best of reps: on a shared machine noise only ever slows a run down
 
 
-def gemm_flops(
-    size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    reps: int = 10,
-    budget: float = 2e9,
-    typical: bool = False,
-) -> float:
+def gemm_flops(size: int, device: torch.device, dtype: torch.dtype, reps: int = 10) -> float:
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    inner = min(5000, max(1, int(budget // (2 * size**3)))) if device.type == "cpu" else 20
-    t = _timed(lambda: [a @ b for _ in range(inner)], reps, sync, typical)
+    inner = max(1, int(2e9 // (2 * size**3))) if device.type == "cpu" else 20
+    t = _timed(lambda: [a @ b for _ in range(inner)], reps, sync)
     return inner * 2 * size**3 / t
 
 
@@ -186,26 +192,11 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 def op_overhead_us(layers: int = 16, width: int = 16, reps: int = 50) -> float:
     """Seconds per forward aten op of a tiny pre-LN MLP chain, forward + backward (microseconds)."""
-    from torch import nn
-
     torch.manual_seed(0)
-    blocks = nn.ModuleList(
-        nn.ModuleDict(
-            {"ln": nn.LayerNorm(width), "fc1": nn.Linear(width, width), "fc2": nn.Linear(width, width)}
-        )
-        for _ in range(layers)
-    )
-    x = torch.randn(2, 8, width)
-
-    def forward():
-        h = x
-        for b in blocks:
-            h = h + b["fc2"](nn.functional.gelu(b["fc1"](b["ln"](h)), approximate="tanh"))
-        return h.sum()
-
+    chain, x = _Chain(layers, width), torch.randn(2, 8, width)
     with torch.no_grad(), OpCounter() as counter:
-        forward()
-    t = _timed(lambda: forward().backward(), reps, typical=True)
+        chain(x)
+    t = _timed(lambda: chain(x).backward(), reps, typical=True)
     return t / counter.count * 1e6
 
 
@@ -281,30 +272,23 @@ def checkpoint_op_us(
     from fleetwise.models.transformer import PreLNBlock
     from fleetwise.runtime.recompute import apply_recompute
 
-    def chain(mode: str) -> torch.nn.Module:
+    def chain(mode: str) -> _Chain:
         torch.manual_seed(0)
-        model = torch.nn.Module()
-        model.layers = torch.nn.ModuleDict({str(i): PreLNBlock(width, 2, 4 * width) for i in range(blocks)})
+        model = _Chain(blocks, width, lambda w: PreLNBlock(w, 2, 4 * w))
         if mode != "none":
             apply_recompute(model, mode)
         return model
-
-    def step(model: torch.nn.Module) -> None:
-        h = x
-        for block in model.layers.values():
-            h = block(h)
-        h.sum().backward()
 
     x = torch.randn(2, 8, width)
     plain = chain("none")
     with OpCounter() as ops:  # with autograd on, as the planner's per-unit op counts are
         plain.layers["0"](x)
     block_ops = blocks * ops.count
-    t_plain = _timed(lambda: step(plain), reps, typical=True)
+    t_plain = _timed(lambda: plain(x).backward(), reps, typical=True)
     extra = []
     for mode in ("full", "selective"):
         model = chain(mode)
-        t = _timed(lambda m=model: step(m), reps, typical=True)
+        t = _timed(lambda m=model: m(x).backward(), reps, typical=True)
         extra.append(max(0.0, (t - t_plain) / block_ops * 1e6 - overhead_us))
     return extra[0], extra[1]
 
@@ -323,9 +307,12 @@ class _Block(torch.nn.Module):
 
 
 class _Chain(torch.nn.Module):
-    def __init__(self, layers: int, width: int):
+    """`layers` blocks of `width` (made by `block`) in a row, summed: forward + backward of it is
+    what the host-cost probes time."""
+
+    def __init__(self, layers: int, width: int, block=_Block):
         super().__init__()
-        self.layers = torch.nn.ModuleDict({str(i): _Block(width) for i in range(layers)})
+        self.layers = torch.nn.ModuleDict({str(i): block(width) for i in range(layers)})
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         for block in self.layers.values():
@@ -374,6 +361,15 @@ def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16,
     return max(0.0, t_sharded - t_plain - collectives * latency_s) / layers / tensors * 1e6
 
 
+def _slowest(seconds: float) -> float:
+    """The largest of every rank's value: a collective step lasts as long as its slowest rank."""
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
 def co_run_slowdown(reps: int = 30) -> float:
     """How much slower host-bound work gets when every process of the job runs it at once, in
     lockstep (each iteration lasts as long as its slowest rank), than when rank 0 runs it alone:
@@ -396,9 +392,7 @@ def co_run_slowdown(reps: int = 30) -> float:
             start = time.perf_counter()
             if everyone or dist.get_rank() == 0:
                 work()
-            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank (alone: rank 0)
-            times.append(float(took))
+            times.append(_slowest(time.perf_counter() - start))  # alone: rank 0's
     return max(1.0, statistics.median(together) / statistics.median(alone))
 
 
@@ -423,19 +417,13 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
             sync()
             times.append(time.perf_counter() - start)
         # every rank's median; the slowest rank decides when the collective is done
-        med = torch.tensor([statistics.median(times)], dtype=torch.float64)
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)
-        results[nbytes] = float(med)
+        results[nbytes] = _slowest(statistics.median(times))
     if backend == "gloo":  # on GPUs DTensor's host work overlaps the kernels
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
-        slow = torch.tensor([dtensor_op_us(mesh, results[LATENCY_BYTES])], dtype=torch.float64)
-        dist.all_reduce(slow, op=dist.ReduceOp.MAX)
-        results["dtensor_op_us"] = float(slow)
-        slow = torch.tensor([fsdp_us_per_tensor(mesh, results[LATENCY_BYTES])], dtype=torch.float64)
-        dist.all_reduce(slow, op=dist.ReduceOp.MAX)
-        results["fsdp_us_per_tensor"] = float(slow)
+        results["dtensor_op_us"] = _slowest(dtensor_op_us(mesh, results[LATENCY_BYTES]))
+        results["fsdp_us_per_tensor"] = _slowest(fsdp_us_per_tensor(mesh, results[LATENCY_BYTES]))
         results["co_run_slowdown"] = co_run_slowdown()
     if rank == 0:
         Path(out_file).write_text(repr(results))
@@ -451,7 +439,8 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
 def allreduce_speed(backend: str, world: int = 2) -> dict[str, float]:
     """Latency (µs) and bandwidth (GB/s per direction) of an all-reduce between `world` processes,
     and (gloo only) the extra µs per forward op of a tensor-parallel module between them, per FSDP
-    collective and parameter tensor, and the slowdown of host work run by all of them at once."""
+    unit pass and parameter tensor, and the slowdown of host work run by all of them at once;
+    keyed by Calibration's field names."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="fleetwise-calibrate-") as tmp:
@@ -461,12 +450,25 @@ def allreduce_speed(backend: str, world: int = 2) -> dict[str, float]:
     latency = results[LATENCY_BYTES]
     moved = 2 * (world - 1) / world * BANDWIDTH_BYTES  # bytes each rank sends in a ring all-reduce
     bandwidth = moved / max(results[BANDWIDTH_BYTES] - latency, 1e-9)
+    probes = {k: v for k, v in results.items() if isinstance(k, str)}  # gloo: the DTensor/FSDP/co-run probes
+    return {"allreduce_latency_us": latency * 1e6, "allreduce_gbps": bandwidth / 1e9, **probes}
+
+
+def _cpu_host_costs(peak: float) -> dict[str, Any]:
+    """The host costs the planner charges on a CPU (at the current thread count), keyed by
+    Calibration's field names."""
+    overhead = op_overhead_us()
+    per_tensor, per_param = update_cost()
+    checkpoint, selective = checkpoint_op_us(overhead)
     return {
-        "latency_us": latency * 1e6,
-        "gbps": bandwidth / 1e9,
-        "dtensor_op_us": results.get("dtensor_op_us", 0.0),
-        "fsdp_us_per_tensor": results.get("fsdp_us_per_tensor", 0.0),
-        "co_run_slowdown": results.get("co_run_slowdown", 1.0),
+        "op_overhead_us": overhead,
+        "elementwise_ns": elementwise_ns(overhead),
+        "update_us_per_tensor": per_tensor,
+        "update_ns_per_param": per_param,
+        "conv_call_us": conv_call_us(overhead, peak),
+        "checkpoint_op_us": checkpoint,
+        "selective_checkpoint_op_us": selective,
+        "gemm_curve": gemm_curve(peak, overhead),
     }
 
 
@@ -495,18 +497,15 @@ def calibrate(*, comm: bool = True) -> Calibration:
             torch.backends.cuda.matmul.allow_tf32 = False
         train = training_gemm_flops(device, torch.bfloat16 if cuda else torch.float32)
         efficiency = min(1.0, train / (peak["bf16"] if cuda else peak["fp32"]))
-        overhead = 0.0 if cuda else op_overhead_us()
-        elementwise = 0.0 if cuda else elementwise_ns(overhead)
-        per_tensor, per_param = (0.0, 0.0) if cuda else update_cost()
-        conv = 0.0 if cuda else conv_call_us(overhead, peak["fp32"])
-        checkpoint, selective = (0.0, 0.0) if cuda else checkpoint_op_us(overhead)
-        curve = gemm_curve(peak["fp32"], overhead) if not cuda else {}
+        # on a GPU kernels queue behind the device's work: no host cost is charged
+        host = {"op_overhead_us": 0.0} if cuda else _cpu_host_costs(peak["fp32"])
         torch.set_num_threads(1)
         single = gemm_flops(512, device, torch.float32) if not cuda else peak["fp32"]
-        curve_one = gemm_curve(peak["fp32"] / cores, overhead) if not cuda and cores > 1 else {}
+        if not cuda and cores > 1:
+            host["gemm_curve_one_thread"] = gemm_curve(peak["fp32"] / cores, host["op_overhead_us"])
     finally:
         torch.set_num_threads(threads)
-    comm_speed: dict[str, float] = {}
+    comm_speed = {"allreduce_latency_us": 0.0, "allreduce_gbps": 0.0}
     backend = "nccl" if cuda else "gloo"
     if comm and (not cuda or torch.cuda.device_count() >= 2):
         comm_speed = allreduce_speed(backend)
@@ -520,22 +519,10 @@ def calibrate(*, comm: bool = True) -> Calibration:
         gemm_flops=gemms,
         single_thread_flops=single,
         matmul_efficiency=efficiency,
-        op_overhead_us=overhead,
-        allreduce_latency_us=comm_speed.get("latency_us", 0.0),
-        allreduce_gbps=comm_speed.get("gbps", 0.0),
         memory_gib=_memory_gib(device),
         notes=notes,
-        gemm_curve=curve,
-        gemm_curve_one_thread=curve_one,
-        elementwise_ns=elementwise,
-        update_us_per_tensor=per_tensor,
-        update_ns_per_param=per_param,
-        conv_call_us=conv,
-        checkpoint_op_us=checkpoint,
-        selective_checkpoint_op_us=selective,
-        dtensor_op_us=comm_speed.get("dtensor_op_us", 0.0),
-        fsdp_us_per_tensor=comm_speed.get("fsdp_us_per_tensor", 0.0),
-        co_run_slowdown=comm_speed.get("co_run_slowdown", 1.0),
+        **host,
+        **comm_speed,
     )
 
 
@@ -567,16 +554,7 @@ def profile(cal: Calibration, name: str = "local") -> dict[str, Any]:
         "host_cores": cal.cores if cpu else None,
         "matmul_efficiency": round(cal.matmul_efficiency, 4),
         "comm_latency_us": round(cal.allreduce_latency_us, 1) if cal.allreduce_latency_us else 20.0,
-        "op_overhead_us": round(cal.op_overhead_us, 2),
-        "elementwise_ns": round(cal.elementwise_ns, 3),
-        "update_us_per_tensor": round(cal.update_us_per_tensor, 2),
-        "update_ns_per_param": round(cal.update_ns_per_param, 3),
-        "dtensor_op_us": round(cal.dtensor_op_us, 2),
-        "fsdp_us_per_tensor": round(cal.fsdp_us_per_tensor, 2),
-        "co_run_slowdown": round(cal.co_run_slowdown, 3),
-        "conv_call_us": round(cal.conv_call_us, 2),
-        "checkpoint_op_us": round(cal.checkpoint_op_us, 2),
-        "selective_checkpoint_op_us": round(cal.selective_checkpoint_op_us, 2),
+        **{k: round(getattr(cal, k), 3) for k in HOST_COSTS},
     }
     if cal.gemm_curve:
         out["gemm_efficiency"] = [[float(f), e] for f, e in cal.gemm_curve.items()]
