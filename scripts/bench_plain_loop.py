@@ -97,9 +97,7 @@ def main(config: str, out: str) -> int:
 
 
 if __name__ == "__main__":
-    code = main(*sys.argv[1:3])
-    # like fleetwise's worker: skip the interpreter's teardown, where gloo sometimes aborts a
-    # finished process (pytorch/pytorch#179291)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from fleetwise.runtime.mesh import exit_finished
+
+    # like fleetwise's worker: a finished process must not abort in the interpreter's teardown
+    exit_finished(main(*sys.argv[1:3]))

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -428,12 +427,9 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
     if rank == 0:
         Path(out_file).write_text(repr(results))
     dist.destroy_process_group()
-    # The process groups the DTensor/FSDP probes' meshes keep alive are otherwise destroyed during
-    # interpreter teardown, where gloo sometimes aborts ("terminate called without an active
-    # exception", pytorch/pytorch#179291; 8 of 80 runs here). Everything is written by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from fleetwise.runtime.mesh import exit_finished
+
+    exit_finished()  # the probes' meshes keep process groups alive past destroy_process_group
 
 
 def allreduce_speed(backend: str, world: int = 2) -> dict[str, float]:

@@ -105,22 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_now(code: int) -> None:
-    """Leave a finished rank without the interpreter's teardown. A process group that outlives
-    destroy_process_group (DDP's reducer, device meshes and cached subgroups keep references) is
-    then destroyed during finalization, where gloo's worker threads can abort the process
-    ("terminate called without an active exception", pytorch/pytorch#179291): seen here in 1 of
-    32 two-rank DDP loops and 8 of 80 DTensor/FSDP runs. A rank that trained to the end must not
-    turn into a failed job, so once everything is written and flushed it exits directly."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from fleetwise.runtime.mesh import exit_finished
+
     # @record writes the exception to torchrun's error file, so the launcher can name the root
-    # cause; an exception leaves through it, as usual
-    exit_now(record(main)())
+    # cause; an exception leaves through it, as usual. A rank that trained to the end must not
+    # turn into a failed job in the interpreter's teardown.
+    exit_finished(record(main)())
