@@ -7,7 +7,7 @@ import contextlib
 import resource
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -94,8 +94,10 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def state_tensors(modules: list, optimizers: list) -> list[torch.Tensor]:
-    """Tensors that outlive a step: parameters, buffers, gradients, optimizer state."""
+def state_tensors(modules: list, optimizers: list, stages: list = ()) -> list[torch.Tensor]:
+    """Tensors that outlive a step: parameters, buffers, gradients, optimizer state, and the
+    receive buffers of pipeline stages (torch.distributed.pipelining allocates, for the whole job,
+    one per micro-batch for the activations a stage receives and one for the gradients)."""
     out: list[torch.Tensor] = []
     for m in modules:
         for p in m.parameters():
@@ -106,6 +108,9 @@ def state_tensors(modules: list, optimizers: list) -> list[torch.Tensor]:
     for opt in optimizers:
         for state in opt.state.values():
             out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    for stage in stages:
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            out.extend(i.buffer for i in infos if isinstance(getattr(i, "buffer", None), torch.Tensor))
     return out
 
 
@@ -123,10 +128,7 @@ class TensorPeak:
         self.peak = 0  # running max over measured steps
 
     @contextlib.contextmanager
-    def measure(
-        self, step: int, modules: list, optimizers: list, buffers: Iterable[torch.Tensor] = ()
-    ) -> Iterator[None]:
-        """`buffers`: other tensors that persist across steps (a pipeline stage's receive buffers)."""
+    def measure(self, modules: list, optimizers: list, stages: list = ()) -> Iterator[None]:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
@@ -136,7 +138,7 @@ class TensorPeak:
             yield
             return
         self.samples -= 1
-        tracker = LiveTensorBytes(state_tensors(modules, optimizers) + list(buffers))
+        tracker = LiveTensorBytes(state_tensors(modules, optimizers, stages))
         with tracker:
             yield
         self.peak = max(self.peak, tracker.peak)

@@ -191,14 +191,3 @@ def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device:
     # (the same objective as one process averaging the same micro-batches).
     stage = pm.stages if s.schedule not in ("GPipe", "1F1B") else pm.stages[0]
     pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.spec.loss, scale_grads=True)
-
-
-def pipeline_buffers(stages: list) -> list[torch.Tensor]:
-    """The receive buffers pipeline stages keep for the whole job: torch.distributed.pipelining
-    allocates one per micro-batch for the activations a stage receives (all but the first) and
-    one for the gradients it receives (all but the last)."""
-    out = []
-    for stage in stages:
-        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
-            out.extend(i.buffer for i in infos if isinstance(getattr(i, "buffer", None), torch.Tensor))
-    return out

@@ -22,7 +22,7 @@ from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv, build_mesh
 from fleetwise.runtime.modeling import build_source
 from fleetwise.runtime.optim import Optimizers, clip_, grad_norm
-from fleetwise.runtime.parallelize import DTYPES, ParallelModel, flat_group, parallelize, pipeline_buffers
+from fleetwise.runtime.parallelize import DTYPES, ParallelModel, flat_group, parallelize
 
 log = logging.getLogger("fleetwise")
 
@@ -119,9 +119,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         self.model.train()
         start = time.perf_counter()
-        with self.memory.measure(
-            step, self.model.parts, self.optimizers.local(), pipeline_buffers(self.model.stages)
-        ):
+        with self.memory.measure(self.model.parts, self.optimizers.local(), self.model.stages):
             loss = self.forward_backward(step)
             inject_fault(self.cfg.fault, self.env.rank, step, self.env.restart, self.named_params)
             if self.scaler:
