@@ -245,23 +245,9 @@ def _flops_per_sample(cfg: RunConfig, units: list[Unit]) -> float:
     return 3 * sum(u.fwd_flops for u in units)
 
 
-def _update_time(cfg: RunConfig, layout: Layout, chunks, ranks: list[int], engine: str) -> float:
-    """Host time of the once-per-step parameter update (gradient norm, clipping, optimizer step) of
-    the slowest pipeline rank: a cost per parameter tensor plus one per element, calibrated with
-    AdamW and scaled by the state tensors the optimizer reads and writes (SGD does less)."""
-    hw = cfg.hardware
-    if not (hw.update_us_per_tensor or hw.update_ns_per_param):
-        return 0.0
-    k = optimizer_state_factor(cfg.optim.name, cfg.optim.momentum)
-    scale = (2 + k) / 4  # param and grad, plus k state tensors; AdamW (k = 2) is 1
-    shard = layout.sharding if engine in ("fsdp", "zero1") else 1
-    worst = 0.0
-    for r in range(layout.pp):
-        units = [u for c, rr in enumerate(ranks) if rr == r for u in chunks[c]]
-        tensors = sum(u.param_tensors for u in units)
-        params = sum(u.params_on_rank(layout.mp) for u in units) / shard
-        worst = max(worst, tensors * hw.update_us_per_tensor * 1e-6 + params * hw.update_ns_per_param * 1e-9)
-    return worst * scale * hw.ranks_per_core * hw.co_run_factor
+def _rank_units(chunks: list[list[Unit]], ranks: list[int], rank: int) -> list[Unit]:
+    """The units of every chunk pipeline rank `rank` holds."""
+    return [u for c, r in enumerate(ranks) if r == rank for u in chunks[c]]
 
 
 def _collective_plan(cfg: RunConfig) -> Plan:
@@ -287,9 +273,6 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     # --- time ---------------------------------------------------------------------------------
     peak = hw.peak_flops(t.precision)
     recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1.0}[s.recompute]
-    # both recompute modes re-run every op of a block in backward (selective reads saved matmul
-    # results back, but still dispatches the ops)
-    reforward_ops = 0.0 if s.recompute == "none" else 1.0
     slow = hw.co_run_factor  # ranks sharing a CPU node slow each other down
     # under tensor parallelism every op of every unit goes through DTensor (measured on 2 ranks
     # running together: its co-run slowdown is in it already)
@@ -304,23 +287,29 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     # re-run ops above (selective checkpointing's policy dispatch mode costs more than full)
     checkpoint_us = {"none": 0.0, "full": hw.checkpoint_op_us, "selective": hw.selective_checkpoint_op_us}
     checkpoint_s = slow * checkpoint_us[s.recompute] * 1e-6 * hw.ranks_per_core
-    stage_time, host_time, elementwise_time = [], [], []
+    # the parameter update (gradient norm, clipping, optimizer step) once per step, per tensor and
+    # per element: calibrated with AdamW, scaled by the state tensors the optimizer reads and
+    # writes (param and grad, plus k state tensors: SGD does less)
+    k = optimizer_state_factor(cfg.optim.name, cfg.optim.momentum)
+    update_scale = (2 + k) / 4 * hw.ranks_per_core * slow
+    update_shard = layout.sharding if engine in ("fsdp", "zero1") else 1
+    stage_time, host_time, elementwise_time, update_time = [], [], [], []
     for r in range(layout.pp):
-        units = [u for c, rr in enumerate(ranks) if rr == r for u in chunks[c]]
+        units = _rank_units(chunks, ranks, r)
+        # both recompute modes re-run every op of a block in backward (selective reads saved
+        # matmul results back, but still dispatches the ops)
+        redo = [u for u in units if u.kind == "block"] if s.recompute != "none" else []
         gemm = 0.0
         for u in units:
             flops = b * u.fwd_flops / layout.mp  # one micro-batch's forward on this rank
             if flops:
                 passes = 3 + (recompute_extra if u.kind == "block" else 0.0)
                 gemm += n * passes * flops / (peak * hw.gemm_fraction(flops / max(1, u.fwd_gemms)))
-        redo = [u for u in units if u.kind == "block"]
-        ops = sum(u.fwd_ops for u in units) + reforward_ops * sum(u.fwd_ops for u in redo)
-        elements = sum(u.fwd_elementwise for u in units) + reforward_ops * sum(
-            u.fwd_elementwise for u in redo
-        )
-        convs = sum(u.fwd_convs for u in units) + reforward_ops * sum(u.fwd_convs for u in redo)
+        redo_ops = sum(u.fwd_ops for u in redo)
+        ops = sum(u.fwd_ops for u in units) + redo_ops
+        elements = sum(u.fwd_elementwise for u in units + redo)
+        convs = sum(u.fwd_convs for u in units + redo)
         tensors = sum(u.param_tensors for u in units)
-        redo_ops = sum(u.fwd_ops for u in redo) if s.recompute != "none" else 0
         host_time.append(
             n
             * (
@@ -332,8 +321,12 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         )
         elementwise_time.append(n * b * elements * elem_s)
         stage_time.append(slow * gemm + host_time[-1] + elementwise_time[-1])
+        elements_updated = per_rank[r][1] / update_shard
+        update_time.append(
+            tensors * hw.update_us_per_tensor * 1e-6 + elements_updated * hw.update_ns_per_param * 1e-9
+        )
     bubble = bubble_fraction(s.schedule, layout.pp, v, n)
-    update = _update_time(cfg, layout, chunks, ranks, engine)
+    update = max(update_time) * update_scale
     compute = max(stage_time)
     pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
 
@@ -428,7 +421,7 @@ def _comm(
     vol = {"dp": 0.0, "sharding": 0.0, "mp": 0.0, "pp": 0.0}
     calls = {"dp": 0, "sharding": 0, "mp": 0, "pp": 0}
     grad_bytes = FP32 * p
-    units_per_rank = [[u for c, r in enumerate(ranks) if r == rank for u in chunks[c]] for rank in range(pp)]
+    units_per_rank = [_rank_units(chunks, ranks, rank) for rank in range(pp)]
     worst_units = max(units_per_rank, key=lambda us: sum(u.params for u in us))
     n_units = max(1, len(worst_units))
 
