@@ -1,6 +1,7 @@
 """The console script as users run it: exit codes, JSON contracts, no torch on the fast path."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -171,7 +172,7 @@ def test_calibrate_writes_a_profile_the_planner_uses(fleetwise_bin, tmp_path):
     writes a profile that `hardware=local` selects from any directory."""
     import yaml
 
-    env = {**__import__("os").environ, "FLEETWISE_CONFIG_DIR": str(tmp_path)}
+    env = {**os.environ, "FLEETWISE_CONFIG_DIR": str(tmp_path)}
     r = subprocess.run(
         [fleetwise_bin, "calibrate", "--no-comm", "--json"],
         capture_output=True,

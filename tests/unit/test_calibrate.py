@@ -110,14 +110,11 @@ def test_planned_op_counts_match_the_ops_torch_dispatches(recipe):
     two, four = count(2), count(4)
     units = model_units(cfg.model)
     tail = [model.head] if hasattr(model, "head") else [model.norm, model.output]
-    tensors = [first, *model.layers.values(), tail]
-    assert [u.param_tensors for u in units] == [
-        sum(1 for m in (t if isinstance(t, list) else [t]) for _ in m.parameters()) for t in tensors
-    ]
+    modules = [[first], *([layer] for layer in model.layers.values()), tail]  # per unit
+    params = [[p for m in group for p in m.parameters()] for group in modules]
+    assert [u.param_tensors for u in units] == [len(ps) for ps in params]
     # the largest parameter tensor (one rank, no mp): the gradient-accumulation transient
-    assert [u.largest_on_rank(1) for u in units] == [
-        max(p.numel() for m in (t if isinstance(t, list) else [t]) for p in m.parameters()) for t in tensors
-    ]
+    assert [u.largest_on_rank(1) for u in units] == [max(p.numel() for p in ps) for ps in params]
     assert [u.fwd_ops for u in units] == [c.count for c in two] == [c.count for c in four]
     assert [u.fwd_gemms for u in units] == [c.gemms for c in two]
     assert [u.fwd_convs for u in units] == [c.convs for c in two]
