@@ -146,8 +146,8 @@ class HardwareConfig(Section):
         """Fraction of the rank's peak a GEMM of `gemm_flops` FLOPs reaches: the measured curve for
         the rank's thread count, interpolated in log FLOPs (clamped at its ends), else the constant
         matmul_efficiency."""
-        one = self.threads_per_rank == 1 and self.host_cores and self.host_cores > 1
-        curve = (self.gemm_efficiency_one_thread if one else None) or self.gemm_efficiency
+        one_thread = self.threads_per_rank == 1 and self.host_cores > 1  # a rank per core
+        curve = (self.gemm_efficiency_one_thread if one_thread else None) or self.gemm_efficiency
         if not curve or gemm_flops <= 0:
             return self.matmul_efficiency
         points = sorted(curve)
