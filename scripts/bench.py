@@ -25,6 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from fleetwise import rundir
+from fleetwise.rundir import Metric
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 PY = sys.executable
@@ -69,8 +72,8 @@ class Bench:
         run_dir = self.tmp / f"run{self.runs}"
         launched = time.time()
         self.fleetwise("train", "hardware=local", *overrides, f"run.dir={run_dir}")
-        records = read_jsonl(run_dir / "metrics.jsonl")
-        plan = json.loads((run_dir / "plan.json").read_text())
+        records = read_jsonl(rundir.metrics_path(run_dir))
+        plan = json.loads((run_dir / rundir.PLAN_FILE).read_text())
         self.first_step.setdefault(plan["world_size"], []).append(records[0]["time"] - launched)
         return run_dir, records, plan
 
@@ -113,7 +116,7 @@ class Bench:
                     run_dir, records, _ = self.train(overrides)
                     fw_step.append(median_step(records))
                     fw_int.append(median_interval(records))
-                    plain = self.plain(run_dir / "config.yaml", ranks)
+                    plain = self.plain(run_dir / rundir.CONFIG_FILE, ranks)
                     pl_step.append(median_step(plain))
                     pl_int.append(median_interval(plain))
                 ratios = [a / b for a, b in zip(fw_step, pl_step, strict=True)]
@@ -198,7 +201,7 @@ class Bench:
         rows = []
         for name, overrides in configs:
             _, records, plan = self.train([*overrides, f"train.steps={WARMUP + (3 if self.quick else 8)}"])
-            mem = max(r["memory/peak_bytes_max"] for r in records)
+            mem = max(r[Metric.PEAK_BYTES_MAX] for r in records)
             step = median_step(records)
             mem_err = plan["memory_bytes"]["total"] / mem - 1
             time_err = plan["step_time_s"] / step - 1
@@ -263,7 +266,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def median_step(records: list[dict]) -> float:
-    return statistics.median(r["perf/step_time_s"] for r in records if r["step"] > WARMUP)
+    return statistics.median(r[Metric.STEP_TIME] for r in records if r["step"] > WARMUP)
 
 
 def median_interval(records: list[dict]) -> float:

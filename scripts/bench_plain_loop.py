@@ -28,6 +28,7 @@ import yaml
 
 from fleetwise.config.run import RunConfig
 from fleetwise.data.loader import StepBatches
+from fleetwise.rundir import Metric
 from fleetwise.runtime.modeling import build_model, build_source, model_spec
 
 
@@ -89,7 +90,7 @@ def main(config: str, out: str) -> int:
         dist.destroy_process_group()
     if rank == 0:
         records = [
-            {"step": i + 1, "time": ends[i], "perf/step_time_s": float(times[i]), "train/loss": losses[i]}
+            {"step": i + 1, "time": ends[i], Metric.STEP_TIME: float(times[i]), Metric.LOSS: losses[i]}
             for i in range(t.steps)
         ]
         Path(out).write_text("\n".join(json.dumps(r) for r in records) + "\n")

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from fleetwise.config.validate import load_config
-from fleetwise.runtime.ps.local import launch_local
+from fleetwise.rundir import PS_SUMMARY_FILE
 
 
 def main() -> int:
@@ -42,16 +45,27 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
             for name, mode, slow in variants:
-                cfg = load_config(
-                    ["recipe=ctr/tiny", f"strategy.mode={mode}", f"train.steps={args.steps}", *args.overrides]
-                )
+                overrides = ["recipe=ctr/tiny", f"strategy.mode={mode}", f"train.steps={args.steps}"]
+                overrides += [*args.overrides, "tracking.enabled=false"]
+                cfg = load_config(overrides)
                 run_dir = Path(tmp) / f"{r}-{mode}-{bool(slow)}"
-                run = launch_local(cfg, run_dir, env={"FLEETWISE_PS_SLOW": slow})
+                started = time.perf_counter()
+                run = subprocess.run(
+                    [
+                        str(Path(sys.executable).parent / "fleetwise"),
+                        "train",
+                        *overrides,
+                        f"run.dir={run_dir}",
+                    ],
+                    env={**os.environ, "FLEETWISE_PS_SLOW": slow},
+                    capture_output=True,
+                    text=True,
+                )
                 if run.returncode:
-                    print(run.output[-3000:], file=sys.stderr)
+                    print((run.stdout + run.stderr)[-3000:], file=sys.stderr)
                     return 1
-                summary = json.loads((run_dir / "ps_summary.json").read_text())
-                summary["wall_s"] = run.wall_s
+                summary = json.loads((run_dir / PS_SUMMARY_FILE).read_text())
+                summary["wall_s"] = time.perf_counter() - started
                 results[name].append(summary)
                 print(f"  {name}: {summary['samples_per_s']:.0f} samples/s", file=sys.stderr, flush=True)
     t = cfg.strategy.num_trainers  # type: ignore[union-attr]

@@ -19,13 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from fleetwise.rundir import metrics_path
+
 METRICS = 12
 PARAMS = 200
 
 
 def write_steps(run_dir: Path, steps: int) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "metrics.jsonl", "w") as f:
+    with open(metrics_path(run_dir), "w") as f:
         for step in range(1, steps + 1):
             record = {"step": step, "time": time.time()} | {
                 f"bench/m{i}": step + i / 100 for i in range(METRICS)

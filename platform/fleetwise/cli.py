@@ -174,10 +174,10 @@ def cmd_train(argv: list[str]) -> int:
             "<overrides>", f"cannot parse the sweep: {exc}", "write key=a,b (see Hydra's sweep syntax)"
         )
         return _report_invalid([problem], as_json=False)
-    problems = tc.check_points(points)
+    problems, checked = tc.check_points(points)
     if problems:
         return _report_invalid(problems, as_json=False)
-    return tc.run_hydra(overrides, multirun)
+    return tc.run_hydra(overrides, multirun, checked)
 
 
 def cmd_checkpoint(argv: list[str]) -> int:

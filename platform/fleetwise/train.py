@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import itertools
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
+from fleetwise import rundir
 from fleetwise.config.problems import Problem
+from fleetwise.config.run import RunConfig
+from fleetwise.plan.planner import Plan
 from fleetwise.plan.preflight import preflight
+from fleetwise.rundir import Summary
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -36,17 +41,28 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
     return [list(p) for p in itertools.product(*choices)]
 
 
-def check_points(points: list[list[str]]) -> list[Problem]:
+@dataclass(frozen=True)
+class Checked:
+    """A sweep point validated and planned before launch (both done once, here)."""
+
+    cfg: RunConfig
+    plan: Plan
+
+
+def check_points(points: list[list[str]]) -> tuple[list[Problem], dict[tuple[str, ...], Checked]]:
+    """Every problem of every point (exit 2 before anything starts), and each valid point's config
+    and plan, keyed by its overrides, for the job to run without validating or planning again."""
     from fleetwise.runtime.launch import gpu_problem
 
     problems: list[Problem] = []
+    checked: dict[tuple[str, ...], Checked] = {}
     for point in points:
         pf = preflight(point, launching=True)
         prefix = f"[{' '.join(point)}] " if len(points) > 1 else ""
         problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in pf.problems]
         if pf.cfg is not None:  # the config parsed: what this machine and run directory say too
-            if not pf.problems:
-                problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in resume_problems(pf.cfg)]
+            point_problems = [] if pf.problems else resume_problems(pf.cfg)
+            problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in point_problems]
             gpu = gpu_problem(pf.cfg)
             if gpu:
                 problems.append(
@@ -56,7 +72,9 @@ def check_points(points: list[list[str]]) -> list[Problem]:
                         "use hardware=cpu here; validate and plan work for any profile",
                     )
                 )
-    return problems
+            if not pf.problems and not point_problems and not gpu:
+                checked[tuple(point)] = Checked(pf.cfg, pf.plan)
+    return problems, checked
 
 
 def resume_problems(cfg) -> list[Problem]:
@@ -69,25 +87,22 @@ def resume_problems(cfg) -> list[Problem]:
     return verify(path, cfg) if path is not None else []
 
 
-_CODES: list[int] = []  # exit codes of jobs Hydra ran in this process
-
-
 class JobFailed(RuntimeError):
     """Raised by a sweep job that failed, so that Hydra's launchers (possibly in other processes,
     e.g. submitit) report the failure and `fleetwise train -m` exits non-zero."""
 
 
-def run_hydra(overrides: list[str], multirun: bool) -> int:
+def run_hydra(overrides: list[str], multirun: bool, checked: dict[tuple[str, ...], Checked]) -> int:
     import hydra
 
     from fleetwise.config.compose import config_dir, search_path_overrides
 
-    run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("run.dir=")), None)
+    jobs = Jobs(checked)
+    run_dir = next(iter(checked.values())).cfg.run.dir if checked else None
     extra = []
     if run_dir and not any(o.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) for o in overrides):
         extra.append(f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}")
-    _CODES.clear()
-    app = hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(hydra_task)
+    app = hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(jobs)
     saved = sys.argv
     extra += search_path_overrides(overrides)
     sys.argv = ["fleetwise train", *overrides, *extra, *(["--multirun"] if multirun else [])]
@@ -95,41 +110,61 @@ def run_hydra(overrides: list[str], multirun: bool) -> int:
         app()
     except SystemExit as exc:  # Hydra reports a job's exception itself, then exits non-zero
         if exc.code not in (0, None):
-            return max(_CODES, default=EXIT_FAIL) or EXIT_FAIL
+            return max(jobs.codes, default=EXIT_FAIL) or EXIT_FAIL
     finally:
         sys.argv = saved
-    return max(_CODES, default=EXIT_OK)
+    return max(jobs.codes, default=EXIT_OK)
 
 
-def hydra_task(dcfg) -> int:
-    """One job (Hydra calls it once per sweep point, possibly in another process)."""
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
+class Jobs:
+    """Hydra's task function: runs one job per call (once per sweep point, possibly in another
+    process), from the config and plan checked before launch, and keeps the exit codes.
 
-    from fleetwise.config.problems import ConfigError
-    from fleetwise.config.validate import validate
-    from fleetwise.plan import make_plan
+    A job in another process (a submitit launcher on a cluster) has no checked result to reuse
+    and validates and plans its point itself."""
 
-    hc = HydraConfig.get()
-    data = OmegaConf.to_container(dcfg, resolve=True)
-    data["recipe"] = hc.runtime.choices.get("recipe", "")
-    console = Console(soft_wrap=True)
-    try:
-        cfg = validate(data, launching=True)
-    except ConfigError as err:
-        from fleetwise.plan.render import print_problems
+    def __init__(self, checked: dict[tuple[str, ...], Checked]):
+        self.checked = checked
+        self.codes: list[int] = []
 
-        print_problems(Console(stderr=True), err.problems)
-        _CODES.append(EXIT_INVALID)
-        return EXIT_INVALID
-    cfg = cluster_launch(cfg, _submitit_env())
-    multirun = hc.mode is not None and hc.mode.name == "MULTIRUN"
-    run_dir = Path(hc.runtime.output_dir) if (multirun or not cfg.run.dir) else Path(cfg.run.dir)
-    code = run_job(cfg, make_plan(cfg), run_dir.resolve(), list(hc.overrides.task), console)
-    _CODES.append(code)
-    if code != EXIT_OK and multirun:
-        raise JobFailed(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) failed with exit code {code}")
-    return code
+    def __call__(self, dcfg) -> int:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+        task = list(hc.overrides.task)
+        known = self.checked.get(tuple(task))
+        if known is None:
+            known = self._check(dcfg, hc)
+            if known is None:
+                self.codes.append(EXIT_INVALID)
+                return EXIT_INVALID
+        cfg = cluster_launch(known.cfg, _submitit_env())
+        multirun = hc.mode is not None and hc.mode.name == "MULTIRUN"
+        run_dir = Path(hc.runtime.output_dir) if (multirun or not cfg.run.dir) else Path(cfg.run.dir)
+        code = run_job(cfg, known.plan, run_dir.resolve(), task, Console(soft_wrap=True))
+        self.codes.append(code)
+        if code != EXIT_OK and multirun:
+            raise JobFailed(f"job {hc.job.num} ({' '.join(task)}) failed with exit code {code}")
+        return code
+
+    @staticmethod
+    def _check(dcfg, hc) -> Checked | None:
+        from omegaconf import OmegaConf
+
+        from fleetwise.config.problems import ConfigError
+        from fleetwise.config.validate import validate
+        from fleetwise.plan import make_plan
+
+        data = OmegaConf.to_container(dcfg, resolve=True)
+        data["recipe"] = hc.runtime.choices.get("recipe", "")
+        try:
+            cfg = validate(data, launching=True)
+        except ConfigError as err:
+            from fleetwise.plan.render import print_problems
+
+            print_problems(Console(stderr=True), err.problems)
+            return None
+        return Checked(cfg, make_plan(cfg))
 
 
 def _submitit_env():
@@ -227,7 +262,7 @@ class _Tracking:
             run_name=name,
             params=flatten_config(cfg.model_dump(mode="json")),
             tags=tags,
-            artifacts=[Path("config.yaml"), Path("plan.json"), Path("command.txt")],
+            artifacts=[Path(name) for name in rundir.RUN_ARTIFACTS],
             parent_run_id=parent_run_id_from_hydra(),
             system_metrics=cfg.tracking.system_metrics,
         )
@@ -244,9 +279,7 @@ class _Tracking:
     def finish(self, status: str, error: str | None, summary: dict) -> str | None:
         if self.tracker is None:
             return None
-        self.tracker.add_artifacts(
-            sorted((self.run_dir / "logs").glob("rank_*.log")) + [self.run_dir / "logs" / "launcher.log"]
-        )
+        self.tracker.add_artifacts(rundir.rank_logs(self.run_dir) + [rundir.launcher_log(self.run_dir)])
         self.tracker.finish(status, error=error, summary=summary)
         return self.tracker.run_id
 
@@ -258,33 +291,33 @@ def print_summary(console: Console, cfg, plan, result) -> dict[str, float]:
     from fleetwise.tracking.summary import summarize
 
     s = summarize(result.records, cfg.train.warmup_steps_excluded)
-    if "summary/step_time_median_s" not in s:
+    if Summary.STEP_TIME_MEDIAN not in s:
         return s
     t = Table(
-        title=f"summary ({int(s['summary/steps'])} steps, throughput over the last "
-        f"{int(s['summary/steps_measured'])})",
+        title=f"summary ({int(s[Summary.STEPS])} steps, throughput over the last "
+        f"{int(s[Summary.STEPS_MEASURED])})",
         show_header=False,
         box=None,
         title_justify="left",
     )
     t.add_column(style="bold cyan")
     t.add_column()
-    t.add_row("final loss", f"{s['summary/final_loss']:.4f}")
-    rate = f"{s['summary/samples_per_s_mean']:,.1f} samples/s"
-    if "summary/tokens_per_s_mean" in s:
-        rate += f" · {s['summary/tokens_per_s_mean']:,.0f} tokens/s"
+    t.add_row("final loss", f"{s[Summary.FINAL_LOSS]:.4f}")
+    rate = f"{s[Summary.SAMPLES_PER_S]:,.1f} samples/s"
+    if Summary.TOKENS_PER_S in s:
+        rate += f" · {s[Summary.TOKENS_PER_S]:,.0f} tokens/s"
     t.add_row("throughput", rate)
     t.add_row(
         "step time",
-        f"{s['summary/step_time_median_s'] * 1e3:,.1f} ms median (plan {plan.step_time_s * 1e3:,.1f} ms)",
+        f"{s[Summary.STEP_TIME_MEDIAN] * 1e3:,.1f} ms median (plan {plan.step_time_s * 1e3:,.1f} ms)",
     )
-    t.add_row("MFU", f"{s['summary/mfu_mean']:.1%} (plan {plan.mfu:.1%})")
+    t.add_row("MFU", f"{s[Summary.MFU]:.1%} (plan {plan.mfu:.1%})")
     mib = 2**20
-    ratio = s.get("summary/memory_ratio")
+    ratio = s.get(Summary.MEMORY_RATIO)
     t.add_row(
         "peak memory",
-        f"{s['summary/peak_bytes_max'] / mib:,.2f} MiB per device, max over ranks (plan "
-        f"{s['summary/predicted_bytes'] / mib:,.2f} MiB" + (f", ratio {ratio:.3f})" if ratio else ")"),
+        f"{s[Summary.PEAK_BYTES_MAX] / mib:,.2f} MiB per device, max over ranks (plan "
+        f"{s[Summary.PREDICTED_BYTES] / mib:,.2f} MiB" + (f", ratio {ratio:.3f})" if ratio else ")"),
     )
     console.print(t)
     return s

@@ -1,10 +1,11 @@
-"""Parameter server for real: torchrun launches of 2 trainers + 2 servers on TensorPipe RPC.
+"""Parameter server for real: `fleetwise train strategy=ps` launches of 2 trainers + 2 servers on
+TensorPipe RPC (the same launcher and worker entry point as every collective job).
 
 Four launches, assertions grouped per launch (each ~10-20 s on 2 cores):
 - sync, round_robin, sliced, one non-distributed table, trainer 1 slowed: equals single-process
   training; only touched rows change; rows and blocks sit where the dispatch rule says; server
   memory equals the plan; metrics, logs, loopback sockets, no orphans.
-- `fleetwise train`, sync, hash_name, AdamW with clipping, sparse SGD, Wide&Deep: equals
+- sync, hash_name, AdamW with clipping, sparse SGD, Wide&Deep: equals
   single-process training; the launcher's summary reads the metrics.
 - async with trainer 1 slowed: the loss falls and the job outpaces the sync launch above.
 - sync with trainer 1 killed mid-push: the servers keep the last complete step, nothing partial.
@@ -13,7 +14,10 @@ Four launches, assertions grouped per launch (each ~10-20 s on 2 cores):
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +30,6 @@ from fleetwise.data.ctr import SyntheticClicks, step_indices
 from fleetwise.models.ctr import CTRNet
 from fleetwise.plan.planner import make_plan
 from fleetwise.plan.ps import placement
-from fleetwise.runtime.ps.local import LocalRun, launch_local, session_processes
 from fleetwise.runtime.ps.reference import load_shards, train_single_process
 
 pytestmark = pytest.mark.slow
@@ -55,8 +58,8 @@ TABLES = (
 
 
 class Launch:
-    def __init__(self, cfg, run: LocalRun):
-        self.cfg, self.run_dir, self.returncode, self.output = cfg, run.run_dir, run.returncode, run.output
+    def __init__(self, cfg, run_dir: Path, returncode: int, output: str):
+        self.cfg, self.run_dir, self.returncode, self.output = cfg, run_dir, returncode, output
 
     @property
     def metrics(self) -> list[dict]:
@@ -73,13 +76,41 @@ class Launch:
         return self.output[-2000:] + "\n".join(tails)
 
 
+def session_processes(session: int) -> list[int]:
+    """PIDs of live processes in a session (the orphan check)."""
+    left = []
+    for q in psutil.process_iter():
+        try:
+            if os.getsid(q.pid) == session:
+                left.append(q.pid)
+        except OSError:
+            continue
+    return left
+
+
 def launch(run_dir: Path, *overrides: str, slow: str = "") -> Launch:
-    cfg, problems = compose("recipe=ctr/tiny", "checkpoint.enabled=true", *overrides)
+    """`fleetwise train strategy=ps …` in a session of its own (every process it starts can be
+    found afterwards); trainer 1 sleeps per step when `slow` says so."""
+    overrides = ("recipe=ctr/tiny", "checkpoint.enabled=true", "tracking.enabled=false", *overrides)
+    cfg, problems = compose(*overrides)
     assert cfg is not None, problems
-    run = launch_local(cfg, run_dir, env={"FLEETWISE_PS_SLOW": slow}, timeout=180)
-    left = session_processes(run.session)
+    p = subprocess.Popen(
+        [str(Path(sys.executable).parent / "fleetwise"), "train", *overrides, f"run.dir={run_dir}"],
+        env={**os.environ, "FLEETWISE_PS_SLOW": slow},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    left = session_processes(p.pid)
     assert not left, f"orphan processes after the run: {left}"
-    return Launch(cfg, run)
+    return Launch(cfg, run_dir, p.returncode, out)
 
 
 def assert_equals_single_process(run: Launch, steps: int, atol: float) -> float:
@@ -192,7 +223,7 @@ def test_fleetwise_train_sync_hash_name_adamw_clipped_equals_single_process(tmp_
     out, _ = p.communicate(timeout=180)
     assert not session_processes(p.pid), "orphan processes after the run"
     cfg, _ = compose(*overrides)
-    run = Launch(cfg, LocalRun(run_dir, p.returncode, out, 0.0, p.pid))
+    run = Launch(cfg, run_dir, p.returncode, out)
     assert run.returncode == 0, run.logs()
     assert "final loss" in out  # the launcher's summary read our metrics
     assert max(m["train/grad_norm"] for m in run.metrics) > 0.1  # clipping acted

@@ -25,7 +25,7 @@ Everything here is arithmetic on the validated config (no torch). Sources of the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from fleetwise.config.engine import dp_engine, optimizer_state_factor, reshard_after_forward
@@ -82,6 +82,13 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """The plan back from its JSON (plan.json): `Plan.from_dict(p.to_dict()) == p`. Keys this
+        version does not know (e.g. `remedies` of `plan --json`) are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 # --------------------------------------------------------------------------------------------------

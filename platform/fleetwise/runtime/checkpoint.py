@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from fleetwise import rundir
 from fleetwise.runtime.checkpoint_files import (
     HASH_LIMIT_BYTES,
     META,
@@ -106,7 +107,7 @@ def save(run_dir: Path, step: int, trainer, *, keep: int) -> Path:
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if rank == 0:
-        for name in ("config.yaml", "plan.json"):
+        for name in (rundir.CONFIG_FILE, rundir.PLAN_FILE):
             shutil.copy2(run_dir / name, tmp / name)
         cfg = trainer.cfg
         meta = {

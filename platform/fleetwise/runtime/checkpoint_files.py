@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
+from fleetwise.rundir import checkpoints_dir
 
 STEP_PREFIX = "step_"
 META = "fleetwise.json"
@@ -19,12 +20,12 @@ HASH_LIMIT_BYTES = 1 << 30  # checksum every file of checkpoints up to 1 GiB; si
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"{STEP_PREFIX}{step:08d}"
+    return checkpoints_dir(run_dir) / f"{STEP_PREFIX}{step:08d}"
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first (in-progress `.tmp` directories are ignored)."""
-    root = run_dir / "checkpoints"
+    root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
     return sorted(

@@ -12,7 +12,6 @@ import contextlib
 import glob
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -20,11 +19,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 
+from fleetwise import rundir
 from fleetwise.config.run import RunConfig
 from fleetwise.plan.planner import Plan
+from fleetwise.rundir import Metric
 
 WORKER = "fleetwise.runtime.worker"
 
@@ -35,21 +35,6 @@ class JobResult:
     run_dir: Path
     error: str | None
     records: list[dict]
-
-
-def write_run_dir(run_dir: Path, cfg: RunConfig, plan: Plan, argv: list[str]) -> None:
-    """The files every rank (and every later tool) reads; written atomically."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    _atomic_write(run_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    _atomic_write(run_dir / "plan.json", json.dumps(plan.to_dict(), indent=2))
-    _atomic_write(run_dir / "command.txt", shlex.join(["fleetwise", "train", *argv]) + "\n")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def nproc_per_node(cfg: RunConfig) -> int:
@@ -99,7 +84,7 @@ def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
     cmd += [
         f"--max-restarts={launch.max_restarts}",
         f"--monitor-interval={launch.monitor_interval_s}",
-        f"--log-dir={run_dir / 'logs' / 'torchrun'}",
+        f"--log-dir={rundir.logs_dir(run_dir) / 'torchrun'}",
         "-m",
         WORKER,
         str(run_dir),
@@ -137,16 +122,16 @@ def launch_job(
 ) -> JobResult:
     """Start torchrun and follow it: rank 0's log to the console, metrics.jsonl into records;
     `on_started` runs once the ranks are starting, `on_poll` on every turn of the loop."""
-    write_run_dir(run_dir, cfg, plan, argv)
+    rundir.write_run_dir(run_dir, cfg, plan, argv)
     cmd = torchrun_command(cfg, run_dir)
     env = dict(os.environ)
     threads = max(1, (os.cpu_count() or 1) // max(1, nproc_per_node(cfg)))
     env.setdefault("OMP_NUM_THREADS", str(threads))  # one process per core share, no oversubscription
     env["PYTHONUNBUFFERED"] = "1"
-    rank0_log = Follower(run_dir / "logs" / "rank_0.log")
-    metrics = Follower(run_dir / "metrics.jsonl")
+    rank0_log = Follower(rundir.rank_log(run_dir, 0))
+    metrics = Follower(rundir.metrics_path(run_dir))
     records: list[dict] = []
-    with (run_dir / "logs" / "launcher.log").open("ab") as launcher_log:
+    with rundir.launcher_log(run_dir).open("ab") as launcher_log:
         # a session of its own: the whole process tree can be stopped together (no orphans)
         proc = subprocess.Popen(
             cmd, stdout=launcher_log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -199,11 +184,11 @@ def _progress_bar(console: Console):
 
 def _status(record: dict) -> str:
     rate = (
-        f"{record['perf/tokens_per_s']:,.0f} tokens/s"
-        if "perf/tokens_per_s" in record
-        else f"{record.get('perf/samples_per_s', 0):,.0f} samples/s"
+        f"{record[Metric.TOKENS_PER_S]:,.0f} tokens/s"
+        if Metric.TOKENS_PER_S in record
+        else f"{record.get(Metric.SAMPLES_PER_S, 0):,.0f} samples/s"
     )
-    loss = record.get("train/loss")
+    loss = record.get(Metric.LOSS)
     return f"loss {loss:.4f} · {rate}" if isinstance(loss, (int, float)) else rate
 
 
@@ -234,14 +219,15 @@ def root_cause(run_dir: Path, returncode: int) -> str:
     @record wrote), or its exit code / signal when it died without one (os._exit, SIGKILL, OOM
     killer). torchrun's "first observed failure" can be a peer's connection error observed before
     the dead rank was reaped, so failures are ranked by _blame_order."""
-    failures = _torchrun_failures(run_dir / "logs" / "launcher.log")
+    log = rundir.launcher_log(run_dir)
+    failures = _torchrun_failures(log)
     if not failures:  # torchrun itself failed (bad arguments, rendezvous): its last words
         try:
-            lines = (run_dir / "logs" / "launcher.log").read_text(errors="replace").strip().splitlines()
+            lines = log.read_text(errors="replace").strip().splitlines()
         except OSError:
             lines = []
         last = lines[-1].strip() if lines else ""
-        return f"torchrun exited with code {returncode}: {last} (see {run_dir / 'logs' / 'launcher.log'})"
+        return f"torchrun exited with code {returncode}: {last} (see {log})"
     described = []
     for rank, code, error_file in failures:
         message = _error_file_message(Path(error_file)) if error_file and error_file != "<N/A>" else None
@@ -255,7 +241,8 @@ def root_cause(run_dir: Path, returncode: int) -> str:
         except ValueError:
             name = f"signal {-int(code)}"
         return f"rank {rank} was killed by {name}"
-    return f"rank {rank} died with exit code {code} (no Python exception: see logs/rank_{rank}.log)"
+    log_name = rundir.rank_log(run_dir, rank).relative_to(run_dir)
+    return f"rank {rank} died with exit code {code} (no Python exception: see {log_name})"
 
 
 def _blame_order(failure: tuple[str, str, str | None]) -> int:

@@ -5,11 +5,9 @@ clip, step, and per-step metrics reduced across ranks onto rank 0.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +15,8 @@ import torch.distributed as dist
 from fleetwise.config.run import RunConfig
 from fleetwise.config.validate import layout_of
 from fleetwise.data.loader import StepBatches
+from fleetwise.plan.planner import Plan
+from fleetwise.rundir import Metric, append_record
 from fleetwise.runtime.faults import inject_fault
 from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv, build_mesh
@@ -28,7 +28,7 @@ log = logging.getLogger("fleetwise")
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, plan: dict[str, Any], env: DistEnv, run_dir: Path):
+    def __init__(self, cfg: RunConfig, plan: Plan, env: DistEnv, run_dir: Path):
         self.cfg, self.plan, self.env, self.run_dir = cfg, plan, env, run_dir
         self.layout = layout = layout_of(cfg)
         self.mesh = build_mesh(layout, env.device.type)
@@ -53,7 +53,6 @@ class Trainer:
             (clean_name(n), p) for part in self.model.parts for n, p in part.named_parameters()
         ]
         self.skipped = 0
-        self.metrics_path = run_dir / "metrics.jsonl"
         self.step = 0
         # the rank whose loss counts: one per data-parallel replica, on the last pipeline stage
         self.reports_loss = self.model.has_last and self.coords["mp"] == 0
@@ -201,28 +200,27 @@ class Trainer:
         table = torch.stack(rows)
         step_time = float(table[:, 2].max())
         plan, cfg = self.plan, self.cfg
-        peak_device = plan["device_peak_flops"]
         samples = cfg.train.global_batch_size / step_time
         tokens_per_sample = getattr(cfg.model, "seq_len", 0) if cfg.model.family in ("gpt", "ernie") else 0
         metrics = {
             "step": step,
             "time": time.time(),  # when the step ended (the tracker's timestamp if delivery is late)
-            "train/loss": float(table[:, 0].sum() / table[:, 1].sum()),
-            "train/lr": lr,
-            "train/grad_norm": norm,
-            "perf/step_time_s": step_time,
-            "perf/samples_per_s": samples,
-            "perf/tokens_per_s": samples * tokens_per_sample,
-            "perf/tflops_per_device": plan["flops_per_step"] / step_time / world / 1e12,
-            "perf/mfu": plan["flops_per_step"] / (step_time * world * peak_device),
-            "memory/peak_bytes_max": float(table[:, 3].max()),
-            "memory/peak_bytes_mean": float(table[:, 3].mean()),
-            "memory/rss_peak_bytes_max": float(table[:, 4].max()),
-            "memory/predicted_bytes": float(plan["memory_bytes"]["total"]),
-            "train/skipped_steps": float(self.skipped),
+            Metric.LOSS: float(table[:, 0].sum() / table[:, 1].sum()),
+            Metric.LR: lr,
+            Metric.GRAD_NORM: norm,
+            Metric.STEP_TIME: step_time,
+            Metric.SAMPLES_PER_S: samples,
+            Metric.TOKENS_PER_S: samples * tokens_per_sample,
+            Metric.TFLOPS_PER_DEVICE: plan.flops_per_step / step_time / world / 1e12,
+            Metric.MFU: plan.flops_per_step / (step_time * world * plan.device_peak_flops),
+            Metric.PEAK_BYTES_MAX: float(table[:, 3].max()),
+            Metric.PEAK_BYTES_MEAN: float(table[:, 3].mean()),
+            Metric.RSS_PEAK_BYTES_MAX: float(table[:, 4].max()),
+            Metric.PREDICTED_BYTES: float(plan.memory_bytes["total"]),
+            Metric.SKIPPED_STEPS: float(self.skipped),
         }
         if cfg.model.family not in ("gpt", "ernie"):
-            metrics.pop("perf/tokens_per_s")
+            metrics.pop(Metric.TOKENS_PER_S)
         return metrics
 
     # ------------------------------------------------------------------------------------------------
@@ -248,8 +246,7 @@ class Trainer:
             metrics = self.train_step(step)
             self.step = step
             if self.env.rank == 0:
-                with self.metrics_path.open("a") as f:
-                    f.write(json.dumps(metrics) + "\n")
+                append_record(self.run_dir, metrics)
                 if step % self.cfg.train.log_interval == 0 or step == steps:
                     log.info(format_step(metrics, steps))
             if ck.enabled and (step == steps or (ck.interval and step % ck.interval == 0)):
@@ -283,12 +280,12 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
 def format_step(m: dict[str, float], steps: int) -> str:
     """nanoGPT-style: the numbers a user wants, nothing else."""
     rate = (
-        f"{m['perf/tokens_per_s']:,.0f} tok/s"
-        if "perf/tokens_per_s" in m
-        else f"{m['perf/samples_per_s']:,.1f} samples/s"
+        f"{m[Metric.TOKENS_PER_S]:,.0f} tok/s"
+        if Metric.TOKENS_PER_S in m
+        else f"{m[Metric.SAMPLES_PER_S]:,.1f} samples/s"
     )
     return (
-        f"step {m['step']}/{steps} | loss {m['train/loss']:.4f} | {m['perf/step_time_s'] * 1e3:.0f} ms | {rate}"
-        f" | mfu {m['perf/mfu']:.1%} | mem {m['memory/peak_bytes_max'] / 2**20:.1f} MiB"
-        f" (plan {m['memory/predicted_bytes'] / 2**20:.1f} MiB)"
+        f"step {m['step']}/{steps} | loss {m[Metric.LOSS]:.4f} | {m[Metric.STEP_TIME] * 1e3:.0f} ms | {rate}"
+        f" | mfu {m[Metric.MFU]:.1%} | mem {m[Metric.PEAK_BYTES_MAX] / 2**20:.1f} MiB"
+        f" (plan {m[Metric.PREDICTED_BYTES] / 2**20:.1f} MiB)"
     )

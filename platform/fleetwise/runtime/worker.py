@@ -6,24 +6,15 @@ RUN_DIR/config.yaml, so every rank sees exactly the same config.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
 
-import yaml
-
-from fleetwise.config.run import RunConfig
+from fleetwise import rundir
 
 log = logging.getLogger("fleetwise")
-
-
-def load_run(run_dir: Path) -> tuple[RunConfig, dict]:
-    cfg = RunConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    plan = json.loads((run_dir / "plan.json").read_text())
-    return cfg, plan
 
 
 def redirect_output(log_file: Path) -> None:
@@ -59,12 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     run_dir = Path((argv or sys.argv[1:])[0]).resolve()
     rank = int(os.environ.get("RANK", "0"))
-    redirect_output(run_dir / "logs" / f"rank_{rank}.log")
-    cfg, plan = load_run(run_dir)
+    redirect_output(rundir.rank_log(run_dir, rank))
+    cfg, plan = rundir.read_config(run_dir), rundir.read_plan(run_dir)
     if cfg.strategy.name == "ps":
         from fleetwise.runtime.ps import run as run_ps
 
-        run_ps(cfg, run_dir)
+        run_ps(cfg, plan, run_dir)
         return 0
 
     import torch.distributed as dist
@@ -77,8 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != cfg.hardware.world_size:  # an elastic job started with fewer (or more) nodes
         from fleetwise.config.validate import elastic_config
+        from fleetwise.plan import make_plan
 
+        # the plan follows the layout: predicted memory and MFU of the layout that really runs
         cfg = elastic_config(cfg, world)
+        plan = make_plan(cfg)
+        if rank == 0:
+            rundir.write_plan(run_dir, plan)
         log.info("elastic: %d ranks; data parallel degree is now %d", world, cfg.strategy.dp_degree)
     env = init_distributed(cfg)
     joined = time.perf_counter()

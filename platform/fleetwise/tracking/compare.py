@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleetwise.rundir import Metric, Summary
+
 SWEEP_PARENT_TAG = "fleetwise.sweep"  # value "parent" on the parent run of a multirun
 
 
@@ -39,8 +41,8 @@ def _first(metrics: dict[str, float], *keys: str) -> float | None:
 
 def row_from_run(run: Any) -> RunRow:
     m, tags = run.data.metrics, run.data.tags
-    tokens = _first(m, "summary/tokens_per_s_mean", "perf/tokens_per_s")
-    samples = _first(m, "summary/samples_per_s_mean", "perf/samples_per_s")
+    tokens = _first(m, Summary.TOKENS_PER_S, Metric.TOKENS_PER_S)
+    samples = _first(m, Summary.SAMPLES_PER_S, Metric.SAMPLES_PER_S)
     return RunRow(
         run_id=run.info.run_id,
         name=run.info.run_name or run.info.run_id[:8],
@@ -49,11 +51,11 @@ def row_from_run(run: Any) -> RunRow:
         status=run.info.status,
         throughput=tokens if tokens is not None else samples,
         unit="tokens/s" if tokens is not None else "samples/s",
-        mfu=_first(m, "summary/mfu_mean", "perf/mfu"),
-        peak_bytes=_first(m, "summary/peak_bytes_max", "memory/peak_bytes_max"),
-        predicted_bytes=_first(m, "summary/predicted_bytes", "memory/predicted_bytes"),
+        mfu=_first(m, Summary.MFU, Metric.MFU),
+        peak_bytes=_first(m, Summary.PEAK_BYTES_MAX, Metric.PEAK_BYTES_MAX),
+        predicted_bytes=_first(m, Summary.PREDICTED_BYTES, Metric.PREDICTED_BYTES),
         # run.data.metrics holds each metric at its largest step: the loss at the last step.
-        final_loss=_first(m, "summary/final_loss", "train/loss"),
+        final_loss=_first(m, Summary.FINAL_LOSS, Metric.LOSS),
     )
 
 

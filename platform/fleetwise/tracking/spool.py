@@ -18,12 +18,11 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-METRICS_FILE = "metrics.jsonl"
-STATE_FILE = "tracking.json"
+from fleetwise.rundir import METRICS_FILE, RECORD_KEYS
+from fleetwise.rundir import TRACKING_FILE as STATE_FILE
+
 LOCK_FILE = ".tracking.lock"
 ERROR_FILE = "error.txt"
-# Keys of a record that are not metrics.
-RESERVED_KEYS = frozenset({"step", "time"})
 READ_CHUNK = 1 << 20  # bytes read per pass: a long backlog is shipped in slices, not slurped
 
 
@@ -109,7 +108,7 @@ def parse_record(line: bytes) -> dict | None:
 
 def metric_values(record: dict) -> dict[str, float]:
     """The numeric entries of a record, as floats (booleans and strings are not metrics)."""
-    return {k: float(v) for k, v in record.items() if k not in RESERVED_KEYS and number(v)}
+    return {k: float(v) for k, v in record.items() if k not in RECORD_KEYS and number(v)}
 
 
 def read_records(run_dir: Path) -> list[dict]:

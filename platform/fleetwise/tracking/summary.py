@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 
+from fleetwise.rundir import Metric, Summary
 from fleetwise.tracking.spool import finite
 
 
@@ -23,29 +24,29 @@ def summarize(records: list[dict], warmup_steps: int) -> dict[str, float]:
         return {}
     measured = records[max(warmup_steps, 0) :] or records
     out: dict[str, float] = {
-        "summary/steps": float(len(records)),
-        "summary/steps_measured": float(len(measured)),
+        Summary.STEPS: float(len(records)),
+        Summary.STEPS_MEASURED: float(len(measured)),
     }
 
-    if times := _values(measured, "perf/step_time_s"):
-        out["summary/step_time_median_s"] = statistics.median(times)
-        out["summary/step_time_mean_s"] = statistics.fmean(times)
+    if times := _values(measured, Metric.STEP_TIME):
+        out[Summary.STEP_TIME_MEDIAN] = statistics.median(times)
+        out[Summary.STEP_TIME_MEAN] = statistics.fmean(times)
     for key, name in (
-        ("perf/samples_per_s", "summary/samples_per_s_mean"),
-        ("perf/tokens_per_s", "summary/tokens_per_s_mean"),
-        ("perf/tflops_per_device", "summary/tflops_per_device_mean"),
-        ("perf/mfu", "summary/mfu_mean"),
+        (Metric.SAMPLES_PER_S, Summary.SAMPLES_PER_S),
+        (Metric.TOKENS_PER_S, Summary.TOKENS_PER_S),
+        (Metric.TFLOPS_PER_DEVICE, Summary.TFLOPS_PER_DEVICE),
+        (Metric.MFU, Summary.MFU),
     ):
         if values := _values(measured, key):
             out[name] = statistics.fmean(values)
 
-    if peaks := _values(records, "memory/peak_bytes_max"):
-        out["summary/peak_bytes_max"] = max(peaks)
-    if predicted := _values(records, "memory/predicted_bytes"):
-        out["summary/predicted_bytes"] = predicted[-1]
+    if peaks := _values(records, Metric.PEAK_BYTES_MAX):
+        out[Summary.PEAK_BYTES_MAX] = max(peaks)
+    if predicted := _values(records, Metric.PREDICTED_BYTES):
+        out[Summary.PREDICTED_BYTES] = predicted[-1]
         if peaks and predicted[-1] > 0:
             # > 1: the planner under-estimated memory; the ratio is what calibration tracks.
-            out["summary/memory_ratio"] = max(peaks) / predicted[-1]
-    if losses := _values(records, "train/loss"):
-        out["summary/final_loss"] = losses[-1]
+            out[Summary.MEMORY_RATIO] = max(peaks) / predicted[-1]
+    if losses := _values(records, Metric.LOSS):
+        out[Summary.FINAL_LOSS] = losses[-1]
     return out

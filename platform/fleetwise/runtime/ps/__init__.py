@@ -1,8 +1,9 @@
 """Parameter-server training (`strategy=ps`) on torch.distributed.rpc (TensorPipe), seeds/004.
 
-Entry contract, for the launcher:
+Entry contract, for the launcher (`fleetwise train strategy=ps`, through the same worker entry
+point as every collective job, runtime/worker.py):
 - Launch `world_size(cfg)` = num_trainers + num_servers processes (one node: torchrun
-  --nproc-per-node that many) and call `run(cfg, run_dir)` once in each, after torchrun has set
+  --nproc-per-node that many) and call `run(cfg, plan, run_dir)` once in each, after torchrun has set
   RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. `cfg` is the resolved,
   validated RunConfig (the one in run_dir/config.yaml); validate with launching=True, which
   refuses ps jobs this runtime cannot train (non-CTR models, CUDA hardware).
@@ -11,8 +12,7 @@ Entry contract, for the launcher:
   run_dir/ps_summary.json (per-trainer and per-server totals, written at the end).
 - `run` returns normally in every process once training is done and the servers have shut down;
   it raises on failure (the process then exits non-zero and torchrun stops the others with
-  SIGTERM). The caller redirects stdout/stderr to run_dir/logs/rank_<RANK>.log
-  (`python -m fleetwise.runtime.ps RUN_DIR` does it when launched directly).
+  SIGTERM). The caller (the worker) redirects stdout/stderr to run_dir/logs/rank_<RANK>.log.
 - With `checkpoint.enabled=true` each server writes its shard to run_dir/ps/server_<i>.pt when
   training ends, and also when torchrun stops it with SIGTERM: the last consistent state (in sync
   mode a trainer that dies mid-step leaves no half-applied update). `reference.load_shards`
@@ -32,6 +32,7 @@ import traceback
 from pathlib import Path
 
 from fleetwise.config.run import RunConfig
+from fleetwise.plan.planner import Plan
 
 
 def world_size(cfg: RunConfig) -> int:
@@ -42,7 +43,7 @@ def world_size(cfg: RunConfig) -> int:
     return cfg.strategy.num_trainers + cfg.strategy.num_servers
 
 
-def run(cfg: RunConfig, run_dir: Path) -> None:
+def run(cfg: RunConfig, plan: Plan, run_dir: Path) -> None:
     """Run this process's role (trainer or server) of a parameter-server job."""
     import torch
     import torch.distributed.rpc as rpc
@@ -68,7 +69,7 @@ def run(cfg: RunConfig, run_dir: Path) -> None:
         if role.is_trainer:
             from fleetwise.runtime.ps.trainer import train
 
-            train(cfg, role, run_dir)
+            train(cfg, plan, role, run_dir)
         else:
             from fleetwise.runtime.ps.server import serve
 

@@ -65,7 +65,7 @@ def role_from_env(cfg: RunConfig) -> Role:
     except KeyError as err:
         raise RuntimeError(
             f"{err.args[0]} is not set: run the parameter server under torchrun "
-            "(python -m torch.distributed.run --nproc-per-node N -m fleetwise.runtime.ps RUN_DIR)"
+            "(fleetwise train strategy=ps starts it)"
         ) from None
     return role_of(s, rank, world)
 

@@ -56,8 +56,9 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
 from fleetwise.data.ctr import SyntheticClicks, rank_micro_batches
 from fleetwise.models.ctr import CTRNet, ctr_loss
-from fleetwise.plan.planner import make_plan
+from fleetwise.plan.planner import Plan
 from fleetwise.plan.ps import placement
+from fleetwise.rundir import PS_SUMMARY_FILE, Metric, append_record, metrics_path
 from fleetwise.runtime.memory import LiveTensorBytes
 from fleetwise.runtime.ps import server as srv
 from fleetwise.runtime.ps.optim import clip_coefficient, lr_at
@@ -312,7 +313,7 @@ class Trainer:
 class MetricsSink:
     """Collects every trainer's per-step records on trainer 0 and writes metrics.jsonl in order."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, plan: Plan, run_dir: Path) -> None:
         self.cfg, self.run_dir = cfg, run_dir
         s = cfg.strategy
         assert isinstance(s, PSStrategy)
@@ -321,12 +322,11 @@ class MetricsSink:
         self.finals: dict[int, dict[str, Any]] = {}
         self.next = 0
         self.cond = threading.Condition()
-        self.path = run_dir / "metrics.jsonl"
+        self.path = metrics_path(run_dir)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("")
         self.lines: list[dict[str, Any]] = []
         # MFU as the planner defines it: model FLOPs of a step over trainers × peak
-        plan = make_plan(cfg)
         self.flops_per_step = plan.flops_per_step
         self.predicted_bytes = plan.memory_bytes["total"]  # the worst process: fullest server or a trainer
         self.peak_flops = cfg.hardware.peak_flops(cfg.train.precision)
@@ -352,15 +352,14 @@ class MetricsSink:
                 self.next += 1
             line = self._line(self.next - 1, [recs[t] for t in sorted(recs)])
             self.lines.append(line)
-            with self.path.open("a") as fh:
-                fh.write(json.dumps(line) + "\n")
+            append_record(self.run_dir, line)
             if line["step"] % self.cfg.train.log_interval == 0 or line["step"] == self.cfg.train.steps:
                 log(
                     role,
-                    f"step {line['step']}/{self.cfg.train.steps}: loss {line['train/loss']:.4f}, "
-                    f"{line['perf/step_time_s'] * 1e3:.1f} ms, {line['perf/samples_per_s']:.0f} samples/s, "
-                    f"pull {line['ps/pull_latency_s'] * 1e3:.2f} ms, push {line['ps/push_latency_s'] * 1e3:.2f} ms, "
-                    f"wait {line['ps/wait_s'] * 1e3:.2f} ms, {line['ps/sparse_rows_pulled']} rows",
+                    f"step {line['step']}/{self.cfg.train.steps}: loss {line[Metric.LOSS]:.4f}, "
+                    f"{line[Metric.STEP_TIME] * 1e3:.1f} ms, {line[Metric.SAMPLES_PER_S]:.0f} samples/s, "
+                    f"pull {line[Metric.PS_PULL_LATENCY] * 1e3:.2f} ms, push {line[Metric.PS_PUSH_LATENCY] * 1e3:.2f} "
+                    f"ms, wait {line[Metric.PS_WAIT] * 1e3:.2f} ms, {line[Metric.PS_SPARSE_ROWS_PULLED]} rows",
                 )
 
     def _line(self, k: int, recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -383,29 +382,29 @@ class MetricsSink:
         tflops = self.flops_per_step / step_time / len(recs) / 1e12  # model FLOPs per trainer
         return {
             "step": k + 1,
-            "train/loss": mean("loss"),
-            "train/lr": lr_at(self.cfg, k),
-            "train/grad_norm": mean("grad_norm"),
-            "perf/step_time_s": step_time,
-            "perf/samples_per_s": sum(rates),
-            "perf/samples_per_s_per_trainer": sum(rates) / len(rates),
-            "ps/pull_latency_s": mean("pull_s"),
-            "ps/push_latency_s": mean("push_s"),
-            "ps/wait_s": mean("wait_s"),
-            "ps/compute_s": mean("compute_s"),
-            "ps/bytes_pulled": int(total("bytes_pulled")),
-            "ps/bytes_pushed": int(total("bytes_pushed")),
-            "ps/dense_bytes_pulled": int(total("dense_bytes_pulled")),
-            "ps/sparse_bytes_pulled": int(total("sparse_bytes_pulled")),
-            "ps/sparse_rows_pulled": int(total("sparse_rows_pulled")),
-            "ps/staleness": mean("staleness"),
-            "perf/tflops_per_device": tflops,
-            "perf/mfu": tflops * 1e12 / self.peak_flops,
-            "memory/server_bytes_max": max(server_bytes),
-            "memory/peak_bytes_max": max(peaks),
-            "memory/peak_bytes_mean": sum(peaks) / len(peaks),
-            "memory/rss_peak_bytes_max": max(rss),
-            "memory/predicted_bytes": self.predicted_bytes,
+            Metric.LOSS: mean("loss"),
+            Metric.LR: lr_at(self.cfg, k),
+            Metric.GRAD_NORM: mean("grad_norm"),
+            Metric.STEP_TIME: step_time,
+            Metric.SAMPLES_PER_S: sum(rates),
+            Metric.SAMPLES_PER_S_PER_TRAINER: sum(rates) / len(rates),
+            Metric.PS_PULL_LATENCY: mean("pull_s"),
+            Metric.PS_PUSH_LATENCY: mean("push_s"),
+            Metric.PS_WAIT: mean("wait_s"),
+            Metric.PS_COMPUTE: mean("compute_s"),
+            Metric.PS_BYTES_PULLED: int(total("bytes_pulled")),
+            Metric.PS_BYTES_PUSHED: int(total("bytes_pushed")),
+            Metric.PS_DENSE_BYTES_PULLED: int(total("dense_bytes_pulled")),
+            Metric.PS_SPARSE_BYTES_PULLED: int(total("sparse_bytes_pulled")),
+            Metric.PS_SPARSE_ROWS_PULLED: int(total("sparse_rows_pulled")),
+            Metric.PS_STALENESS: mean("staleness"),
+            Metric.TFLOPS_PER_DEVICE: tflops,
+            Metric.MFU: tflops * 1e12 / self.peak_flops,
+            Metric.SERVER_BYTES_MAX: max(server_bytes),
+            Metric.PEAK_BYTES_MAX: max(peaks),
+            Metric.PEAK_BYTES_MEAN: sum(peaks) / len(peaks),
+            Metric.RSS_PEAK_BYTES_MAX: max(rss),
+            Metric.PREDICTED_BYTES: self.predicted_bytes,
         }
 
 
@@ -425,12 +424,12 @@ def report_final(trainer: int, summary: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------- process entry
 
 
-def train(cfg: RunConfig, role: Role, run_dir: Path) -> None:
+def train(cfg: RunConfig, plan: Plan, role: Role, run_dir: Path) -> None:
     global _sink
     s = cfg.strategy
     assert isinstance(s, PSStrategy)
     if role.index == 0:
-        _sink = MetricsSink(cfg, run_dir)  # before init_rpc: other trainers report right away
+        _sink = MetricsSink(cfg, plan, run_dir)  # before init_rpc: other trainers report right away
     trainer = Trainer(cfg, role)
     init_s = init_rpc(cfg, role)
     log(role, f"init_rpc {init_s:.3f} s; {cfg.train.steps} steps, mode {s.mode}, delay {trainer.delay} s")
@@ -513,21 +512,21 @@ def _finish_metrics(cfg: RunConfig, role: Role, run_dir: Path) -> None:
         "samples_per_s": sum(t["samples_per_s"] for t in trainers),
         "steady": {
             "steps": len(steady),
-            "step_time_s_mean": _mean(steady, "perf/step_time_s"),
-            "samples_per_s_mean": _mean(steady, "perf/samples_per_s"),
-            "pull_latency_s_mean": _mean(steady, "ps/pull_latency_s"),
-            "push_latency_s_mean": _mean(steady, "ps/push_latency_s"),
-            "wait_s_mean": _mean(steady, "ps/wait_s"),
+            "step_time_s_mean": _mean(steady, Metric.STEP_TIME),
+            "samples_per_s_mean": _mean(steady, Metric.SAMPLES_PER_S),
+            "pull_latency_s_mean": _mean(steady, Metric.PS_PULL_LATENCY),
+            "push_latency_s_mean": _mean(steady, Metric.PS_PUSH_LATENCY),
+            "wait_s_mean": _mean(steady, Metric.PS_WAIT),
         },
         "sparse_table_bytes": 4 * sum(t.num_rows * t.width for t in place.tables),
-        "sparse_bytes_pulled_per_step_mean": sum(x["ps/sparse_bytes_pulled"] for x in lines)
+        "sparse_bytes_pulled_per_step_mean": sum(x[Metric.PS_SPARSE_BYTES_PULLED] for x in lines)
         / max(1, len(lines)),
         "server_bytes": [v["state_bytes"] for v in servers],
         "server_bytes_planned": [place.server_bytes(i) for i in range(s.num_servers)],
-        "first_loss": lines[0]["train/loss"] if lines else None,
-        "last_loss": lines[-1]["train/loss"] if lines else None,
+        "first_loss": lines[0][Metric.LOSS] if lines else None,
+        "last_loss": lines[-1][Metric.LOSS] if lines else None,
     }
-    (run_dir / "ps_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / PS_SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     log(
         role,
         f"summary: {json.dumps({k: summary[k] for k in ('samples_per_s', 'init_rpc_s_min', 'server_bytes')})}",
