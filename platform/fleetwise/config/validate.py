@@ -9,7 +9,6 @@ derived values (an `auto` degree, `train.accumulate_steps`) so workers see concr
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -161,60 +160,6 @@ def rule(fn: Rule) -> Rule:
     return fn
 
 
-def _fmt_degrees(degrees: dict[str, int | str]) -> str:
-    return " × ".join(f"{k}({v})" for k, v in degrees.items())
-
-
-def resolve_layout(strategy: CollectiveStrategy, world_size: int) -> tuple[Layout | None, list[Problem]]:
-    """Derive the one `auto` degree (if any) and check sharding × dp × mp × pp = world_size."""
-    degrees = {name: strategy.degree(name) for name in DEGREE_NAMES}
-    autos = [k for k, v in degrees.items() if v == "auto"]
-    fixed = math.prod(v for v in degrees.values() if v != "auto")
-    ws = f"world_size({world_size}) = hardware.nodes × hardware.devices_per_node"
-    if len(autos) > 1:
-        return None, [
-            Problem(
-                "strategy",
-                f"{len(autos)} degrees are 'auto' ({', '.join(autos)}); at most one can be derived",
-                f"give all but one of {', '.join('strategy.' + a for a in autos)} a number",
-            )
-        ]
-    if autos:
-        name = autos[0]
-        if world_size % fixed:
-            return None, [
-                Problem(
-                    f"strategy.{name}",
-                    f"cannot derive {name}: {_fmt_degrees(degrees)} must equal {ws}, "
-                    f"but {world_size} is not divisible by {fixed}",
-                    f"choose degrees whose product divides {world_size}, or change hardware.devices_per_node",
-                )
-            ]
-        degrees[name] = world_size // fixed
-    product = math.prod(int(v) for v in degrees.values())
-    if product != world_size:
-        non_one = [k for k, v in degrees.items() if v != 1] or ["dp_degree"]
-        fix = ", or ".join(
-            f"strategy.{k}={world_size // (product // int(degrees[k]))}"
-            for k in non_one
-            if world_size % (product // int(degrees[k])) == 0
-        )
-        return None, [
-            Problem(
-                "strategy",
-                f"{_fmt_degrees(degrees)} = {product} != {ws} = {world_size}",
-                (f"set {fix}; " if fix else "") + "or set one degree to auto; or change the hardware to "
-                f"{product} devices (e.g. hardware.devices_per_node={product} with hardware.nodes=1)",
-            )
-        ]
-    return Layout(
-        dp=int(degrees["dp_degree"]),
-        pp=int(degrees["pp_degree"]),
-        sharding=int(degrees["sharding_degree"]),
-        mp=int(degrees["mp_degree"]),
-    ), []
-
-
 def num_microbatches(cfg: RunConfig, layout: Layout | None) -> int | None:
     """Micro-batches per step per data-parallel rank, given or derived from the batch triad."""
     t = cfg.train
@@ -255,7 +200,7 @@ def preset_degrees(ctx: Context) -> Iterator[Problem]:
 def layout_product(ctx: Context) -> Iterator[Problem]:
     s = ctx.collective
     if s is not None:
-        yield from resolve_layout(s, ctx.cfg.hardware.world_size)[1]
+        yield from Layout.resolve(s, ctx.cfg.hardware.world_size)[1]
 
 
 @rule
@@ -867,7 +812,7 @@ def checkpoint_options(ctx: Context) -> Iterator[Problem]:
 def check(cfg: RunConfig, *, launching: bool = False) -> list[Problem]:
     layout = None
     if not isinstance(cfg.strategy, PSStrategy):
-        layout, _ = resolve_layout(cfg.strategy, cfg.hardware.world_size)
+        layout, _ = Layout.resolve(cfg.strategy, cfg.hardware.world_size)
     ctx = Context(cfg, layout, launching)
     problems: list[Problem] = []
     for r in RULES:
@@ -880,7 +825,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
     layout = None
     update: dict[str, Any] = {}
     if not isinstance(cfg.strategy, PSStrategy):
-        layout, problems = resolve_layout(cfg.strategy, cfg.hardware.world_size)
+        layout, problems = Layout.resolve(cfg.strategy, cfg.hardware.world_size)
         assert layout is not None, problems
         update["strategy"] = cfg.strategy.model_copy(
             update={
@@ -893,15 +838,6 @@ def resolve(cfg: RunConfig) -> RunConfig:
     acc = num_microbatches(cfg, layout)
     update["train"] = cfg.train.model_copy(update={"accumulate_steps": acc})
     return cfg.model_copy(update=update)
-
-
-def layout_of(cfg: RunConfig) -> Layout:
-    """The layout of a resolved collective config."""
-    s = cfg.strategy
-    assert isinstance(s, CollectiveStrategy)
-    return Layout(
-        dp=int(s.dp_degree), pp=int(s.pp_degree), sharding=int(s.sharding_degree), mp=int(s.mp_degree)
-    )
 
 
 def load_config(overrides: list[str], *, launching: bool = False) -> RunConfig:

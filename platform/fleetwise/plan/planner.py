@@ -33,7 +33,6 @@ from fleetwise.config.layout import Layout
 from fleetwise.config.model import CTRModel, ERNIEModel, TransformerModel
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy, PSStrategy
-from fleetwise.config.validate import layout_of
 from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, split_layers
 from fleetwise.plan.ps import placement as ps_placement
 from fleetwise.plan.units import Unit, input_bytes_per_sample, masked_per_sample, model_units
@@ -260,7 +259,7 @@ def _rank_units(chunks: list[list[Unit]], ranks: list[int], rank: int) -> list[U
 def _collective_plan(cfg: RunConfig) -> Plan:
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
-    layout = layout_of(cfg)
+    layout = Layout.of(cfg)
     hw, t = cfg.hardware, cfg.train
     n = t.accumulate_steps or 1
     b = t.micro_batch_size

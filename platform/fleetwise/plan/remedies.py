@@ -11,10 +11,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from fleetwise.config.layout import Layout
 from fleetwise.config.model import TransformerModel
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
-from fleetwise.config.validate import check, layout_of, resolve
+from fleetwise.config.validate import check, resolve
 from fleetwise.plan.planner import Plan, make_plan
 
 GIB = 1024**3
@@ -37,7 +38,7 @@ def _candidates(cfg: RunConfig) -> Iterator[tuple[str, dict[str, Any], dict[str,
     """(overrides text, strategy update, train update)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
-    lay = layout_of(cfg)
+    lay = Layout.of(cfg)
     if lay.sharding > 1 and (s.sharding_stage or 0) < 3:
         yield f"strategy.sharding_stage={s.sharding_stage + 1}", {"sharding_stage": s.sharding_stage + 1}, {}
     if lay.sharding == 1 and lay.dp > 1:

@@ -22,7 +22,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,20 +30,26 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from fleetwise import rundir
+from fleetwise.config.layout import Layout
+from fleetwise.config.run import RunConfig
 from fleetwise.runtime.checkpoint_files import (
     HASH_LIMIT_BYTES,
     META,
     checkpoint_dir,
     complete_checkpoints,
 )
+from fleetwise.runtime.parallelize import clean_name
 
 RNG_KEY = "rng.rank{rank}"
 
 
-def _clean(name: str) -> str:
-    from fleetwise.runtime.trainer import clean_name
+class Stateful(Protocol):
+    """What a checkpoint saves and restores (the trainer): a flat dict of tensors under
+    layout-independent names, loaded in place by DCP and then handed back."""
 
-    return clean_name(name)
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
 def model_state(parts) -> dict[str, torch.Tensor]:
@@ -51,6 +57,14 @@ def model_state(parts) -> dict[str, torch.Tensor]:
     for part in parts:
         state.update(get_model_state_dict(part))
     return {f"model.{k}": v for k, v in state.items()}
+
+
+def load_model_state(parts, state: dict[str, torch.Tensor]) -> None:
+    """Each part takes its own entries of a loaded `model.*` state."""
+    prefix_free = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+    for part in parts:
+        own = get_model_state_dict(part)
+        set_model_state_dict(part, {k: prefix_free[k] for k in own})
 
 
 def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -71,14 +85,14 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
         p.grad = None
 
 
-def optimizer_state(parts, optimizers, *, init: bool = False) -> dict[str, torch.Tensor]:
+def optimizer_state(parts, optimizers: list[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
     """`state.<param name>.<key>` for the optimizer state this rank holds (the layout-independent
-    form of DCP's flattened optimizer state dict; a ZeRO-1 rank holds only its partition)."""
+    form of DCP's flattened optimizer state dict; a ZeRO-1 rank holds only its partition). State
+    not created yet (before the first step) is created, so that a checkpoint loads into it."""
     out: dict[str, torch.Tensor] = {}
-    for part, opt in zip(parts, optimizers.local(), strict=True):
-        if init:
-            _init_optimizer_state(opt)
-        names = {id(p): _clean(n) for n, p in part.named_parameters()}
+    for part, opt in zip(parts, optimizers, strict=True):
+        _init_optimizer_state(opt)
+        names = {id(p): clean_name(n) for n, p in part.named_parameters()}
         for p, st in opt.state.items():
             for key, value in st.items():
                 if isinstance(value, torch.Tensor):
@@ -86,11 +100,7 @@ def optimizer_state(parts, optimizers, *, init: bool = False) -> dict[str, torch
     return out
 
 
-def train_state(step: int, skipped: int) -> dict[str, torch.Tensor]:
-    return {"train.step": torch.tensor(step), "train.skipped": torch.tensor(skipped)}
-
-
-def save(run_dir: Path, step: int, trainer, *, keep: int) -> Path:
+def save(run_dir: Path, step: int, app: Stateful, cfg: RunConfig, layout: Layout, *, keep: int) -> Path:
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
@@ -98,22 +108,15 @@ def save(run_dir: Path, step: int, trainer, *, keep: int) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = {
-        **model_state(trainer.model.parts),
-        **optimizer_state(trainer.model.parts, trainer.optimizers),
-        **train_state(step, trainer.skipped),
-        RNG_KEY.format(rank=rank): torch.get_rng_state(),
-    }
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(app.state_dict(), checkpoint_id=str(tmp))
     dist.barrier()
     if rank == 0:
         for name in (rundir.CONFIG_FILE, rundir.PLAN_FILE):
             shutil.copy2(run_dir / name, tmp / name)
-        cfg = trainer.cfg
         meta = {
             "step": step,
             "world_size": dist.get_world_size(),
-            "mesh": trainer.layout.as_dict(),
+            "mesh": layout.as_dict(),
             "strategy": cfg.strategy.name,
             "recipe": cfg.recipe,
             "model": cfg.model.model_dump(mode="json"),
@@ -148,32 +151,18 @@ def _manifest(directory: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def load(path: Path, trainer) -> int:
-    """Load a checkpoint into the trainer's (possibly differently laid out) model and optimizers.
-    Returns the step to continue from."""
+def load(path: Path, app: Stateful, cfg: RunConfig) -> None:
+    """Load a checkpoint into `app` under its own (possibly different) layout: DCP reads the slices
+    this rank's tensors need. RNG streams are per rank, so they are restored only when the number
+    of ranks is the same; optimizer state only when the optimizer is."""
     meta = json.loads((path / META).read_text())
-    parts, rank = trainer.model.parts, dist.get_rank()
-    model = model_state(parts)
-    optim = optimizer_state(parts, trainer.optimizers, init=True)
-    train = train_state(0, 0)
-    state = {**model, **optim, **train}
-    same_world = meta["world_size"] == dist.get_world_size()
-    rng_key = RNG_KEY.format(rank=rank)
-    if same_world:  # RNG streams are per rank: meaningful only for the same ranks
-        state[rng_key] = torch.get_rng_state()
-    if meta.get("optimizer") != trainer.cfg.optim.name:  # a different optimizer starts fresh
+    state = app.state_dict()
+    if meta["world_size"] != dist.get_world_size():
+        state = {k: v for k, v in state.items() if not k.startswith("rng.")}
+    if meta.get("optimizer") != cfg.optim.name:  # a different optimizer starts fresh
         state = {k: v for k, v in state.items() if not k.startswith("state.")}
     dcp.load(state, checkpoint_id=str(path))
-    for part in parts:
-        prefix_free = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
-        own = get_model_state_dict(part)
-        set_model_state_dict(part, {k: prefix_free[k] for k in own})
-    if same_world:
-        torch.set_rng_state(state[rng_key])
-    step = int(state["train.step"])
-    trainer.skipped = int(state["train.skipped"])
-    trainer.optimizers.restore_schedule(step)
-    return step
+    app.load_state_dict(state)
 
 
 def export(checkpoint: Path, out: Path) -> Path:

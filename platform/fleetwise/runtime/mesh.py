@@ -10,9 +10,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from fleetwise.config.layout import MESH_DIMS, Layout
 from fleetwise.config.run import RunConfig
 
 
@@ -88,8 +87,14 @@ def attempt_store(rank: int, world: int, restart: int, timeout: timedelta) -> di
     return dist.PrefixStore(f"fleetwise/attempt_{restart}", store)
 
 
-def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
-    """Mesh dims (dp, pp, sharding, mp), outermost first -- see config/layout.py for why mp and
-    sharding are innermost (consecutive ranks, one machine) and dp outermost."""
-    assert layout.world_size == dist.get_world_size(), (layout, dist.get_world_size())
-    return init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_DIMS)
+_GROUPS: dict[tuple[str, ...], dist.ProcessGroup] = {}
+
+
+def process_group(mesh: DeviceMesh, dims: tuple[str, ...]) -> dist.ProcessGroup:
+    """The process group of one mesh dim, or of several flattened into one (created once,
+    collectively by every rank, and cached: a new group per call would leak communicators)."""
+    if len(dims) == 1:
+        return mesh[dims[0]].get_group()
+    if dims not in _GROUPS:
+        _GROUPS[dims] = mesh[dims]._flatten("_".join(dims)).get_group()
+    return _GROUPS[dims]

@@ -19,11 +19,12 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from fleetwise.config.engine import dp_engine, reshard_after_forward
+from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
-from fleetwise.config.validate import layout_of
 from fleetwise.models import pipeline_chunk
 from fleetwise.plan.pipeline import chunk_ranks, split_layers
+from fleetwise.runtime.mesh import process_group
 from fleetwise.runtime.modeling import ModelSpec, build_model, model_spec
 from fleetwise.runtime.recompute import apply_recompute
 
@@ -60,7 +61,7 @@ class ParallelModel:
 def parallelize(cfg: RunConfig, mesh: DeviceMesh, device: torch.device) -> ParallelModel:
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
-    layout = layout_of(cfg)
+    layout = Layout.of(cfg)
     spec = model_spec(cfg)
     engine = dp_engine(layout, s.sharding_stage)
     model = build_model(cfg)  # whole and identical on every rank: every layout starts from the same weights
@@ -117,13 +118,6 @@ def _existing(module: nn.Module, plan: dict) -> dict:
     return kept
 
 
-def dp_mesh(mesh: DeviceMesh, cfg: RunConfig) -> DeviceMesh:
-    """FSDP's mesh: (dp, sharding) -- replicate across dp, shard across sharding (HSDP) -- or just
-    sharding when there is no dp dimension."""
-    layout = layout_of(cfg)
-    return mesh["dp", "sharding"] if layout.dp > 1 else mesh["sharding"]
-
-
 def _data_parallel(
     part: nn.Module, cfg: RunConfig, mesh: DeviceMesh, engine: str, device: torch.device
 ) -> nn.Module:
@@ -132,7 +126,7 @@ def _data_parallel(
     if engine == "none":
         return part
     if engine in ("ddp", "zero1"):
-        group = mesh["dp"].get_group() if engine == "ddp" else flat_group(mesh, ("dp", "sharding"))
+        group = process_group(mesh, Layout.grad_sync_dims(engine))
         # gradient_as_bucket_view: grads live in DDP's buckets, no second copy of the gradients
         return DistributedDataParallel(
             part,
@@ -142,10 +136,11 @@ def _data_parallel(
         )
     # FSDP2: shard each block, then the root (embedding, head). A pipelined chunk keeps its
     # parameters gathered across micro-batches (re-gathering per micro-batch would multiply traffic).
-    pipelined = layout_of(cfg).pp > 1
+    layout = Layout.of(cfg)
+    pipelined = layout.pp > 1
     reshard = reshard_after_forward(s.sharding_stage) and not pipelined
     precision = cfg.train.precision
-    kwargs = {"mesh": dp_mesh(mesh, cfg)}
+    kwargs = {"mesh": mesh[layout.fsdp_dims]}
     if precision != "fp32":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
     if s.offload:
@@ -157,14 +152,15 @@ def _data_parallel(
     return part
 
 
-_FLAT: dict[tuple[str, ...], object] = {}
+WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def flat_group(mesh: DeviceMesh, dims: tuple[str, ...]):
-    """Process group spanning several mesh dims (created once, collectively, and cached)."""
-    if dims not in _FLAT:
-        _FLAT[dims] = mesh[dims]._flatten("_".join(dims)).get_group()
-    return _FLAT[dims]
+def clean_name(name: str) -> str:
+    """A parameter's model name, without the DDP / activation-checkpoint / compile wrapper segments
+    that parallelizing adds (checkpoints and fault reports use the model's own names)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device: torch.device) -> None:

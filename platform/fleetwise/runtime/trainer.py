@@ -12,17 +12,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
-from fleetwise.config.validate import layout_of
 from fleetwise.data.loader import StepBatches
 from fleetwise.plan.planner import Plan
 from fleetwise.rundir import Metric, append_record
+from fleetwise.runtime import checkpoint
 from fleetwise.runtime.faults import inject_fault
 from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
-from fleetwise.runtime.mesh import DistEnv, build_mesh
+from fleetwise.runtime.mesh import DistEnv, process_group
 from fleetwise.runtime.modeling import build_source
 from fleetwise.runtime.optim import Optimizers, clip_, grad_norm
-from fleetwise.runtime.parallelize import DTYPES, ParallelModel, flat_group, parallelize
+from fleetwise.runtime.parallelize import DTYPES, ParallelModel, clean_name, parallelize
 
 log = logging.getLogger("fleetwise")
 
@@ -30,22 +31,21 @@ log = logging.getLogger("fleetwise")
 class Trainer:
     def __init__(self, cfg: RunConfig, plan: Plan, env: DistEnv, run_dir: Path):
         self.cfg, self.plan, self.env, self.run_dir = cfg, plan, env, run_dir
-        self.layout = layout = layout_of(cfg)
-        self.mesh = build_mesh(layout, env.device.type)
+        self.layout = layout = Layout.of(cfg)
+        self.mesh = layout.build_mesh(env.device.type)
         self.coords = layout.coords(env.rank)
         self.model: ParallelModel = parallelize(cfg, self.mesh, env.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.params = params
-        zero = flat_group(self.mesh, ("sharding",)) if self.model.engine == "zero1" else None
+        zero = process_group(self.mesh, ("sharding",)) if self.model.engine == "zero1" else None
         self.optimizers = Optimizers(self.model.parts, cfg.optim, cfg.train, zero_group=zero)
         self.pp_group = self.mesh["pp"].get_group() if layout.pp > 1 else None
-        dp_rank = self.coords["dp"] * layout.sharding + self.coords["sharding"]
         self.data = StepBatches(
             build_source(cfg),
             cfg.train.global_batch_size,
             cfg.train.micro_batch_size,
             cfg.train.accumulate_steps,
-            dp_rank,
+            layout.data_rank(env.rank),
             layout.data_parallel_size,
         )
         self.memory = TensorPeak(env.device)
@@ -224,18 +224,38 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------------------------------------
-    def resume(self, path: Path) -> None:
-        from fleetwise.runtime import checkpoint
+    # --- Stateful: what a checkpoint holds; runtime/checkpoint.py saves and loads it -------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's state under layout-independent names: `model.<param>` (its shards, under
+        the model's own names), `state.<param>.<key>` (the optimizer state it holds), the step
+        (which is also the data position and the LR schedule's) and its RNG stream."""
+        return {
+            **checkpoint.model_state(self.model.parts),
+            **checkpoint.optimizer_state(self.model.parts, self.optimizers.local()),
+            "train.step": torch.tensor(self.step),
+            "train.skipped": torch.tensor(self.skipped),
+            checkpoint.RNG_KEY.format(rank=self.env.rank): torch.get_rng_state(),
+        }
 
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back a state that DCP loaded in place (optimizer state is already in place)."""
+        checkpoint.load_model_state(self.model.parts, state)
+        rng = state.get(checkpoint.RNG_KEY.format(rank=self.env.rank))
+        if rng is not None:
+            torch.set_rng_state(rng)
+        self.step = int(state["train.step"])
+        self.skipped = int(state["train.skipped"])
+        self.optimizers.restore_schedule(self.step)
+
+    def resume(self, path: Path) -> None:
         started = time.perf_counter()
-        self.step = checkpoint.load(path, self)
+        checkpoint.load(path, self, self.cfg)
         log.info("resumed from %s at step %d in %.2f s", path, self.step, time.perf_counter() - started)
 
     def save(self) -> None:
-        from fleetwise.runtime import checkpoint
-
         started = time.perf_counter()
-        path = checkpoint.save(self.run_dir, self.step, self, keep=self.cfg.checkpoint.keep)
+        ck = self.cfg.checkpoint
+        path = checkpoint.save(self.run_dir, self.step, self, self.cfg, self.layout, keep=ck.keep)
         if self.env.rank == 0:
             log.info("checkpoint %s written in %.2f s", path.name, time.perf_counter() - started)
 
@@ -251,16 +271,6 @@ class Trainer:
                     log.info(format_step(metrics, steps))
             if ck.enabled and (step == steps or (ck.interval and step % ck.interval == 0)):
                 self.save()
-
-
-WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter's model name, without DDP / activation-checkpoint / compile wrapper segments."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
