@@ -1,6 +1,7 @@
 # fleetwise: two commands do everything on a fresh machine.
 #   make demo   create .venv, install, run the demo job
 #   make test   create .venv, install with test extras, run the tests
+#   make check  the fast loop while you work: unit tests + one 2-rank job (a few minutes)
 #
 # torch is installed first, pinned (TORCH_SPEC), so that pip takes a local CPU wheel where one
 # exists (pip's find-links / constraints) and never resolves an unpinned `torch` to a multi-GB CUDA
@@ -14,7 +15,7 @@ PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test check lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# Unit tests (no process started) and one real 2-rank job; `make test` is the whole suite (CI).
+check: $(STAMP)
+	$(VENV)/bin/pytest -m "not slow or smoke" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform tests scripts

@@ -63,3 +63,13 @@ def final_params(run_dir: Path) -> dict:
     out = run_dir / "final.pt"
     export(last, out)
     return torch.load(out, weights_only=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that starts processes is `slow` (`make check` leaves them out): all of
+    tests/integration (torchrun ranks) and tests/e2e (the console script, servers, a wheel build),
+    plus the unit tests marked one by one."""
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        if "integration" in parts or "e2e" in parts:
+            item.add_marker(pytest.mark.slow)

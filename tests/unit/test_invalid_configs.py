@@ -246,6 +246,7 @@ def test_memory_problem_lists_numbers_and_remedies_and_can_be_waived():
     )
 
 
+@pytest.mark.slow  # every case through `fleetwise train` in-process: minutes
 @pytest.mark.parametrize("overrides,loc", CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_train_refuses_it_with_exit_2_spawning_and_writing_nothing(
     overrides, loc, tmp_path, monkeypatch, capsys

@@ -29,6 +29,7 @@ def test_round_robin_deals_blocks_in_model_order():
     assert [b.name for b in place.dense] == [n for n, _ in ctr_parameter_shapes(cfg.model)][8:]
 
 
+@pytest.mark.slow  # starts processes
 def test_hash_name_is_crc32_and_the_same_in_every_process():
     keys = ["mlp.0.weight", "mlp.0.bias", "mlp.2.weight.block1"]
     assert dispatch(keys, 3, "hash_name") == [zlib.crc32(k.encode()) % 3 for k in keys]

@@ -78,6 +78,7 @@ def test_error_tag_keeps_head_and_tail_of_a_long_traceback():
     assert error_tag("short\n") == "short"
 
 
+@pytest.mark.slow  # starts processes
 def test_git_commit_in_a_checkout_and_none_elsewhere_without_spawning_git(tmp_path, monkeypatch):
     repo = Path(__file__).resolve().parents[2]
     sha = git_commit(repo)

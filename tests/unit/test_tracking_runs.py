@@ -274,6 +274,7 @@ def test_backoff_doubles_and_caps(tmp_path, monkeypatch):
     assert run_tracker.BACKOFF_MAX_S == 60
 
 
+@pytest.mark.slow  # starts processes
 def test_tracking_never_imports_torch_and_the_cli_never_imports_mlflow_until_used(store, tmp_path):
     code = textwrap.dedent(
         f"""

@@ -71,6 +71,7 @@ def test_state_round_trip_and_is_behind(tmp_path):
     assert load_state(tmp_path).run_id == "abc"
 
 
+@pytest.mark.slow  # starts processes
 def test_run_dir_lock_is_exclusive_across_processes_and_dies_with_its_holder(tmp_path):
     lock = RunDirLock(tmp_path)
     assert lock.acquire()
