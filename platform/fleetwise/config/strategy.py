@@ -1,6 +1,6 @@
 """How a job is parallelised: the `strategy` config group.
 
-Two families (seeds/000): *collective* strategies (dp, mp, pp, sharding and their 4D `hybrid`),
+Two families (PaddlePaddle's distributed-training overview): *collective* strategies (dp, mp, pp, sharding and their 4D `hybrid`),
 where every rank is a worker, and the *parameter server* (`ps`), where servers hold the
 parameters and trainers push gradients and pull values.
 
@@ -98,7 +98,7 @@ class HybridStrategy(CollectiveStrategy):
 
 
 class PSStrategy(Section):
-    """Parameter server: `num_servers` hold parameter shards, `num_trainers` compute gradients (seeds/004)."""
+    """Parameter server: `num_servers` hold parameter shards, `num_trainers` compute gradients (PaddlePaddle Fluid's pserver mode)."""
 
     name: Literal["ps"] = "ps"
     num_servers: int = Field(2, ge=1, description="Server processes holding parameter shards.")

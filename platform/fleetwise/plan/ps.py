@@ -1,4 +1,5 @@
-"""Where parameter-server variables live (seeds/004), as arithmetic on the config: no torch.
+"""Where parameter-server variables live (PaddlePaddle Fluid's pserver mode: round_robin / hash_name
+dispatch, slice_var_up), as arithmetic on the config: no torch.
 
 Shared by the planner (exact bytes per server) and the runtime (what each server holds), so both
 always agree.

@@ -1,8 +1,8 @@
 """When a plan does not fit: try the usual cures and report what each one would need.
 
-Order follows the seeds' memory table (seeds/001): shard more state, recompute activations,
-offload to the host, then split the model further (mp inside a node, pp across nodes), and
-finally smaller micro-batches. Each candidate is a real config, validated and planned again.
+Order follows the memory-sources table of PaddlePaddle's 4D hybrid-parallel guide: shard more
+state, recompute activations, offload to the host, then split the model further (mp inside a
+node, pp across nodes), and finally smaller micro-batches. Each candidate is a real config, validated and planned again.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Parameter-server training (`strategy=ps`) on torch.distributed.rpc (TensorPipe), seeds/004.
+"""Parameter-server training (`strategy=ps`) on torch.distributed.rpc (TensorPipe), after
+PaddlePaddle Fluid's pserver mode (parameter shards on servers; trainers push gradients and pull
+values; distributed sparse embeddings; RoundRobin / HashName dispatch; slice_var_up).
 
 Entry contract, for the launcher (`fleetwise train strategy=ps`, through the same worker entry
 point as every collective job, runtime/worker.py):
