@@ -213,7 +213,11 @@ def cmd_checkpoint(argv: list[str]) -> int:
     console.print(
         f"[green]✓[/] {ckpt} -> {out} (model state dict: load with model.load_state_dict)", highlight=False
     )
-    return _log_exported_model(ckpt, args.register, console) if args.log_model else EXIT_OK
+    return (
+        _log_exported_model(ckpt, args.register, Console(stderr=True, soft_wrap=True))
+        if args.log_model
+        else EXIT_OK
+    )
 
 
 def _log_exported_model(ckpt, register: str | None, console: Console) -> int:

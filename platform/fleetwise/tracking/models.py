@@ -174,6 +174,9 @@ def log_model(
     if plan is None:
         saved = checkpoint / "plan.json"
         plan = json.loads((saved if saved.exists() else run_dir / "plan.json").read_text())
+    if step is None:  # a checkpoint knows its step; a job's final weights are at its last one
+        meta = checkpoint / "fleetwise.json"
+        step = json.loads(meta.read_text())["step"] if meta.exists() else cfg.train.steps
     limit = cfg.tracking.model_max_bytes if max_bytes is None else max_bytes
     extra = [str(p) for p in (run_dir / "config.yaml", run_dir / "plan.json") if p.exists()]
     if (checkpoint / "config.yaml").exists():
@@ -214,7 +217,7 @@ def log_model(
             model = consolidated_model(checkpoint, cfg)
             batch = eval_batch(cfg)
             loss = evaluate(model, cfg, batch)
-            mlflow.log_metric(EVAL_METRIC, loss, step=step if step is not None else cfg.train.steps)
+            mlflow.log_metric(EVAL_METRIC, loss, step=step)
             info = mlflow.pytorch.log_model(
                 model,
                 name=MODEL_NAME,
