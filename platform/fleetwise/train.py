@@ -40,8 +40,11 @@ def check_points(points: list[list[str]]) -> list[Problem]:
     from fleetwise.runtime.launch import gpu_problem
 
     problems: list[Problem] = []
+    tracked: set[str] = set()  # experiments the points log to
     for point in points:
         pf = preflight(point, launching=True)
+        if pf.cfg is not None and pf.cfg.tracking.enabled and pf.cfg.launch.node_rank == 0:
+            tracked.add(pf.cfg.tracking.experiment)
         prefix = f"[{' '.join(point)}] " if len(points) > 1 else ""
         problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in pf.problems]
         if pf.cfg is not None:  # the config parsed: what this machine and run directory say too
@@ -56,6 +59,12 @@ def check_points(points: list[list[str]]) -> list[Problem]:
                         "use hardware=cpu here; validate and plan work for any profile",
                     )
                 )
+    if tracked and not problems:
+        from fleetwise.tracking.store import credentials_problem, tracking_uri
+
+        refused = credentials_problem(tracking_uri(), sorted(tracked)[0])
+        if refused:
+            problems.append(Problem("tracking", *refused))
     return problems
 
 
