@@ -189,6 +189,12 @@ def cmd_checkpoint(argv: list[str]) -> int:
         "source", help="a run directory (its newest complete checkpoint) or a checkpoint directory"
     )
     ex.add_argument("--out", help="output file (default: <checkpoint>.pt)")
+    ex.add_argument(
+        "--log-model",
+        action="store_true",
+        help="also log it as an MLflow model (weights, signature, config, eval/loss) to the job's run",
+    )
+    ex.add_argument("--register", metavar="NAME", help="with --log-model: register a version under NAME")
     args = p.parse_args(argv)
     from pathlib import Path
 
@@ -206,6 +212,40 @@ def cmd_checkpoint(argv: list[str]) -> int:
     export(ckpt, out)
     console.print(
         f"[green]✓[/] {ckpt} -> {out} (model state dict: load with model.load_state_dict)", highlight=False
+    )
+    return (
+        _log_exported_model(ckpt, args.register, Console(stderr=True, soft_wrap=True))
+        if args.log_model
+        else EXIT_OK
+    )
+
+
+def _log_exported_model(ckpt, register: str | None, console: Console) -> int:
+    """Log a checkpoint's model to the MLflow run of the job that wrote it (its tracking.json)."""
+    from fleetwise.tracking.spool import load_state
+
+    run_dir = ckpt.parent.parent
+    state = load_state(run_dir)
+    if state is None or state.run_id is None:
+        console.print(
+            f"[bold red]✗[/] {run_dir} has no MLflow run (no run id in its tracking.json). fix: log the "
+            "job with tracking.enabled=true, or `fleetwise sync` it if MLflow was down",
+            highlight=False,
+        )
+        return EXIT_INVALID
+    from fleetwise.tracking.models import log_model
+    from fleetwise.tracking.store import describe
+
+    try:
+        logged = log_model(state.tracking_uri, state.run_id, ckpt, register_as=register)
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback
+        console.print(f"[bold red]✗ the model was not logged:[/] {describe(exc)}", highlight=False)
+        return EXIT_FAIL
+    note = f", eval/loss {logged['eval_loss']:.4f}" if "eval_loss" in logged else ""
+    reg = f", registered as {register} v{logged['version']}" if "version" in logged else ""
+    console.print(
+        f"[green]✓[/] logged to run {state.run_id}: {logged['model_uri']} ({logged['kind']}{note}{reg})",
+        highlight=False,
     )
     return EXIT_OK
 
@@ -262,7 +302,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "calibrate": (cmd_calibrate, "measure this machine (matmul, op overhead, all-reduce): hardware=local"),
     "checkpoint": (
         cmd_checkpoint,
-        "checkpoint export RUN_DIR: one consolidated state dict for use elsewhere",
+        "checkpoint export RUN_DIR [--log-model]: one consolidated state dict (and an MLflow model)",
     ),
     "ui": (tracking.cmd_ui, "browse tracked runs in the MLflow UI (127.0.0.1:5000 by default)"),
     "compare": (tracking.cmd_compare, "table + PNG of runs: throughput, MFU, peak vs predicted memory"),

@@ -56,8 +56,11 @@ def check_points(points: list[list[str]]) -> tuple[list[Problem], dict[tuple[str
 
     problems: list[Problem] = []
     checked: dict[tuple[str, ...], Checked] = {}
+    tracked: set[str] = set()  # experiments the points log to
     for point in points:
         pf = preflight(point, launching=True)
+        if pf.cfg is not None and pf.cfg.tracking.enabled and pf.cfg.launch.node_rank == 0:
+            tracked.add(pf.cfg.tracking.experiment)
         prefix = f"[{' '.join(point)}] " if len(points) > 1 else ""
         problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in pf.problems]
         if pf.cfg is not None:  # the config parsed: what this machine and run directory say too
@@ -74,6 +77,12 @@ def check_points(points: list[list[str]]) -> tuple[list[Problem], dict[tuple[str
                 )
             if not pf.problems and not point_problems and not gpu:
                 checked[tuple(point)] = Checked(pf.cfg, pf.plan)
+    if tracked and not problems:
+        from fleetwise.tracking.store import credentials_problem, tracking_uri
+
+        refused = credentials_problem(tracking_uri(), sorted(tracked)[0])
+        if refused:
+            problems.append(Problem("tracking", *refused))
     return problems, checked
 
 
@@ -256,6 +265,8 @@ class _Tracking:
         if commit:
             tags["fleetwise.git_commit"] = commit
         name = cfg.run.name or f"{cfg.recipe.replace('/', '-')}-{cfg.strategy.name}-{cfg.hardware.name}"
+        from fleetwise.tracking.datasets import describe_data
+
         self.tracker = RunTracker(
             self.run_dir,
             experiment=cfg.tracking.experiment,
@@ -265,6 +276,8 @@ class _Tracking:
             artifacts=[Path(name) for name in rundir.RUN_ARTIFACTS],
             parent_run_id=parent_run_id_from_hydra(),
             system_metrics=cfg.tracking.system_metrics,
+            datasets=[describe_data(cfg)],
+            node_id="node_0" if cfg.hardware.nodes > 1 else None,
         )
         self.tracker.start()
 
@@ -280,8 +293,47 @@ class _Tracking:
         if self.tracker is None:
             return None
         self.tracker.add_artifacts(rundir.rank_logs(self.run_dir) + [rundir.launcher_log(self.run_dir)])
+        if status == "FINISHED":
+            self.log_model()
         self.tracker.finish(status, error=error, summary=summary)
         return self.tracker.run_id
+
+    def log_model(self) -> None:
+        """The trained model as an MLflow model (tracking/models.py). Training succeeded: a failure
+        here is reported, never turned into a failed job."""
+        from fleetwise.runtime.checkpoint_files import final_weights
+        from fleetwise.tracking.store import describe
+
+        cfg, run_id = self.cfg, self.tracker.run_id
+        if not cfg.tracking.log_model or cfg.strategy.name == "ps":  # ps: the shards of RUN_DIR/ps
+            return
+        weights = final_weights(cfg, self.run_dir)
+        later = f"log it later with `fleetwise checkpoint export {self.run_dir} --log-model`"
+        if run_id is None or weights is None:
+            why = "MLflow is unreachable" if run_id is None else "the job left no final weights"
+            self.tracker.notify(f"the model was not logged ({why}); {later}")
+            return
+        from fleetwise.tracking.models import log_model
+
+        try:
+            logged = log_model(
+                self.tracker.uri,
+                run_id,
+                weights,
+                cfg=cfg,
+                plan=self.plan,
+                register_as=cfg.tracking.register_as,
+                step=cfg.train.steps,
+            )
+        except Exception as exc:  # noqa: BLE001 - the job itself succeeded
+            self.tracker.notify(f"the model was not logged: {describe(exc)}; {later}")
+            return
+        what = "weights" if logged["kind"] == "weights" else "a reference to the sharded checkpoint"
+        note = f", eval/loss {logged['eval_loss']:.4f}" if "eval_loss" in logged else ""
+        reg = (
+            f", registered as {cfg.tracking.register_as} v{logged['version']}" if "version" in logged else ""
+        )
+        self.tracker.notify(f"model logged ({what}{note}{reg}): {logged['model_uri']}")
 
 
 def print_summary(console: Console, cfg, plan, result) -> dict[str, float]:

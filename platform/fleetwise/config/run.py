@@ -101,7 +101,23 @@ class CheckpointConfig(Section):
 class TrackingConfig(Section):
     enabled: bool = Field(True, description="Log the run to MLflow from rank 0.")
     experiment: str = Field("fleetwise", description="MLflow experiment name.")
-    system_metrics: bool = Field(True, description="Log CPU/RAM/GPU through MLflow's system metrics.")
+    system_metrics: bool = Field(
+        True, description="Log CPU/RAM/GPU through MLflow's system metrics (every node of a multi-node job)."
+    )
+    log_model: bool = Field(
+        True,
+        description="At the end of a successful job, log the trained model as an MLflow model "
+        "(weights, signature, config) with its evaluation loss `eval/loss`.",
+    )
+    register_as: str | None = Field(
+        None, description="Register the logged model under this name in the MLflow Model Registry."
+    )
+    model_max_bytes: int = Field(
+        2 << 30,
+        ge=0,
+        description="Largest model (fp32 bytes, from the plan) consolidated onto the launching host; a "
+        "larger one is logged as a reference to its sharded checkpoint plus the loader.",
+    )
 
 
 class FaultConfig(Section):

@@ -35,6 +35,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.runtime.checkpoint_files import (
     HASH_LIMIT_BYTES,
     META,
+    MODEL_DIR,
     checkpoint_dir,
     complete_checkpoints,
 )
@@ -135,6 +136,25 @@ def save(run_dir: Path, step: int, app: Stateful, cfg: RunConfig, layout: Layout
         shutil.rmtree(replaced, ignore_errors=True)
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def save_model(run_dir: Path, parts) -> Path:
+    """The final weights alone, as DCP shards in <run_dir>/model (each rank writes what it holds),
+    for the launcher to log as an MLflow model when no checkpoint was written. Renamed into place
+    when complete, like a checkpoint."""
+    final = run_dir / MODEL_DIR
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(model_state(parts), checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
     dist.barrier()
     return final
 

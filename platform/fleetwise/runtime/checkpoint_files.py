@@ -17,6 +17,9 @@ from fleetwise.rundir import checkpoints_dir
 STEP_PREFIX = "step_"
 META = "fleetwise.json"
 HASH_LIMIT_BYTES = 1 << 30  # checksum every file of checkpoints up to 1 GiB; sizes only above
+# <run_dir>/model: the final weights alone (a DCP directory), written at the end of a job whose model
+# is logged to MLflow when no checkpoint holds them (checkpoint.enabled=false)
+MODEL_DIR = "model"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -98,3 +101,12 @@ def verify(path: Path, cfg: RunConfig) -> list[Problem]:
             )
         ]
     return []
+
+
+def final_weights(cfg: RunConfig, run_dir: Path) -> Path | None:
+    """The DCP directory holding a finished job's final model: its last checkpoint, or MODEL_DIR."""
+    if cfg.checkpoint.enabled:
+        done = complete_checkpoints(run_dir)
+        return done[-1] if done else None
+    path = run_dir / MODEL_DIR
+    return path if (path / ".metadata").exists() else None

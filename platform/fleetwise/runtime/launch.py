@@ -124,7 +124,9 @@ def launch_job(
     `on_started` runs once the ranks are starting, `on_poll` on every turn of the loop."""
     rundir.write_run_dir(run_dir, cfg, plan, argv)
     cmd = torchrun_command(cfg, run_dir)
-    env = dict(os.environ)
+    from fleetwise.tracking.store import without_credentials
+
+    env = without_credentials(dict(os.environ))  # ranks never talk to MLflow
     threads = max(1, (os.cpu_count() or 1) // max(1, nproc_per_node(cfg)))
     env.setdefault("OMP_NUM_THREADS", str(threads))  # one process per core share, no oversubscription
     env["PYTHONUNBUFFERED"] = "1"

@@ -271,6 +271,12 @@ class Trainer:
                     log.info(format_step(metrics, steps))
             if ck.enabled and (step == steps or (ck.interval and step % ck.interval == 0)):
                 self.save()
+        tracking = self.cfg.tracking
+        if tracking.enabled and tracking.log_model and not ck.enabled:
+            # the launcher logs the model from these shards (with checkpoints on, the last one has them)
+            from fleetwise.runtime import checkpoint
+
+            checkpoint.save_model(self.run_dir, self.model.parts)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,8 @@ class RunTracker:
         enabled: bool = True,
         system_metrics: bool = True,
         notify: Notify | None = None,
+        datasets: list | None = None,
+        node_id: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.experiment = experiment
@@ -114,6 +116,8 @@ class RunTracker:
         self.parent_run_id = parent_run_id
         self.enabled = enabled
         self.system_metrics = system_metrics
+        self.datasets = list(datasets or [])  # tracking.datasets.DatasetInfo: logged as run inputs
+        self.node_id = node_id  # system metrics as system/<node_id>/... (a multi-node job's node 0)
         self.notify = notify if notify is not None else _to_stderr
         self.warning: str | None = None  # the last thing said to the user
         self.state: TrackingState | None = None
@@ -331,6 +335,11 @@ class RunTracker:
             tags = [RunTag(k, v) for k, v in self._run_tags().items()]
             for i in range(0, len(tags), MAX_PARAMS_TAGS_PER_BATCH):
                 self._client.log_batch(state.run_id, tags=tags[i : i + MAX_PARAMS_TAGS_PER_BATCH])
+        if self.datasets:
+            from fleetwise.tracking.datasets import log_dataset
+
+            for info in self.datasets:
+                log_dataset(self._client, state.run_id, info)
         if changed:
             shown = ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else "")
             self._say(
@@ -498,7 +507,9 @@ class RunTracker:
             # Its start/stop notes and its "failed to get run" during an outage would repeat what
             # the tracker already tells the user once.
             logging.getLogger("mlflow.system_metrics").setLevel(logging.ERROR)
-            monitor = SystemMetricsMonitor(self.state.run_id, resume_logging=resume, tracking_uri=self.uri)
+            monitor = SystemMetricsMonitor(
+                self.state.run_id, resume_logging=resume, node_id=self.node_id, tracking_uri=self.uri
+            )
             monitor.start()
             self._sysmon = monitor
         except Exception as exc:  # e.g. psutil missing: metrics of the job matter more

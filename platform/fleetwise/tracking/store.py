@@ -42,6 +42,66 @@ HTTP_DEFAULTS = {
 
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")
 
+# How MLflow's client authenticates to a server. Only the launcher talks to MLflow: ranks never get
+# these (launch.py drops them from their environment), so no rank log or crash dump can show them.
+CREDENTIAL_VARS = (
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+)
+AUTH_CHECK_TIMEOUT_S = 10.0
+
+
+def without_credentials(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in CREDENTIAL_VARS}
+
+
+def credentials_problem(uri: str, experiment: str) -> tuple[str, str] | None:
+    """(message, fix) when a tracking server refuses this client's credentials (HTTP 401/403), so
+    that `fleetwise train` stops before launch instead of training into a spool nobody can deliver.
+    An unreachable server is not a problem here: the spool covers outages. The password is never
+    part of a message. Plain urllib: mlflow is not imported for this (~2.5 s)."""
+    import base64
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    if not uri.startswith(("http://", "https://")):
+        return None
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    password = os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    query = urllib.parse.urlencode({"experiment_name": experiment})
+    request = urllib.request.Request(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?{query}")
+    if user is not None and password is not None:
+        basic = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {basic}")
+    elif token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=AUTH_CHECK_TIMEOUT_S):
+            return None
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except (OSError, ValueError):  # unreachable, or not an HTTP server: the tracker reports it
+        return None
+    who = f"user {user!r}" if user else ("a token" if token else "no credentials")
+    if status == 401:
+        given = "" if (user or token) else " (MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD are not set)"
+        return (
+            f"the MLflow server {uri} refused {who}: HTTP 401 Unauthorized{given}",
+            "export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD of an account on that server "
+            "(or MLFLOW_TRACKING_TOKEN), or train without tracking: tracking.enabled=false",
+        )
+    if status == 403:
+        return (
+            f"the MLflow server {uri} denies {who} access to experiment {experiment!r}: HTTP 403 Forbidden",
+            "ask its admin for READ/EDIT permission on the experiment, or log elsewhere: "
+            "tracking.experiment=NAME",
+        )
+    return None
+
 
 def tracking_uri(cwd: Path | None = None) -> str:
     """The MLflow store every fleetwise command uses (see the module docstring)."""
