@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable
 
@@ -177,7 +178,14 @@ def cmd_train(argv: list[str]) -> int:
     problems = tc.check_points(points)
     if problems:
         return _report_invalid(problems, as_json=False)
-    return tc.run_hydra(overrides, multirun)
+    try:
+        return tc.run_hydra(overrides, multirun)
+    except KeyboardInterrupt as exc:  # the job was stopped and its run marked KILLED
+        from fleetwise.runtime.lifeline import Stopped
+
+        why = exc.reason if isinstance(exc, Stopped) else "interrupted by the user (Ctrl-C)"
+        Console(stderr=True).print(f"[bold red]✗ training stopped[/]: {why}", highlight=False)
+        return 128 + (exc.signum if isinstance(exc, Stopped) else signal.SIGINT)
 
 
 def cmd_checkpoint(argv: list[str]) -> int:

@@ -37,7 +37,7 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
 
 
 def check_points(points: list[list[str]]) -> list[Problem]:
-    from fleetwise.runtime.launch import gpu_problem
+    from fleetwise.runtime.launch import gpu_problem, run_dir_problems
 
     problems: list[Problem] = []
     for point in points:
@@ -46,7 +46,8 @@ def check_points(points: list[list[str]]) -> list[Problem]:
         problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in pf.problems]
         if pf.cfg is not None:  # the config parsed: what this machine and run directory say too
             if not pf.problems:
-                problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in resume_problems(pf.cfg)]
+                found = resume_problems(pf.cfg) + run_dir_problems(pf.cfg)
+                problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in found]
             gpu = gpu_problem(pf.cfg)
             if gpu:
                 problems.append(
@@ -63,9 +64,9 @@ def resume_problems(cfg) -> list[Problem]:
     """The checkpoint a job would resume from must be complete, intact and of the same model."""
     from fleetwise.runtime.checkpoint_files import find_resume, verify
 
-    if cfg.checkpoint.resume == "none" or not cfg.run.dir:
+    if cfg.checkpoint.resume == "none" or (cfg.checkpoint.resume == "auto" and not cfg.run.dir):
         return []
-    path = find_resume(cfg, Path(cfg.run.dir))
+    path = find_resume(cfg, Path(cfg.run.dir or "."))  # an explicit path is checked without run.dir too
     return verify(path, cfg) if path is not None else []
 
 
@@ -163,17 +164,41 @@ def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console) -> int:
     from rich.markup import escape
 
     from fleetwise.plan.render import describe_job
-    from fleetwise.runtime.launch import launch_job
+    from fleetwise.runtime.launch import RunDirBusy, clear_run_dir, lock_run_dir
 
     console.print(
         f"[bold]fleetwise train[/] · {describe_job(cfg, plan)} · run dir {run_dir}", highlight=False
     )
+    try:  # one job per run directory at a time, for the whole life of the job
+        lock = lock_run_dir(run_dir, cfg.launch.node_rank)
+    except RunDirBusy as exc:
+        Console(stderr=True).print(f"[bold red]✗ run.dir[/]: {escape(str(exc))}", highlight=False)
+        return EXIT_INVALID
+    with lock:
+        if cfg.run.overwrite and cfg.launch.node_rank == 0:
+            clear_run_dir(run_dir)
+        return _run_locked(cfg, plan, run_dir, argv, console)
+
+
+def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console) -> int:
+    from rich.markup import escape
+
+    from fleetwise.runtime.launch import launch_job
+    from fleetwise.runtime.lifeline import Stopped, stop_signals
+
     tracker = _Tracking(cfg, plan, run_dir)
-    try:
-        result = launch_job(cfg, plan, run_dir, argv, console, on_started=tracker.start, on_poll=tracker.poll)
-    except KeyboardInterrupt:
-        tracker.finish("KILLED", "interrupted by the user (Ctrl-C)", {})
-        raise
+    # Ctrl-C, SIGTERM (kill, SLURM, systemd) and SIGHUP (a closed terminal) all stop the ranks'
+    # process group (launch_job) and mark the run KILLED; without this a SIGTERM'd launcher left
+    # every rank running and the MLflow run RUNNING forever.
+    with stop_signals():
+        try:
+            result = launch_job(
+                cfg, plan, run_dir, argv, console, on_started=tracker.start, on_poll=tracker.poll
+            )
+        except KeyboardInterrupt as exc:
+            reason = exc.reason if isinstance(exc, Stopped) else "interrupted by the user (Ctrl-C)"
+            tracker.finish("KILLED", reason, {})
+            raise
     summary = print_summary(console, cfg, plan, result)
     status = "FINISHED" if result.returncode == 0 else "FAILED"
     run_id = tracker.finish(status, result.error, summary)

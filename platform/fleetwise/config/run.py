@@ -87,6 +87,9 @@ class RunDirConfig(Section):
     name: str | None = Field(
         None, description="Run name shown in MLflow (default: recipe-strategy-hardware)."
     )
+    overwrite: bool = Field(
+        False, description="Reuse a non-empty run.dir without resuming: the old job's files are removed."
+    )
 
 
 class CheckpointConfig(Section):

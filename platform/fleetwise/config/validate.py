@@ -858,6 +858,12 @@ def checkpoint_options(ctx: Context) -> Iterator[Problem]:
             f"checkpoint {c.resume!r} does not exist",
             "give an existing checkpoint directory, or checkpoint.resume=auto",
         )
+    elif c.resume not in ("none", "auto") and not Path(c.resume).is_dir():
+        yield Problem(
+            "checkpoint.resume",
+            f"{c.resume!r} is a file, not a checkpoint directory",
+            "give a checkpoint directory (run_dir/checkpoints/step_N), or checkpoint.resume=auto",
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,11 @@ from fleetwise.runtime.checkpoint_files import (
     HASH_LIMIT_BYTES,
     META,
     checkpoint_dir,
-    complete_checkpoints,
+    fsync_dir,
+    next_seq,
+    prune,
+    sweep_stale,
+    write_durably,
 )
 
 RNG_KEY = "rng.rank{rank}"
@@ -94,7 +98,7 @@ def save(run_dir: Path, step: int, trainer, *, keep: int) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        sweep_stale(run_dir)  # this one's, and any a crashed job left
         tmp.mkdir(parents=True)
     dist.barrier()
     state = {
@@ -118,9 +122,10 @@ def save(run_dir: Path, step: int, trainer, *, keep: int) -> Path:
             "model": cfg.model.model_dump(mode="json"),
             "optimizer": cfg.optim.name,
             "saved_at": time.time(),
+            "seq": next_seq(run_dir),  # the written order keep-N and resume=auto follow
             "files": _manifest(tmp),
         }
-        (tmp / META).write_text(json.dumps(meta, indent=2))
+        write_durably(tmp / META, json.dumps(meta, indent=2))
         # A checkpoint of this step from an earlier job in this run dir (one resumed from an older
         # step) is superseded: set it aside under a `.tmp` name, which is never resumed from.
         replaced = final.with_name(final.name + ".replaced.tmp")
@@ -128,9 +133,9 @@ def save(run_dir: Path, step: int, trainer, *, keep: int) -> Path:
             shutil.rmtree(replaced, ignore_errors=True)
             final.rename(replaced)
         tmp.rename(final)
+        fsync_dir(final.parent)  # the rename is on disk before anything older is deleted
         shutil.rmtree(replaced, ignore_errors=True)
-        for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(run_dir, keep)
     dist.barrier()
     return final
 
