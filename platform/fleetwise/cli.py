@@ -209,9 +209,13 @@ def cmd_checkpoint(argv: list[str]) -> int:
         console.print(f"[bold red]✗[/] no complete checkpoint in {source}", highlight=False)
         return EXIT_INVALID
     out = Path(args.out) if args.out else ckpt.with_suffix(".pt")
-    from fleetwise.runtime.checkpoint import export
+    from fleetwise.runtime.checkpoint import CheckpointRefused, export
 
-    export(ckpt, out)
+    try:
+        export(ckpt, out)
+    except CheckpointRefused as exc:
+        console.print(f"[bold red]✗[/] {ckpt}: {exc}", highlight=False)
+        return EXIT_INVALID
     console.print(
         f"[green]✓[/] {ckpt} -> {out} (model state dict: load with model.load_state_dict)", highlight=False
     )
