@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 from collections.abc import Callable
@@ -94,6 +95,18 @@ def print_help(command: str | None = None) -> int:
     return EXIT_OK
 
 
+def strict_json(value):
+    """JSON has no NaN or Infinity (json.dumps would write bare `NaN` tokens other parsers refuse):
+    a non-finite number becomes null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def _report_invalid(problems: list[Problem], as_json: bool) -> int:
     if as_json:
         print(json.dumps({"valid": False, "errors": [p.to_dict() for p in problems]}, indent=2))
@@ -147,7 +160,7 @@ def cmd_plan(argv: list[str]) -> int:
     if args.json:
         out = pf.plan.to_dict()
         out["remedies"] = [r.to_dict() for r in pf.remedies]
-        print(json.dumps(out, indent=2))
+        print(json.dumps(strict_json(out), indent=2, allow_nan=False))
     else:
         from fleetwise.plan.render import print_plan
 

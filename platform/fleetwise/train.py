@@ -126,7 +126,9 @@ def hydra_task(dcfg) -> int:
     cfg = cluster_launch(cfg, _submitit_env())
     multirun = hc.mode is not None and hc.mode.name == "MULTIRUN"
     run_dir = Path(hc.runtime.output_dir) if (multirun or not cfg.run.dir) else Path(cfg.run.dir)
-    code = run_job(cfg, make_plan(cfg), run_dir.resolve(), list(hc.overrides.task), console)
+    code = run_job(
+        cfg, make_plan(cfg), run_dir.resolve(), list(hc.overrides.task), console, env_interpolated(dcfg)
+    )
     _CODES.append(code)
     if code != EXIT_OK and multirun:
         raise JobFailed(f"job {hc.job.num} ({' '.join(hc.overrides.task)}) failed with exit code {code}")
@@ -159,7 +161,7 @@ def cluster_launch(cfg, job_env):
     return cfg.model_copy(update={"launch": launch})
 
 
-def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console) -> int:
+def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_paths=frozenset()) -> int:
     """Run one job: launch the ranks, follow them, own its MLflow run, print the summary."""
     from rich.markup import escape
 
@@ -177,16 +179,16 @@ def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console) -> int:
     with lock:
         if cfg.run.overwrite and cfg.launch.node_rank == 0:
             clear_run_dir(run_dir)
-        return _run_locked(cfg, plan, run_dir, argv, console)
+        return _run_locked(cfg, plan, run_dir, argv, console, env_paths)
 
 
-def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console) -> int:
+def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_paths) -> int:
     from rich.markup import escape
 
     from fleetwise.runtime.launch import launch_job
     from fleetwise.runtime.lifeline import Stopped, stop_signals
 
-    tracker = _Tracking(cfg, plan, run_dir)
+    tracker = _Tracking(cfg, plan, run_dir, env_paths)
     # Ctrl-C, SIGTERM (kill, SLURM, systemd) and SIGHUP (a closed terminal) all stop the ranks'
     # process group (launch_job) and mark the run KILLED; without this a SIGTERM'd launcher left
     # every rank running and the MLflow run RUNNING forever.
@@ -215,6 +217,40 @@ def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console) -> 
     return EXIT_OK
 
 
+def env_interpolated(dcfg, prefix: str = "") -> set[str]:
+    """Dotted paths of the config values that come from the environment (${oc.env:…})."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    out: set[str] = set()
+    node = dcfg
+    items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else enumerate(node)
+    for key, _ in items:
+        if prefix == "" and key == "hydra":
+            continue
+        path = f"{prefix}{key}"
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)):
+            out |= env_interpolated(child, path + ".")
+        elif OmegaConf.is_interpolation(node, key) and "oc.env" in str(child._value()):
+            out.add(path)
+    return out
+
+
+REDACTED = "<redacted>"
+
+
+def redact_params(params: dict[str, str], env_paths=(), environ=None) -> dict[str, str]:
+    """MLflow params without secrets: values read from the environment (${oc.env:…}), and any
+    value equal to a credential in the environment (a tracking password, a token)."""
+    import os
+
+    from fleetwise.runtime.launch import is_secret_name
+
+    environ = os.environ if environ is None else environ
+    secrets = {v for k, v in environ.items() if is_secret_name(k) and len(v) >= 4}
+    return {k: REDACTED if k in env_paths or any(s in v for s in secrets) else v for k, v in params.items()}
+
+
 class _Tracking:
     """The job's MLflow run, owned by this launcher on node 0 (it outlives crashed ranks and torchrun
     restarts). It ships rank 0's metrics.jsonl in batches; metrics.jsonl doubles as the spool when
@@ -222,8 +258,9 @@ class _Tracking:
 
     POLL_EVERY_S = 1.0
 
-    def __init__(self, cfg, plan, run_dir: Path):
+    def __init__(self, cfg, plan, run_dir: Path, env_paths=frozenset()):
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
+        self.env_paths = env_paths  # config paths read from the environment: kept out of the params
         self.tracker = None
         self.enabled = cfg.tracking.enabled and cfg.launch.node_rank == 0
         self.last_poll = 0.0
@@ -250,7 +287,7 @@ class _Tracking:
             self.run_dir,
             experiment=cfg.tracking.experiment,
             run_name=name,
-            params=flatten_config(cfg.model_dump(mode="json")),
+            params=redact_params(flatten_config(cfg.model_dump(mode="json")), self.env_paths),
             tags=tags,
             artifacts=[Path("config.yaml"), Path("plan.json"), Path("command.txt")],
             parent_run_id=parent_run_id_from_hydra(),

@@ -287,7 +287,9 @@ def tensor_parallel_divides(ctx: Context) -> Iterator[Problem]:
     for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size"):
         value = getattr(m, key)
         if value % lay.mp:
-            divisors = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
+            divisors = [
+                d for d in range(1, min(value, 64) + 1) if value % d == 0
+            ]  # not up to value: 10^11 hangs
             yield Problem(
                 "strategy.mp_degree",
                 f"mp_degree={lay.mp} does not divide model.{key}={value}",
@@ -871,9 +873,16 @@ def checkpoint_options(ctx: Context) -> Iterator[Problem]:
 
 
 def check(cfg: RunConfig, *, launching: bool = False) -> list[Problem]:
+    from fleetwise.config import limits
+
+    bounded = limits.problems(cfg)  # first: an absurd value must not reach a rule that hangs on it
+    if bounded:
+        return bounded
     layout = None
     if not isinstance(cfg.strategy, PSStrategy):
         layout, _ = resolve_layout(cfg.strategy, cfg.hardware.world_size)
+        if layout is not None and (bounded := limits.layout_problems(cfg, layout.pp)):
+            return bounded
     ctx = Context(cfg, layout, launching)
     problems: list[Problem] = []
     for r in RULES:

@@ -12,6 +12,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -190,6 +191,22 @@ def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
     return cmd
 
 
+# Names of environment variables that hold credentials. The ranks never talk to MLflow (this
+# launcher does) and read only local files, so none of these reach them: a rank's environment is
+# readable by every process of its user (/proc/PID/environ) and lands in crash reports.
+SECRET_NAME = re.compile(r"(^|_)(PASSWORD|PASSWD|SECRET|TOKEN|API_KEY|ACCESS_KEY|CREDENTIALS?)(_|$)")
+SECRET_PREFIXES = ("MLFLOW_", "DATABRICKS_")
+
+
+def is_secret_name(name: str) -> bool:
+    return name.upper().startswith(SECRET_PREFIXES) or bool(SECRET_NAME.search(name.upper()))
+
+
+def rank_environment(environ) -> dict[str, str]:
+    """The environment torchrun and the ranks get: this one without credentials."""
+    return {k: v for k, v in environ.items() if not is_secret_name(k)}
+
+
 def rdzv_id(cfg: RunConfig) -> str:
     """The rendezvous id: the user's launch.rdzv_id; else, for one node, a random one per job
     (nothing else has to agree on it, and a peer on the network cannot guess it); for several
@@ -242,7 +259,7 @@ def launch_job(
     `on_started` runs once the ranks are starting, `on_poll` on every turn of the loop."""
     write_run_dir(run_dir, cfg, plan, argv)
     cmd = torchrun_command(cfg, run_dir)
-    env = dict(os.environ)
+    env = rank_environment(os.environ)
     threads = max(1, (os.cpu_count() or 1) // max(1, nproc_per_node(cfg)))
     env.setdefault("OMP_NUM_THREADS", str(threads))  # one process per core share, no oversubscription
     env["PYTHONUNBUFFERED"] = "1"
