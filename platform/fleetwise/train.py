@@ -37,7 +37,7 @@ def sweep_points(overrides: list[str]) -> list[list[str]]:
 
 
 def check_points(points: list[list[str]]) -> list[Problem]:
-    from fleetwise.runtime.launch import gpu_problem, run_dir_problems
+    from fleetwise.runtime.launch import capacity_problem, gpu_problem, run_dir_problems
 
     problems: list[Problem] = []
     for point in points:
@@ -48,6 +48,13 @@ def check_points(points: list[list[str]]) -> list[Problem]:
             if not pf.problems:
                 found = resume_problems(pf.cfg) + run_dir_problems(pf.cfg)
                 problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in found]
+            full = capacity_problem(pf.cfg, pf.plan) if pf.plan is not None else None
+            if full and not pf.cfg.launch.oversubscribe:
+                problems.append(Problem(full[0], prefix + full[1], full[2]))
+            elif full:
+                Console(stderr=True).print(
+                    f"[yellow]warning[/]: {prefix}{full[1]} (launch.oversubscribe=true)"
+                )
             gpu = gpu_problem(pf.cfg)
             if gpu:
                 problems.append(
@@ -108,12 +115,14 @@ def hydra_task(dcfg) -> int:
     from omegaconf import OmegaConf
 
     from fleetwise.config.problems import ConfigError
+    from fleetwise.config.recipes import apply_strategy_choice
     from fleetwise.config.validate import validate
     from fleetwise.plan import make_plan
 
     hc = HydraConfig.get()
     data = OmegaConf.to_container(dcfg, resolve=True)
     data["recipe"] = hc.runtime.choices.get("recipe", "")
+    data = apply_strategy_choice(data, list(hc.overrides.task))  # as validate and plan did
     console = Console(soft_wrap=True)
     try:
         cfg = validate(data, launching=True)

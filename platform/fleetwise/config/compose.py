@@ -132,12 +132,14 @@ def compose_partial(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]
         kept = [o for o in overrides if not any(o.lstrip("+~").startswith(p.loc) for p in refused)]
         data, problems = compose_partial(kept)
         return data, refused + problems
+    from fleetwise.config.recipes import apply_strategy_choice
+
     try:
-        return _to_dict(_compose(list(overrides), hydra_cfg=True)), []
+        return apply_strategy_choice(_to_dict(_compose(list(overrides), hydra_cfg=True)), overrides), []
     except Exception as first:  # noqa: BLE001 - diagnosed below, then reported as problems
         problems, accepted = diagnose(list(overrides), first)
         try:
-            return _to_dict(_compose(accepted, hydra_cfg=True)), problems
+            return apply_strategy_choice(_to_dict(_compose(accepted, hydra_cfg=True)), accepted), problems
         except Exception:  # noqa: BLE001
             return {}, problems
 

@@ -165,6 +165,49 @@ def gpu_problem(cfg: RunConfig) -> str | None:
     )
 
 
+MAX_RANKS_PER_CORE = 8  # the 16-rank 4D mesh trains on 2 cores; far beyond, gloo times out
+RANK_BASE_BYTES = 200 << 20  # a CPU rank before its tensors: interpreter, torch, gloo (RSS)
+
+
+def capacity_problem(cfg: RunConfig, plan: Plan, cores: int | None = None, available: int | None = None):
+    """A CPU job whose ranks this machine cannot hold (4096 ranks on 2 cores; processes whose
+    memory adds up past what is free) is refused before anything is spawned, unless
+    launch.oversubscribe=true. Returns (loc, message, hint) or None."""
+    if cfg.hardware.device_type != "cpu":
+        return None
+    ranks = nproc_per_node(cfg)
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    available = _mem_available() if available is None else available
+    need = ranks * (RANK_BASE_BYTES + int(plan.memory_bytes.get("total", 0)))
+    what = None
+    if ranks > MAX_RANKS_PER_CORE * cores:
+        what = f"{ranks} ranks on this node, but it has {cores} CPU cores (at most {MAX_RANKS_PER_CORE} per core)"
+    elif available is not None and need > available:
+        what = (
+            f"{ranks} ranks need about {need / 2**30:,.1f} GiB here ({RANK_BASE_BYTES >> 20} MiB of "
+            f"start-up per rank + the plan's {plan.memory_bytes.get('total', 0) / 2**30:,.2f} GiB), "
+            f"but {available / 2**30:,.1f} GiB are available"
+        )
+    if what is None:
+        return None
+    return (
+        "hardware.devices_per_node" if cfg.strategy.name != "ps" else "strategy.num_trainers",
+        what,
+        "use fewer ranks, or launch.oversubscribe=true to start them anyway",
+    )
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
     launch = cfg.launch
     host, _, port = launch.rdzv_endpoint.rpartition(":")
