@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import signal
 import sys
 from collections.abc import Callable
 
@@ -93,6 +95,18 @@ def print_help(command: str | None = None) -> int:
     return EXIT_OK
 
 
+def strict_json(value):
+    """JSON has no NaN or Infinity (json.dumps would write bare `NaN` tokens other parsers refuse):
+    a non-finite number becomes null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def _report_invalid(problems: list[Problem], as_json: bool) -> int:
     if as_json:
         print(json.dumps({"valid": False, "errors": [p.to_dict() for p in problems]}, indent=2))
@@ -146,7 +160,7 @@ def cmd_plan(argv: list[str]) -> int:
     if args.json:
         out = pf.plan.to_dict()
         out["remedies"] = [r.to_dict() for r in pf.remedies]
-        print(json.dumps(out, indent=2))
+        print(json.dumps(strict_json(out), indent=2, allow_nan=False))
     else:
         from fleetwise.plan.render import print_plan
 
@@ -177,7 +191,14 @@ def cmd_train(argv: list[str]) -> int:
     problems, checked = tc.check_points(points)
     if problems:
         return _report_invalid(problems, as_json=False)
-    return tc.run_hydra(overrides, multirun, checked)
+    try:
+        return tc.run_hydra(overrides, multirun, checked)
+    except KeyboardInterrupt as exc:  # the job was stopped and its run marked KILLED
+        from fleetwise.runtime.lifeline import Stopped
+
+        why = exc.reason if isinstance(exc, Stopped) else "interrupted by the user (Ctrl-C)"
+        Console(stderr=True).print(f"[bold red]✗ training stopped[/]: {why}", highlight=False)
+        return 128 + (exc.signum if isinstance(exc, Stopped) else signal.SIGINT)
 
 
 def cmd_checkpoint(argv: list[str]) -> int:
@@ -207,9 +228,13 @@ def cmd_checkpoint(argv: list[str]) -> int:
         console.print(f"[bold red]✗[/] no complete checkpoint in {source}", highlight=False)
         return EXIT_INVALID
     out = Path(args.out) if args.out else ckpt.with_suffix(".pt")
-    from fleetwise.runtime.checkpoint import export
+    from fleetwise.runtime.checkpoint import CheckpointRefused, export
 
-    export(ckpt, out)
+    try:
+        export(ckpt, out)
+    except CheckpointRefused as exc:
+        console.print(f"[bold red]✗[/] {ckpt}: {exc}", highlight=False)
+        return EXIT_INVALID
     console.print(
         f"[green]✓[/] {ckpt} -> {out} (model state dict: load with model.load_state_dict)", highlight=False
     )

@@ -34,6 +34,7 @@ PLAN_FILE = "plan.json"
 COMMAND_FILE = "command.txt"
 METRICS_FILE = "metrics.jsonl"
 TRACKING_FILE = "tracking.json"
+ERROR_FILE = "error.txt"  # why the job failed, for `fleetwise sync` and the MLflow run
 PS_SUMMARY_FILE = "ps_summary.json"  # parameter-server jobs: per-trainer and per-server totals
 LOGS_DIR = "logs"
 LAUNCHER_LOG = "launcher.log"

@@ -52,7 +52,7 @@ class Checked:
 def check_points(points: list[list[str]]) -> tuple[list[Problem], dict[tuple[str, ...], Checked]]:
     """Every problem of every point (exit 2 before anything starts), and each valid point's config
     and plan, keyed by its overrides, for the job to run without validating or planning again."""
-    from fleetwise.runtime.launch import gpu_problem
+    from fleetwise.runtime.launch import capacity_problem, gpu_problem, run_dir_problems
 
     problems: list[Problem] = []
     checked: dict[tuple[str, ...], Checked] = {}
@@ -64,8 +64,16 @@ def check_points(points: list[list[str]]) -> tuple[list[Problem], dict[tuple[str
         prefix = f"[{' '.join(point)}] " if len(points) > 1 else ""
         problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in pf.problems]
         if pf.cfg is not None:  # the config parsed: what this machine and run directory say too
-            point_problems = [] if pf.problems else resume_problems(pf.cfg)
+            point_problems = [] if pf.problems else resume_problems(pf.cfg) + run_dir_problems(pf.cfg)
             problems += [Problem(p.loc, prefix + p.msg, p.hint) for p in point_problems]
+            full = capacity_problem(pf.cfg, pf.plan) if pf.plan is not None else None
+            if full and not pf.cfg.launch.oversubscribe:
+                problems.append(Problem(full[0], prefix + full[1], full[2]))
+                point_problems.append(problems[-1])
+            elif full:
+                Console(stderr=True).print(
+                    f"[yellow]warning[/]: {prefix}{full[1]} (launch.oversubscribe=true)"
+                )
             gpu = gpu_problem(pf.cfg)
             if gpu:
                 problems.append(
@@ -90,9 +98,9 @@ def resume_problems(cfg) -> list[Problem]:
     """The checkpoint a job would resume from must be complete, intact and of the same model."""
     from fleetwise.runtime.checkpoint_files import find_resume, verify
 
-    if cfg.checkpoint.resume == "none" or not cfg.run.dir:
+    if cfg.checkpoint.resume == "none" or (cfg.checkpoint.resume == "auto" and not cfg.run.dir):
         return []
-    path = find_resume(cfg, Path(cfg.run.dir))
+    path = find_resume(cfg, Path(cfg.run.dir or "."))  # an explicit path is checked without run.dir too
     return verify(path, cfg) if path is not None else []
 
 
@@ -150,7 +158,9 @@ class Jobs:
         cfg = cluster_launch(known.cfg, _submitit_env())
         multirun = hc.mode is not None and hc.mode.name == "MULTIRUN"
         run_dir = Path(hc.runtime.output_dir) if (multirun or not cfg.run.dir) else Path(cfg.run.dir)
-        code = run_job(cfg, known.plan, run_dir.resolve(), task, Console(soft_wrap=True))
+        code = run_job(
+            cfg, known.plan, run_dir.resolve(), task, Console(soft_wrap=True), env_interpolated(dcfg)
+        )
         self.codes.append(code)
         if code != EXIT_OK and multirun:
             raise JobFailed(f"job {hc.job.num} ({' '.join(task)}) failed with exit code {code}")
@@ -161,11 +171,13 @@ class Jobs:
         from omegaconf import OmegaConf
 
         from fleetwise.config.problems import ConfigError
+        from fleetwise.config.recipes import apply_strategy_choice
         from fleetwise.config.validate import validate
         from fleetwise.plan import make_plan
 
         data = OmegaConf.to_container(dcfg, resolve=True)
         data["recipe"] = hc.runtime.choices.get("recipe", "")
+        data = apply_strategy_choice(data, list(hc.overrides.task))  # as validate and plan did
         try:
             cfg = validate(data, launching=True)
         except ConfigError as err:
@@ -202,22 +214,46 @@ def cluster_launch(cfg, job_env):
     return cfg.model_copy(update={"launch": launch})
 
 
-def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console) -> int:
+def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_paths=frozenset()) -> int:
     """Run one job: launch the ranks, follow them, own its MLflow run, print the summary."""
     from rich.markup import escape
 
     from fleetwise.plan.render import describe_job
-    from fleetwise.runtime.launch import launch_job
+    from fleetwise.runtime.launch import RunDirBusy, clear_run_dir, lock_run_dir
 
     console.print(
         f"[bold]fleetwise train[/] · {describe_job(cfg, plan)} · run dir {run_dir}", highlight=False
     )
-    tracker = _Tracking(cfg, plan, run_dir)
-    try:
-        result = launch_job(cfg, plan, run_dir, argv, console, on_started=tracker.start, on_poll=tracker.poll)
-    except KeyboardInterrupt:
-        tracker.finish("KILLED", "interrupted by the user (Ctrl-C)", {})
-        raise
+    try:  # one job per run directory at a time, for the whole life of the job
+        lock = lock_run_dir(run_dir, cfg.launch.node_rank)
+    except RunDirBusy as exc:
+        Console(stderr=True).print(f"[bold red]✗ run.dir[/]: {escape(str(exc))}", highlight=False)
+        return EXIT_INVALID
+    with lock:
+        if cfg.run.overwrite and cfg.launch.node_rank == 0:
+            clear_run_dir(run_dir)
+        return _run_locked(cfg, plan, run_dir, argv, console, env_paths)
+
+
+def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_paths) -> int:
+    from rich.markup import escape
+
+    from fleetwise.runtime.launch import launch_job
+    from fleetwise.runtime.lifeline import Stopped, stop_signals
+
+    tracker = _Tracking(cfg, plan, run_dir, env_paths)
+    # Ctrl-C, SIGTERM (kill, SLURM, systemd) and SIGHUP (a closed terminal) all stop the ranks'
+    # process group (launch_job) and mark the run KILLED; without this a SIGTERM'd launcher left
+    # every rank running and the MLflow run RUNNING forever.
+    with stop_signals():
+        try:
+            result = launch_job(
+                cfg, plan, run_dir, argv, console, on_started=tracker.start, on_poll=tracker.poll
+            )
+        except KeyboardInterrupt as exc:
+            reason = exc.reason if isinstance(exc, Stopped) else "interrupted by the user (Ctrl-C)"
+            tracker.finish("KILLED", reason, {})
+            raise
     summary = print_summary(console, cfg, plan, result)
     status = "FINISHED" if result.returncode == 0 else "FAILED"
     run_id = tracker.finish(status, result.error, summary)
@@ -234,6 +270,40 @@ def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console) -> int:
     return EXIT_OK
 
 
+def env_interpolated(dcfg, prefix: str = "") -> set[str]:
+    """Dotted paths of the config values that come from the environment (${oc.env:…})."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    out: set[str] = set()
+    node = dcfg
+    items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else enumerate(node)
+    for key, _ in items:
+        if prefix == "" and key == "hydra":
+            continue
+        path = f"{prefix}{key}"
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)):
+            out |= env_interpolated(child, path + ".")
+        elif OmegaConf.is_interpolation(node, key) and "oc.env" in str(child._value()):
+            out.add(path)
+    return out
+
+
+REDACTED = "<redacted>"
+
+
+def redact_params(params: dict[str, str], env_paths=(), environ=None) -> dict[str, str]:
+    """MLflow params without secrets: values read from the environment (${oc.env:…}), and any
+    value equal to a credential in the environment (a tracking password, a token)."""
+    import os
+
+    from fleetwise.runtime.launch import is_secret_name
+
+    environ = os.environ if environ is None else environ
+    secrets = {v for k, v in environ.items() if is_secret_name(k) and len(v) >= 4}
+    return {k: REDACTED if k in env_paths or any(s in v for s in secrets) else v for k, v in params.items()}
+
+
 class _Tracking:
     """The job's MLflow run, owned by this launcher on node 0 (it outlives crashed ranks and torchrun
     restarts). It ships rank 0's metrics.jsonl in batches; metrics.jsonl doubles as the spool when
@@ -241,8 +311,9 @@ class _Tracking:
 
     POLL_EVERY_S = 1.0
 
-    def __init__(self, cfg, plan, run_dir: Path):
+    def __init__(self, cfg, plan, run_dir: Path, env_paths=frozenset()):
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
+        self.env_paths = env_paths  # config paths read from the environment: kept out of the params
         self.tracker = None
         self.enabled = cfg.tracking.enabled and cfg.launch.node_rank == 0
         self.last_poll = 0.0
@@ -271,7 +342,7 @@ class _Tracking:
             self.run_dir,
             experiment=cfg.tracking.experiment,
             run_name=name,
-            params=flatten_config(cfg.model_dump(mode="json")),
+            params=redact_params(flatten_config(cfg.model_dump(mode="json")), self.env_paths),
             tags=tags,
             artifacts=[Path(name) for name in rundir.RUN_ARTIFACTS],
             parent_run_id=parent_run_id_from_hydra(),

@@ -151,3 +151,87 @@ def test_cluster_launch_spans_the_slurm_allocation():
     out = cluster_launch(cfg, env)
     assert (out.launch.nnodes, out.launch.node_rank, out.launch.rdzv_endpoint) == ("2", 1, "gpu-a:29500")
     assert cluster_launch(cfg, None) is cfg
+
+
+def _start_train(tmp_path, run_dir, *extra, env=None):
+    exe = Path(sys.executable).parent / "fleetwise"
+    return subprocess.Popen(
+        [str(exe), "train", "recipe=gpt/tiny", "train.steps=100000", "hardware.devices_per_node=2", *extra]
+        + [f"run.dir={run_dir}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_for_a_step(proc, run_dir, timeout_s=240):
+    deadline = time.monotonic() + timeout_s
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no step within the time limit"
+        time.sleep(0.5)
+
+
+def _gone(marker: str, timeout_s: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while leftover_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return leftover_processes(marker)
+
+
+def test_sigterm_stops_every_rank_and_marks_the_run_killed(tmp_path):
+    """What SLURM, systemd and `kill` send: the job stops like on Ctrl-C, and its MLflow run ends
+    KILLED (before: every rank kept running and the run stayed RUNNING)."""
+    import os
+    import signal
+    import sqlite3
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    proc = _start_train(tmp_path, run_dir, "tracking.system_metrics=false", env=env)
+    try:
+        _wait_for_a_step(proc, run_dir)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert _gone(str(run_dir)) == []
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        assert db.execute("select status from runs").fetchall() == [("KILLED",)]
+
+
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    import signal
+
+    run_dir = tmp_path / "run"
+    proc = _start_train(tmp_path, run_dir, "tracking.enabled=false")
+    try:
+        _wait_for_a_step(proc, run_dir)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        left = _gone(str(run_dir))
+    finally:
+        for line in leftover_processes(str(run_dir)):  # never leave them running for other tests
+            subprocess.run(["kill", "-9", line.split()[0]], check=False)
+    assert left == [], left
+
+
+def test_a_second_job_in_a_used_run_dir_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_00000009").mkdir(parents=True)  # an earlier job's files
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "train/loss": 9.0}\n{"step": 2, "train/lo')
+    before = (run_dir / "metrics.jsonl").read_text()
+    one = ("hardware.devices_per_node=1",)
+    r = run_cli("train", *TINY, *one, f"run.dir={run_dir}", cwd=tmp_path)
+    assert r.returncode == 2 and "run.dir" in r.stderr and "not empty" in r.stderr, r.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == before  # nothing mixed in
+    r = run_cli("train", *TINY, *one, f"run.dir={run_dir}", "run.overwrite=true", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]  # the old job's lines are gone
+    assert not (run_dir / "checkpoints").exists()

@@ -87,16 +87,59 @@ def compose_config(overrides: list[str]) -> dict[str, Any]:
     return data
 
 
+# Hydra's own settings a user may override (documented in the README): where outputs go, the
+# launcher and sweeper plugins, and the config search path. Everything else under hydra.* is
+# refused: `+hydra.callbacks.x._target_=...` would make `train` instantiate any importable callable.
+HYDRA_OVERRIDES = (
+    "hydra.run.dir",
+    "hydra.sweep.dir",
+    "hydra.sweep.subdir",
+    "hydra.launcher.",
+    "hydra/launcher",
+    "hydra.sweeper.",
+    "hydra/sweeper",
+    "hydra.searchpath",
+    "hydra.job.chdir",
+)
+
+
+def hydra_override_problems(overrides: list[str]) -> list[Problem]:
+    out = []
+    for text in overrides:
+        key = text.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
+        if not (key == "hydra" or key.startswith(("hydra.", "hydra/"))):
+            continue
+        if any(key == a.rstrip(".") or (a.endswith(".") and key.startswith(a)) for a in HYDRA_OVERRIDES):
+            continue
+        out.append(
+            Problem(
+                key,
+                f"override {text!r} changes Hydra's own configuration, which fleetwise does not allow "
+                "(callbacks and other hydra.* targets would run arbitrary code at train time)",
+                "allowed: hydra.run.dir, hydra.sweep.dir/subdir, hydra/launcher=… and hydra.launcher.*, "
+                "hydra/sweeper and hydra.sweeper.*, hydra.searchpath, hydra.job.chdir",
+            )
+        )
+    return out
+
+
 def compose_partial(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
     """Compose with every override Hydra accepts, and explain the ones it rejects.
 
     Returning the partial config lets validation report its own problems in the same run."""
+    refused = hydra_override_problems(overrides)
+    if refused:
+        kept = [o for o in overrides if not any(o.lstrip("+~").startswith(p.loc) for p in refused)]
+        data, problems = compose_partial(kept)
+        return data, refused + problems
+    from fleetwise.config.recipes import apply_strategy_choice
+
     try:
-        return _to_dict(_compose(list(overrides), hydra_cfg=True)), []
+        return apply_strategy_choice(_to_dict(_compose(list(overrides), hydra_cfg=True)), overrides), []
     except Exception as first:  # noqa: BLE001 - diagnosed below, then reported as problems
         problems, accepted = diagnose(list(overrides), first)
         try:
-            return _to_dict(_compose(accepted, hydra_cfg=True)), problems
+            return apply_strategy_choice(_to_dict(_compose(accepted, hydra_cfg=True)), accepted), problems
         except Exception:  # noqa: BLE001
             return {}, problems
 

@@ -80,12 +80,18 @@ class LaunchConfig(Section):
         300.0, gt=0, description="A collective that hangs longer fails the job."
     )
     monitor_interval_s: float = Field(0.5, gt=0, description="How often torchrun checks its workers.")
+    oversubscribe: bool = Field(
+        False, description="Start more CPU ranks than this machine's cores and free memory hold (warned)."
+    )
 
 
 class RunDirConfig(Section):
     dir: str | None = Field(None, description="Run directory (default: Hydra's output dir).")
     name: str | None = Field(
         None, description="Run name shown in MLflow (default: recipe-strategy-hardware)."
+    )
+    overwrite: bool = Field(
+        False, description="Reuse a non-empty run.dir without resuming: the old job's files are removed."
     )
 
 

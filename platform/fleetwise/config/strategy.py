@@ -129,6 +129,10 @@ class PSStrategy(Section):
     server_address: str = Field(
         "127.0.0.1", description="Address servers bind to (loopback unless configured)."
     )
+    allow_remote_servers: bool = Field(
+        False,
+        description="Allow a non-loopback server_address (RPC unpickles its calls: trusted networks only).",
+    )
 
     @property
     def is_ps(self) -> bool:

@@ -232,7 +232,9 @@ def tensor_parallel_divides(ctx: Context) -> Iterator[Problem]:
     for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size"):
         value = getattr(m, key)
         if value % lay.mp:
-            divisors = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
+            divisors = [
+                d for d in range(1, min(value, 64) + 1) if value % d == 0
+            ]  # not up to value: 10^11 hangs
             yield Problem(
                 "strategy.mp_degree",
                 f"mp_degree={lay.mp} does not divide model.{key}={value}",
@@ -803,6 +805,12 @@ def checkpoint_options(ctx: Context) -> Iterator[Problem]:
             f"checkpoint {c.resume!r} does not exist",
             "give an existing checkpoint directory, or checkpoint.resume=auto",
         )
+    elif c.resume not in ("none", "auto") and not Path(c.resume).is_dir():
+        yield Problem(
+            "checkpoint.resume",
+            f"{c.resume!r} is a file, not a checkpoint directory",
+            "give a checkpoint directory (run_dir/checkpoints/step_N), or checkpoint.resume=auto",
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -810,9 +818,16 @@ def checkpoint_options(ctx: Context) -> Iterator[Problem]:
 
 
 def check(cfg: RunConfig, *, launching: bool = False) -> list[Problem]:
+    from fleetwise.config import limits
+
+    bounded = limits.problems(cfg)  # first: an absurd value must not reach a rule that hangs on it
+    if bounded:
+        return bounded
     layout = None
     if not isinstance(cfg.strategy, PSStrategy):
         layout, _ = Layout.resolve(cfg.strategy, cfg.hardware.world_size)
+        if layout is not None and (bounded := limits.layout_problems(cfg, layout.pp)):
+            return bounded
     ctx = Context(cfg, layout, launching)
     problems: list[Problem] = []
     for r in RULES:

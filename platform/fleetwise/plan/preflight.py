@@ -22,6 +22,7 @@ class Preflight:
 
 
 def preflight(overrides: list[str], *, launching: bool = False, enforce_memory: bool = True) -> Preflight:
+    from fleetwise.config.recipes import mark_recipe_values
     from fleetwise.config.validate import load_config
     from fleetwise.plan import make_plan
     from fleetwise.plan.remedies import remedies
@@ -30,13 +31,14 @@ def preflight(overrides: list[str], *, launching: bool = False, enforce_memory: 
     try:
         cfg = load_config(overrides, launching=launching)
     except ConfigError as err:
+        found = mark_recipe_values(err.problems, overrides)
         if not launching:
-            return Preflight(problems=err.problems)
+            return Preflight(problems=found)
         try:  # only rules about starting processes failed? Then plan it too and list everything
             cfg = load_config(overrides)
         except ConfigError:
-            return Preflight(problems=err.problems)
-        problems += err.problems
+            return Preflight(problems=found)
+        problems += found
     plan = make_plan(cfg)
     fixes = [] if plan.fits else remedies(cfg)
     if not plan.fits and enforce_memory and cfg.plan.memory_check == "error":

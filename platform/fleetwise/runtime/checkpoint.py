@@ -8,7 +8,8 @@ Every rank writes only what it holds (FSDP shards, TP shards, its pipeline stage
 partition) under the model's own parameter names -- no DDP/FSDP/activation-checkpoint prefixes,
 layers keyed by index -- so a checkpoint loads under any other layout and number of ranks: DCP
 reads whatever slices the new layout needs. Only tensors are stored (no pickled Python objects);
-the metadata is JSON.
+the metadata is JSON. DCP's own `.metadata` is a pickle: it is read through an allow-list of
+DCP's metadata classes (VerifiedReader), never with plain pickle.
 
 Atomicity: ranks write into `<step_dir>.tmp`; after everyone finished, rank 0 writes
 `fleetwise.json` (with every file's size, and a SHA-256 for checkpoints under 1 GiB) and renames
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -27,6 +29,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from fleetwise import rundir
@@ -37,7 +41,11 @@ from fleetwise.runtime.checkpoint_files import (
     META,
     MODEL_DIR,
     checkpoint_dir,
-    complete_checkpoints,
+    fsync_dir,
+    next_seq,
+    prune,
+    sweep_stale,
+    write_durably,
 )
 from fleetwise.runtime.parallelize import clean_name
 
@@ -106,7 +114,7 @@ def save(run_dir: Path, step: int, app: Stateful, cfg: RunConfig, layout: Layout
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        sweep_stale(run_dir)  # this one's, and any a crashed job left
         tmp.mkdir(parents=True)
     dist.barrier()
     dcp.save(app.state_dict(), checkpoint_id=str(tmp))
@@ -123,9 +131,10 @@ def save(run_dir: Path, step: int, app: Stateful, cfg: RunConfig, layout: Layout
             "model": cfg.model.model_dump(mode="json"),
             "optimizer": cfg.optim.name,
             "saved_at": time.time(),
+            "seq": next_seq(run_dir),  # the written order keep-N and resume=auto follow
             "files": _manifest(tmp),
         }
-        (tmp / META).write_text(json.dumps(meta, indent=2))
+        write_durably(tmp / META, json.dumps(meta, indent=2))
         # A checkpoint of this step from an earlier job in this run dir (one resumed from an older
         # step) is superseded: set it aside under a `.tmp` name, which is never resumed from.
         replaced = final.with_name(final.name + ".replaced.tmp")
@@ -133,9 +142,9 @@ def save(run_dir: Path, step: int, app: Stateful, cfg: RunConfig, layout: Layout
             shutil.rmtree(replaced, ignore_errors=True)
             final.rename(replaced)
         tmp.rename(final)
+        fsync_dir(final.parent)  # the rename is on disk before anything older is deleted
         shutil.rmtree(replaced, ignore_errors=True)
-        for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(run_dir, keep)
     dist.barrier()
     return final
 
@@ -181,19 +190,88 @@ def load(path: Path, app: Stateful, cfg: RunConfig) -> None:
         state = {k: v for k, v in state.items() if not k.startswith("rng.")}
     if meta.get("optimizer") != cfg.optim.name:  # a different optimizer starts fresh
         state = {k: v for k, v in state.items() if not k.startswith("state.")}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=VerifiedReader(path))
     app.load_state_dict(state)
+
+
+class CheckpointRefused(RuntimeError):
+    """A checkpoint's metadata names something a fleetwise checkpoint never holds."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle, and whoever wrote the checkpoint also wrote its sha256
+    manifest, so the manifest proves nothing about intent: unpickling someone else's checkpoint
+    could run their code. Only the classes DCP's tensor metadata is made of are admitted (no
+    BytesStorageMetadata: fleetwise stores tensors only, and DCP loads byte items with
+    torch.load(weights_only=False))."""
+
+    ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "MetadataIndex",
+            "ChunkStorageMetadata",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self.ALLOWED.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise CheckpointRefused(
+            f"checkpoint metadata refers to {module}.{name}, which a fleetwise checkpoint never "
+            "holds: refused without loading it (a crafted .metadata can run code when unpickled)"
+        )
+
+
+def read_metadata(path: Path) -> Metadata:
+    """A checkpoint's DCP metadata through `_MetadataUnpickler`. Called before DCP touches the
+    checkpoint: DCP catches a reader's exception and falls back to other metadata files."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except CheckpointRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - truncated or not a pickle at all
+        raise CheckpointRefused(f"{path} is not readable DCP metadata ({exc})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointRefused(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+class VerifiedReader(FileSystemReader):
+    """DCP's file reader with the metadata read through `_MetadataUnpickler`."""
+
+    def __init__(self, path: Path):
+        read_metadata(Path(path) / ".metadata")  # refuse a crafted checkpoint before DCP reads it
+        super().__init__(path)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def export(checkpoint: Path, out: Path) -> Path:
     """Consolidate the model of a sharded checkpoint into one file: {parameter name: tensor}, the
     plain state dict of the fleetwise model (load it with `model.load_state_dict`)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    tmp = out.with_name(out.name + ".all.tmp")
-    dcp_to_torch_save(str(checkpoint), str(tmp))
-    full = torch.load(tmp, weights_only=True)
-    tmp.unlink()
+    full: dict[str, Any] = {}  # what dcp_to_torch_save does, through the verified reader
+    _load_state_dict(
+        full, storage_reader=VerifiedReader(checkpoint), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+    )
     model = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")}
     torch.save(model, out)
     return out

@@ -12,6 +12,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,12 +20,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from rich.console import Console
 
 from fleetwise import rundir
+from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
 from fleetwise.plan.planner import Plan
 from fleetwise.rundir import Metric
+from fleetwise.runtime.lifeline import die_with_parent
 
 WORKER = "fleetwise.runtime.worker"
 
@@ -35,6 +39,96 @@ class JobResult:
     run_dir: Path
     error: str | None
     records: list[dict]
+
+
+# What a job writes into its run directory (run.overwrite=true clears exactly these).
+JOB_FILES = (
+    rundir.CONFIG_FILE,
+    rundir.PLAN_FILE,
+    rundir.COMMAND_FILE,
+    rundir.METRICS_FILE,
+    rundir.TRACKING_FILE,
+    rundir.ERROR_FILE,
+    rundir.PS_SUMMARY_FILE,
+)
+JOB_DIRS = (rundir.LOGS_DIR, rundir.CHECKPOINTS_DIR)
+LOCK_NAME = ".fleetwise.lock"
+
+
+def run_dir_problems(cfg: RunConfig) -> list[Problem]:
+    """A run directory that already holds something is refused unless the job resumes it or
+    run.overwrite=true: reusing it would continue the old MLflow run, drop steps as re-runs, mix
+    the summary and let keep-N delete what was just written. The other nodes of the same
+    multi-node job (same config but node_rank, on a shared filesystem) are not "something"."""
+    if not cfg.run.dir or cfg.checkpoint.resume != "none" or cfg.run.overwrite:
+        return []
+    path = Path(cfg.run.dir)
+    if not path.is_dir():
+        return [] if not path.exists() else [Problem("run.dir", f"{path} is a file", "choose a directory")]
+    entries = sorted(p.name for p in path.iterdir() if not p.name.startswith(LOCK_NAME))
+    if not entries or (_node_count(cfg) > 1 and _same_job(cfg, path / rundir.CONFIG_FILE)):
+        return []
+    shown = ", ".join(entries[:5]) + (", …" if len(entries) > 5 else "")
+    return [
+        Problem(
+            "run.dir",
+            f"{path} is not empty ({shown}): a new job there would mix with the one that wrote it",
+            "resume it with checkpoint.resume=auto, choose a new run.dir, or run.overwrite=true to "
+            "replace the old job's files",
+        )
+    ]
+
+
+def _same_job(cfg: RunConfig, written: Path) -> bool:
+    try:
+        theirs = yaml.safe_load(written.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    mine = cfg.model_dump(mode="json")
+    if not isinstance(theirs, dict) or not isinstance(theirs.get("launch"), dict):
+        return False
+    for data in (mine, theirs):
+        data["launch"].pop("node_rank", None)
+    return mine == theirs
+
+
+class RunDirBusy(RuntimeError):
+    """Another live job holds the run directory."""
+
+
+def lock_run_dir(run_dir: Path, node_rank: int = 0):
+    """Hold an exclusive lock on the run directory for the life of this job (released when the
+    returned file is closed, or when the process dies). Each node of a multi-node job locks its
+    own file, so the nodes can share one directory on a shared filesystem."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / (LOCK_NAME if node_rank == 0 else f"{LOCK_NAME}.node{node_rank}")
+    f = path.open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise RunDirBusy(
+            f"run directory {run_dir} is in use by a running job ({holder}): "
+            "wait for it, or choose another run.dir"
+        ) from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """run.overwrite=true: remove the previous job's files (and nothing else of the directory)."""
+    import shutil
+
+    for name in JOB_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for name in JOB_DIRS:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
 
 
 def nproc_per_node(cfg: RunConfig) -> int:
@@ -65,6 +159,49 @@ def gpu_problem(cfg: RunConfig) -> str | None:
     )
 
 
+MAX_RANKS_PER_CORE = 8  # the 16-rank 4D mesh trains on 2 cores; far beyond, gloo times out
+RANK_BASE_BYTES = 200 << 20  # a CPU rank before its tensors: interpreter, torch, gloo (RSS)
+
+
+def capacity_problem(cfg: RunConfig, plan: Plan, cores: int | None = None, available: int | None = None):
+    """A CPU job whose ranks this machine cannot hold (4096 ranks on 2 cores; processes whose
+    memory adds up past what is free) is refused before anything is spawned, unless
+    launch.oversubscribe=true. Returns (loc, message, hint) or None."""
+    if cfg.hardware.device_type != "cpu":
+        return None
+    ranks = nproc_per_node(cfg)
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    available = _mem_available() if available is None else available
+    need = ranks * (RANK_BASE_BYTES + int(plan.memory_bytes.get("total", 0)))
+    what = None
+    if ranks > MAX_RANKS_PER_CORE * cores:
+        what = f"{ranks} ranks on this node, but it has {cores} CPU cores (at most {MAX_RANKS_PER_CORE} per core)"
+    elif available is not None and need > available:
+        what = (
+            f"{ranks} ranks need about {need / 2**30:,.1f} GiB here ({RANK_BASE_BYTES >> 20} MiB of "
+            f"start-up per rank + the plan's {plan.memory_bytes.get('total', 0) / 2**30:,.2f} GiB), "
+            f"but {available / 2**30:,.1f} GiB are available"
+        )
+    if what is None:
+        return None
+    return (
+        "hardware.devices_per_node" if cfg.strategy.name != "ps" else "strategy.num_trainers",
+        what,
+        "use fewer ranks, or launch.oversubscribe=true to start them anyway",
+    )
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
     launch = cfg.launch
     host, _, port = launch.rdzv_endpoint.rpartition(":")
@@ -72,14 +209,13 @@ def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
     if launch.nnodes == "1" and int(port) == 0:
         cmd.append("--standalone")  # c10d rendezvous on a free local port
     else:
-        rdzv_id = launch.rdzv_id or cfg.run.name or run_dir.name
         cmd += [
             f"--nnodes={launch.nnodes}",
             f"--node-rank={launch.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={host}:{port}",
             f"--rdzv-conf=last_call_timeout={launch.rdzv_last_call_s}",
-            f"--rdzv-id={rdzv_id}",
+            f"--rdzv-id={rdzv_id(cfg)}",
         ]
     cmd += [
         f"--max-restarts={launch.max_restarts}",
@@ -90,6 +226,42 @@ def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
         str(run_dir),
     ]
     return cmd
+
+
+# Names of environment variables that hold credentials. The ranks never talk to MLflow (this
+# launcher does) and read only local files, so none of these reach them: a rank's environment is
+# readable by every process of its user (/proc/PID/environ) and lands in crash reports.
+SECRET_NAME = re.compile(r"(^|_)(PASSWORD|PASSWD|SECRET|TOKEN|API_KEY|ACCESS_KEY|CREDENTIALS?)(_|$)")
+SECRET_PREFIXES = ("MLFLOW_", "DATABRICKS_")
+
+
+def is_secret_name(name: str) -> bool:
+    return name.upper().startswith(SECRET_PREFIXES) or bool(SECRET_NAME.search(name.upper()))
+
+
+def rank_environment(environ) -> dict[str, str]:
+    """The environment torchrun and the ranks get: this one without credentials."""
+    return {k: v for k, v in environ.items() if not is_secret_name(k)}
+
+
+def rdzv_id(cfg: RunConfig) -> str:
+    """The rendezvous id: the user's launch.rdzv_id; else, for one node, a random one per job
+    (nothing else has to agree on it, and a peer on the network cannot guess it); for several
+    nodes, a hash of the resolved config without node_rank, which every node of the job computes
+    alike whatever second it starts in. (The store itself is unauthenticated: multi-node jobs
+    assume a trusted network, see the README.)"""
+    if cfg.launch.rdzv_id:
+        return cfg.launch.rdzv_id
+    if cfg.launch.nnodes == "1":
+        import secrets
+
+        return f"fw-{secrets.token_hex(12)}"
+    import hashlib
+
+    data = cfg.model_dump(mode="json")
+    data["launch"].pop("node_rank", None)
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+    return f"fw-{digest[:24]}"
 
 
 class Follower:
@@ -126,7 +298,7 @@ def launch_job(
     cmd = torchrun_command(cfg, run_dir)
     from fleetwise.tracking.store import without_credentials
 
-    env = without_credentials(dict(os.environ))  # ranks never talk to MLflow
+    env = without_credentials(rank_environment(os.environ))  # ranks never talk to MLflow
     threads = max(1, (os.cpu_count() or 1) // max(1, nproc_per_node(cfg)))
     env.setdefault("OMP_NUM_THREADS", str(threads))  # one process per core share, no oversubscription
     env["PYTHONUNBUFFERED"] = "1"
@@ -134,9 +306,17 @@ def launch_job(
     metrics = Follower(rundir.metrics_path(run_dir))
     records: list[dict] = []
     with rundir.launcher_log(run_dir).open("ab") as launcher_log:
-        # a session of its own: the whole process tree can be stopped together (no orphans)
+        # A session of its own: the whole process tree can be stopped together (no orphans). The
+        # session also keeps a terminal's SIGHUP away from it, so torchrun gets SIGTERM when this
+        # launcher dies by any means, SIGKILL included (the ranks die with torchrun: worker.py).
+        launcher = os.getpid()
         proc = subprocess.Popen(
-            cmd, stdout=launcher_log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdout=launcher_log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=lambda: die_with_parent(signal.SIGTERM, launcher),
         )
         progress = _progress_bar(console)
         task = progress.add_task("train", total=cfg.train.steps, status="starting the ranks")
@@ -149,8 +329,9 @@ def launch_job(
                     for line in rank0_log.lines():
                         console.print(line, highlight=False, markup=False, soft_wrap=True)
                     for line in metrics.lines():
-                        if line.strip():
-                            records.append(json.loads(line))
+                        record = metrics_record(line)
+                        if record is not None:
+                            records.append(record)
                             progress.update(
                                 task, completed=records[-1].get("step", 0), status=_status(records[-1])
                             )
@@ -167,6 +348,15 @@ def launch_job(
                 _stop(proc)
     error = None if proc.returncode == 0 else root_cause(run_dir, proc.returncode)
     return JobResult(proc.returncode, run_dir, error, latest_per_step(records))
+
+
+def metrics_record(line: str) -> dict | None:
+    """One step's record from a metrics.jsonl line, or None for a blank or torn line (a crash or a
+    full disk mid-write): one bad line must not stop every later resume of the run."""
+    from fleetwise.tracking.spool import parse_record
+
+    record = parse_record(line.encode()) if line.strip() else None
+    return record if record is not None and isinstance(record.get("step"), int) else None
 
 
 def _progress_bar(console: Console):

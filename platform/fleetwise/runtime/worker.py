@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from fleetwise import rundir
+from fleetwise.runtime.lifeline import die_with_parent
 
 log = logging.getLogger("fleetwise")
 
@@ -48,6 +50,8 @@ def redirect_output(log_file: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
+    # torchrun stops its ranks when it is told to; this covers torchrun itself being killed.
+    die_with_parent(signal.SIGKILL)
     run_dir = Path((argv or sys.argv[1:])[0]).resolve()
     rank = int(os.environ.get("RANK", "0"))
     redirect_output(rundir.rank_log(run_dir, rank))

@@ -22,7 +22,6 @@ from fleetwise.rundir import METRICS_FILE, RECORD_KEYS
 from fleetwise.rundir import TRACKING_FILE as STATE_FILE
 
 LOCK_FILE = ".tracking.lock"
-ERROR_FILE = "error.txt"
 READ_CHUNK = 1 << 20  # bytes read per pass: a long backlog is shipped in slices, not slurped
 
 
