@@ -152,5 +152,6 @@ def test_rdzv_id_is_random_per_single_node_job_and_shared_by_the_nodes_of_one_jo
 def test_resume_from_something_that_is_no_checkpoint_is_refused_before_launch(resume):
     from fleetwise.train import check_points
 
-    problems = check_points([["recipe=gpt/tiny", f"checkpoint.resume={resume}"]])
+    problems, checked = check_points([["recipe=gpt/tiny", f"checkpoint.resume={resume}"]])
+    assert checked == {}  # nothing to launch
     assert [p.loc for p in problems] == ["checkpoint.resume"], problems

@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
+from fleetwise.rundir import METRICS_FILE
 from fleetwise.tracking.spool import (
-    METRICS_FILE,
     RunDirLock,
     TrackingState,
     is_behind,

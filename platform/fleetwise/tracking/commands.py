@@ -191,12 +191,13 @@ def cmd_compare(argv: list[str]) -> int:
 
 def find_run_dirs(root: Path) -> list[Path]:
     """Run dirs under root/outputs and root/multirun whose tracking.json says MLflow lacks something."""
-    from fleetwise.tracking.spool import STATE_FILE, is_behind
+    from fleetwise.rundir import TRACKING_FILE
+    from fleetwise.tracking.spool import is_behind
 
     found = []
     for top in (root / "outputs", root / "multirun"):
         if top.is_dir():
-            found += sorted(p.parent for p in top.rglob(STATE_FILE) if is_behind(p.parent))
+            found += sorted(p.parent for p in top.rglob(TRACKING_FILE) if is_behind(p.parent))
     return found
 
 
@@ -210,16 +211,17 @@ def cmd_sync(argv: list[str]) -> int:
     args = p.parse_args(argv)
     console, err = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
 
-    from fleetwise.tracking.spool import STATE_FILE, is_behind, load_state
+    from fleetwise.rundir import TRACKING_FILE
+    from fleetwise.tracking.spool import is_behind, load_state
 
     run_dirs = args.run_dirs or find_run_dirs(Path.cwd())
     if not run_dirs:
         console.print("nothing to sync: every run under ./outputs and ./multirun is in MLflow")
         return EXIT_OK
-    missing = [d for d in run_dirs if not (d / STATE_FILE).exists()]
+    missing = [d for d in run_dirs if not (d / TRACKING_FILE).exists()]
     if missing:
         err.print(
-            f"[bold red]✗ not a tracked run dir (no {STATE_FILE}):[/] {', '.join(map(str, missing))}",
+            f"[bold red]✗ not a tracked run dir (no {TRACKING_FILE}):[/] {', '.join(map(str, missing))}",
             highlight=False,
         )
         return EXIT_USAGE

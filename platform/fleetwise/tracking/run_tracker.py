@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleetwise.rundir import ERROR_FILE, METRICS_FILE
 from fleetwise.tracking.params import error_tag, flatten_config, git_commit, tag_value
 from fleetwise.tracking.spool import (
-    ERROR_FILE,
-    METRICS_FILE,
     RunDirLock,
     TrackingState,
     finite,

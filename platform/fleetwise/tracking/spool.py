@@ -18,8 +18,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from fleetwise.rundir import METRICS_FILE, RECORD_KEYS
-from fleetwise.rundir import TRACKING_FILE as STATE_FILE
+from fleetwise.rundir import METRICS_FILE, RECORD_KEYS, TRACKING_FILE
 
 LOCK_FILE = ".tracking.lock"
 READ_CHUNK = 1 << 20  # bytes read per pass: a long backlog is shipped in slices, not slurped
@@ -55,7 +54,7 @@ class TrackingState:
 
 
 def load_state(run_dir: Path) -> TrackingState | None:
-    path = Path(run_dir) / STATE_FILE
+    path = Path(run_dir) / TRACKING_FILE
     try:
         return TrackingState.from_dict(json.loads(path.read_text()))
     except FileNotFoundError:
@@ -64,7 +63,7 @@ def load_state(run_dir: Path) -> TrackingState | None:
 
 def save_state(run_dir: Path, state: TrackingState) -> None:
     # Write-then-rename: a crash mid-write leaves the previous cursor, never a torn file.
-    path = Path(run_dir) / STATE_FILE
+    path = Path(run_dir) / TRACKING_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(asdict(state), indent=1))
     os.replace(tmp, path)
