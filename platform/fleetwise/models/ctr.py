@@ -94,6 +94,8 @@ class CTRNet(nn.Module):
             if i < len(dims) - 2:
                 layers.append(nn.ReLU())
         self.mlp = nn.Sequential(*layers)
+        if self.mlp[0].weight.is_meta:  # built on `meta`: values come later, by initial_value
+            return
         self.reset_parameters(torch.initial_seed() if seed is None else seed)
 
     @torch.no_grad()
@@ -110,6 +112,29 @@ class CTRNet(nn.Module):
             bound = 1.0 / math.sqrt(max(lin.in_features, 1))
             for p in (lin.weight, lin.bias):
                 p.copy_(torch.rand(p.shape, generator=g) * 2 * bound - bound)
+
+    @torch.no_grad()
+    def initial_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The value `reset_parameters(seed)` gives parameter `name`, computed alone (for a model
+        built on `meta` and sharded before it is materialised: fleetwise.models.init)."""
+        kind, _, rest = name.partition(".")
+        if kind in ("embeddings", "first_order"):
+            field = self.fields.index(rest.split(".")[0])
+            rows = table_init(seed, field, shape[0], self.cfg.embedding_dim + 1)
+            return rows[:, :-1] if kind == "embeddings" else rows[:, -1:]
+        # the dense linears share one generator drawn in module order: replay it up to `name`
+        g = torch.Generator().manual_seed(mix_seed(seed, -1))
+        names = ["dense_first_order"] + [
+            f"mlp.{i}" for i, m in enumerate(self.mlp) if isinstance(m, nn.Linear)
+        ]
+        for lin_name in names:
+            lin = self.get_submodule(lin_name)
+            bound = 1.0 / math.sqrt(max(lin.in_features, 1))
+            for attr in ("weight", "bias"):
+                value = torch.rand(getattr(lin, attr).shape, generator=g) * 2 * bound - bound
+                if f"{lin_name}.{attr}" == name:
+                    return value
+        raise KeyError(name)
 
     def lookup(self, sparse_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the local tables: embeddings [B, F, k] and first-order weights [B, F]."""
