@@ -25,7 +25,8 @@ from torch import nn
 
 from fleetwise.models.ctr import mix_seed
 
-WRAPPER_SEGMENTS = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+# the checkpoint wrapper first: its segment ends in "module." too
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
 
 def model_name(name: str) -> str:
