@@ -64,6 +64,12 @@ def table_init(
     return out
 
 
+def _empty(cls, *args) -> nn.Module:
+    """A module with uninitialised parameters, on the current default device (`meta` when the
+    runtime builds the model's structure only)."""
+    return skip_init(cls, *args, device=torch.get_default_device())
+
+
 class CTRNet(nn.Module):
     # The collective runtime's model surface: CTR models are neither pipelined nor recomputed
     # (validation refuses both), so there are no repeated blocks; FSDP shards the root module.
@@ -80,17 +86,15 @@ class CTRNet(nn.Module):
         local = [t for t in cfg.sparse_tables if not (remote_tables and t.distributed)]
         k, d = cfg.embedding_dim, cfg.num_dense_features
         # skip_init: torch's default initialisation would be overwritten by reset_parameters anyway
-        self.embeddings = nn.ModuleDict({t.name: skip_init(nn.Embedding, t.num_embeddings, k) for t in local})
-        self.first_order = nn.ModuleDict(
-            {t.name: skip_init(nn.Embedding, t.num_embeddings, 1) for t in local}
-        )
+        self.embeddings = nn.ModuleDict({t.name: _empty(nn.Embedding, t.num_embeddings, k) for t in local})
+        self.first_order = nn.ModuleDict({t.name: _empty(nn.Embedding, t.num_embeddings, 1) for t in local})
         with warnings.catch_warnings():  # d = 0 (no dense features) is a valid, empty weight
             warnings.filterwarnings("ignore", "Initializing zero-element tensors")
-            self.dense_first_order = skip_init(nn.Linear, d, 1)
+            self.dense_first_order = _empty(nn.Linear, d, 1)
         dims = [len(self.fields) * k + d, *cfg.mlp_hidden, 1]
         layers: list[nn.Module] = []
         for i, (a, b) in enumerate(zip(dims, dims[1:], strict=False)):
-            layers.append(skip_init(nn.Linear, a, b))
+            layers.append(_empty(nn.Linear, a, b))
             if i < len(dims) - 2:
                 layers.append(nn.ReLU())
         self.mlp = nn.Sequential(*layers)
