@@ -3,6 +3,8 @@
     fleetwise validate [OVERRIDES…] [--json]   exit 0 valid, 2 invalid (every problem listed)
     fleetwise plan     [OVERRIDES…] [--json]   the analytic plan (exit 2 if the config is invalid)
     fleetwise train    [OVERRIDES…] [-m]       run the job (exit 2 on a bad config, nothing started)
+    fleetwise dryrun   [OVERRIDES…] [--ranks SPEC] [--steps N] [--json]
+                                               the real runtime of any world size on fake tensors
     fleetwise calibrate [--out PATH] [--json]  measure this machine, write hardware profile `local`
 
 Heavy imports (torch, mlflow) stay out of validate/plan: they load inside the commands that use them.
@@ -15,6 +17,7 @@ import json
 import math
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 from rich.console import Console
@@ -201,6 +204,129 @@ def cmd_train(argv: list[str]) -> int:
         return 128 + (exc.signum if isinstance(exc, Stopped) else signal.SIGINT)
 
 
+def cmd_dryrun(argv: list[str]) -> int:
+    """Validate like `train` (exit 2, nothing started), then run the selected ranks' real runtime
+    on fake tensors and the fake process group (fleetwise.dryrun); planner figures beside them."""
+    p = _parser("dryrun", cmd_dryrun.__doc__)
+    p.add_argument(
+        "--ranks", default="roles", help="'roles' (one per distinct role), 'all', or e.g. 0,7,8-11"
+    )
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per rank (the last is reported)")
+    args = p.parse_intermixed_args(argv)
+    if args.help:
+        return print_help("dryrun")
+    if args.cfg:
+        return _print_cfg(args.overrides, args.cfg, args.resolve)
+    from fleetwise import dryrun
+
+    # a dry run is how one checks a job that may not fit: the memory rule only warns here
+    pf = preflight(args.overrides, launching=True, enforce_memory=False)
+    problems = list(pf.problems)
+    if pf.cfg is not None and pf.cfg.strategy.name == "ps":
+        problems.append(
+            Problem(
+                "strategy",
+                "dryrun simulates the collective runtime; strategy=ps runs on torch.distributed.rpc",
+                "use `fleetwise plan` for a parameter-server job, or a collective strategy (dp, sharding, …)",
+            )
+        )
+    if args.steps < 1:
+        problems.append(Problem("--steps", f"--steps {args.steps}: at least one step", "use --steps 2"))
+    ranks: list[int] = []
+    if pf.cfg is not None and not problems:
+        from fleetwise.config.layout import Layout
+
+        layout = Layout.of(pf.cfg)
+        try:
+            ranks = (
+                dryrun.default_ranks(layout)
+                if args.ranks == "roles"
+                else dryrun.with_pipelines(layout, dryrun.parse_ranks(args.ranks, layout.world_size))
+            )
+        except ValueError as err:
+            problems.append(
+                Problem(
+                    "--ranks",
+                    f"--ranks {args.ranks}: {err}",
+                    "give ranks like 0,7,8-11, or 'all', or 'roles'",
+                )
+            )
+    if problems:
+        return _report_invalid(problems, args.json)
+    err_console = Console(stderr=True)
+    plan = pf.plan.to_dict()
+    started = time.perf_counter()
+    err_console.print(
+        f"dryrun: {len(ranks)} of {layout.world_size} ranks ({', '.join(map(str, ranks))}), {args.steps} steps each",
+        highlight=False,
+    )
+    try:
+        reports = dryrun.simulate(
+            pf.cfg,
+            pf.plan,
+            args.overrides,
+            ranks,
+            args.steps,
+            progress=lambda m: err_console.print(f"dryrun: {m}", highlight=False),
+        )
+    except RuntimeError as err:
+        err_console.print(f"[bold red]✗ dry run failed[/]: {err}", highlight=False)
+        return EXIT_FAIL
+    for rep in reports:
+        rep["planner"] = dryrun.compare(plan, rep)
+    out = {"world_size": layout.world_size, "mesh": layout.as_dict(), "steps": args.steps, "ranks": reports}
+    out["time_s"] = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        _print_dryrun(out)
+    return EXIT_OK
+
+
+def _print_dryrun(out: dict) -> None:
+    def pct(x) -> str:
+        return "n/a" if x is None else f"{x:+.1%}"
+
+    table = Table(
+        title=f"dry run: world size {out['world_size']}, mesh {out['mesh']} ({out['time_s']:.0f} s)"
+    )
+    for col in (
+        "rank",
+        "pp/sh/mp/dp",
+        "peak GiB",
+        "planner",
+        "Δ",
+        "TFLOP/step",
+        "planner",
+        "Δ",
+        "comm MiB by dim",
+    ):
+        table.add_column(col, justify="right")
+    for r in out["ranks"]:
+        c, cmp = r["coords"], r["planner"]
+        mem, fl = cmp["memory_bytes"], cmp["flops_per_step"]
+        comm = " ".join(
+            f"{d} {v['dryrun'] / 2**20:,.1f} ({pct(v['rel'])})"
+            for d, v in cmp["comm_bytes_per_step"].items()
+            if v["dryrun"] or v["planner"]
+        )
+        table.add_row(
+            str(r["rank"]),
+            f"{c['pp']}/{c['sharding']}/{c['mp']}/{c['dp']}",
+            f"{mem['dryrun'] / 2**30:.3f}",
+            f"{mem['planner'] / 2**30:.3f}",
+            pct(mem["rel"]),
+            f"{fl['dryrun'] / 1e12:.3f}",
+            f"{fl['planner'] / 1e12:.3f}",
+            pct(fl["rel"]),
+            comm,
+        )
+    Console().print(table)
+    Console().print(
+        "Δ: planner relative to the dry run; comm: bytes this rank sends per step (ring algorithms)"
+    )
+
+
 def cmd_checkpoint(argv: list[str]) -> int:
     """`fleetwise checkpoint export RUN_DIR|CHECKPOINT [--out FILE]`: one consolidated state dict."""
     p = argparse.ArgumentParser(prog="fleetwise checkpoint", description=cmd_checkpoint.__doc__)
@@ -324,6 +450,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
     "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
     "train": (cmd_train, "run the job on torch.distributed (torchrun; -m for Hydra sweeps)"),
+    "dryrun": (
+        cmd_dryrun,
+        "the real runtime of any world size on fake tensors: memory, FLOPs, comm per rank",
+    ),
     "calibrate": (cmd_calibrate, "measure this machine (matmul, op overhead, all-reduce): hardware=local"),
     "checkpoint": (
         cmd_checkpoint,

@@ -64,6 +64,12 @@ def table_init(
     return out
 
 
+def _empty(cls, *args) -> nn.Module:
+    """A module with uninitialised parameters, on the current default device (`meta` when the
+    runtime builds the model's structure only)."""
+    return skip_init(cls, *args, device=torch.get_default_device())
+
+
 class CTRNet(nn.Module):
     # The collective runtime's model surface: CTR models are neither pipelined nor recomputed
     # (validation refuses both), so there are no repeated blocks; FSDP shards the root module.
@@ -80,20 +86,20 @@ class CTRNet(nn.Module):
         local = [t for t in cfg.sparse_tables if not (remote_tables and t.distributed)]
         k, d = cfg.embedding_dim, cfg.num_dense_features
         # skip_init: torch's default initialisation would be overwritten by reset_parameters anyway
-        self.embeddings = nn.ModuleDict({t.name: skip_init(nn.Embedding, t.num_embeddings, k) for t in local})
-        self.first_order = nn.ModuleDict(
-            {t.name: skip_init(nn.Embedding, t.num_embeddings, 1) for t in local}
-        )
+        self.embeddings = nn.ModuleDict({t.name: _empty(nn.Embedding, t.num_embeddings, k) for t in local})
+        self.first_order = nn.ModuleDict({t.name: _empty(nn.Embedding, t.num_embeddings, 1) for t in local})
         with warnings.catch_warnings():  # d = 0 (no dense features) is a valid, empty weight
             warnings.filterwarnings("ignore", "Initializing zero-element tensors")
-            self.dense_first_order = skip_init(nn.Linear, d, 1)
+            self.dense_first_order = _empty(nn.Linear, d, 1)
         dims = [len(self.fields) * k + d, *cfg.mlp_hidden, 1]
         layers: list[nn.Module] = []
         for i, (a, b) in enumerate(zip(dims, dims[1:], strict=False)):
-            layers.append(skip_init(nn.Linear, a, b))
+            layers.append(_empty(nn.Linear, a, b))
             if i < len(dims) - 2:
                 layers.append(nn.ReLU())
         self.mlp = nn.Sequential(*layers)
+        if self.mlp[0].weight.is_meta:  # built on `meta`: values come later, by initial_value
+            return
         self.reset_parameters(torch.initial_seed() if seed is None else seed)
 
     @torch.no_grad()
@@ -110,6 +116,29 @@ class CTRNet(nn.Module):
             bound = 1.0 / math.sqrt(max(lin.in_features, 1))
             for p in (lin.weight, lin.bias):
                 p.copy_(torch.rand(p.shape, generator=g) * 2 * bound - bound)
+
+    @torch.no_grad()
+    def initial_value(self, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The value `reset_parameters(seed)` gives parameter `name`, computed alone (for a model
+        built on `meta` and sharded before it is materialised: fleetwise.models.init)."""
+        kind, _, rest = name.partition(".")
+        if kind in ("embeddings", "first_order"):
+            field = self.fields.index(rest.split(".")[0])
+            rows = table_init(seed, field, shape[0], self.cfg.embedding_dim + 1)
+            return rows[:, :-1] if kind == "embeddings" else rows[:, -1:]
+        # the dense linears share one generator drawn in module order: replay it up to `name`
+        g = torch.Generator().manual_seed(mix_seed(seed, -1))
+        names = ["dense_first_order"] + [
+            f"mlp.{i}" for i, m in enumerate(self.mlp) if isinstance(m, nn.Linear)
+        ]
+        for lin_name in names:
+            lin = self.get_submodule(lin_name)
+            bound = 1.0 / math.sqrt(max(lin.in_features, 1))
+            for attr in ("weight", "bias"):
+                value = torch.rand(getattr(lin, attr).shape, generator=g) * 2 * bound - bound
+                if f"{lin_name}.{attr}" == name:
+                    return value
+        raise KeyError(name)
 
     def lookup(self, sparse_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the local tables: embeddings [B, F, k] and first-order weights [B, F]."""

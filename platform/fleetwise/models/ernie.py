@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fleetwise.models.transformer import PostLNBlock, init_transformer_weights
+from fleetwise.models.init import transformer_rule
+from fleetwise.models.transformer import PostLNBlock
 
 if TYPE_CHECKING:  # models depend on config only for type hints
     from fleetwise.config.model import ERNIEModel
@@ -65,7 +66,8 @@ class ERNIE(nn.Module):
         # Logits for every position (as BERT/ERNIE implementations do); the loss reads only the
         # masked ones, labelled in the data.
         self.head: nn.Module | None = MLMHead(h, cfg.padded_vocab_size)
-        init_transformer_weights(self, cfg.init_std, cfg.num_layers)
+        # initial values: fleetwise.models.init (drawn per parameter, after sharding)
+        self.init_rule = transformer_rule(cfg.init_std, cfg.num_layers)
 
     def forward(self, x: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(x, token_types) if self.embed is not None else x

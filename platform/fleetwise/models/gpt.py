@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetwise.models.transformer import PreLNBlock, init_transformer_weights
+from fleetwise.models.init import transformer_rule
+from fleetwise.models.transformer import PreLNBlock
 
 if TYPE_CHECKING:  # models depend on config only for type hints
     from fleetwise.config.model import GPTModel
@@ -49,7 +50,8 @@ class GPT(nn.Module):
         )
         self.norm: nn.Module | None = nn.LayerNorm(h)
         self.output: nn.Module | None = nn.Linear(h, cfg.padded_vocab_size, bias=False)
-        init_transformer_weights(self, cfg.init_std, cfg.num_layers)
+        # initial values: fleetwise.models.init (drawn per parameter, after sharding)
+        self.init_rule = transformer_rule(cfg.init_std, cfg.num_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] (first stage) or hidden states [b, s, h] -> logits [b, s, V] (last stage) or hidden."""

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fleetwise.models.init import resnet_rule
+
 if TYPE_CHECKING:  # models depend on config only for type hints
     from fleetwise.config.model import ResNetModel
 
@@ -90,12 +92,8 @@ class ResNet(nn.Module):
         self.head: nn.Module | None = nn.Sequential(
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, cfg.num_classes)
         )
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        # initial values: fleetwise.models.init (drawn per parameter, after sharding)
+        self.init_rule = resnet_rule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.stem(x) if self.stem is not None else x

@@ -8,8 +8,6 @@ local heads from the projection width, so the same code runs whole or sharded.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,19 +76,3 @@ class PostLNBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.ln1(x + self.drop(self.attn(x)))
         return self.ln2(x + self.drop(self.mlp(x)))
-
-
-def init_transformer_weights(model: nn.Module, std: float, num_layers: int) -> None:
-    """GPT-2 initialisation: N(0, std) weights, zero biases, and residual output projections
-    scaled by 1/sqrt(2·layers) so the residual stream does not grow with depth."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            scale = 1 / math.sqrt(2 * num_layers) if name.endswith(("attn.wo", "mlp.fc2")) else 1.0
-            nn.init.normal_(module.weight, 0.0, std * scale)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, std)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)

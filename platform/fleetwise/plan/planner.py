@@ -299,18 +299,20 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     k = optimizer_state_factor(cfg.optim.name, cfg.optim.momentum)
     update_scale = (2 + k) / 4 * hw.ranks_per_core * slow
     update_shard = layout.sharding if engine in ("fsdp", "zero1") else 1
-    stage_time, host_time, elementwise_time, update_time = [], [], [], []
+    stage_time, host_time, elementwise_time, update_time, device_flops = [], [], [], [], []
     for r in range(layout.pp):
         units = _rank_units(chunks, ranks, r)
         # both recompute modes re-run every op of a block in backward (selective reads saved
         # matmul results back, but still dispatches the ops)
         redo = [u for u in units if u.kind == "block"] if s.recompute != "none" else []
-        gemm = 0.0
+        gemm, done = 0.0, 0.0
         for u in units:
             flops = b * u.fwd_flops / layout.mp  # one micro-batch's forward on this rank
             if flops:
                 passes = 3 + (recompute_extra if u.kind == "block" else 0.0)
                 gemm += n * passes * flops / (peak * hw.gemm_fraction(flops / max(1, u.fwd_gemms)))
+                done += n * passes * flops
+        device_flops.append(done)
         redo_ops = sum(u.fwd_ops for u in redo)
         ops = sum(u.fwd_ops for u in units) + redo_ops
         elements = sum(u.fwd_elementwise for u in units + redo)
@@ -360,6 +362,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                 "layers": sum(1 for u in units if u.kind == "block"),
                 "params_per_device": int(per_rank[r][1] / (layout.sharding if engine == "fsdp" else 1)),
                 "memory_total_bytes": int(per_rank[r][0].total),
+                "flops_per_device": device_flops[r],  # this device's FLOPs per step, recompute included
                 "compute_s": stage_time[r],
             }
         )

@@ -44,10 +44,26 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
     return ModelSpec(CTRNet, ctr_loss, ("sparse_ids", "dense"))
 
 
+def build_meta_model(cfg: RunConfig) -> nn.Module:
+    """The model's structure on the `meta` device: no memory, no values (see materialize)."""
+    with torch.device("meta"):
+        return model_spec(cfg).build(cfg.model)
+
+
+def materialize(part: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a (possibly sharded) meta-built part on `device` -- only this rank's shards -- and
+    fill it with its slice of the layout-invariant initial values (fleetwise.models.init)."""
+    from fleetwise.models.init import init_weights_
+
+    part.to_empty(device=device)
+    init_weights_(part, seed)
+
+
 def build_model(cfg: RunConfig) -> nn.Module:
-    """The whole model, initialised identically in every process (same seed, same order of draws)."""
-    torch.manual_seed(cfg.train.seed)
-    return model_spec(cfg).build(cfg.model)
+    """The whole model on the host, with the initial values every layout starts from."""
+    model = build_meta_model(cfg)
+    materialize(model, torch.device("cpu"), cfg.train.seed)
+    return model
 
 
 def build_source(cfg: RunConfig):

@@ -9,6 +9,7 @@ wraps the finished chunk so its schedule can drive FSDP/DDP's gradient synchroni
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from fleetwise.config.strategy import CollectiveStrategy
 from fleetwise.models import pipeline_chunk
 from fleetwise.plan.pipeline import chunk_ranks, split_layers
 from fleetwise.runtime.mesh import process_group
-from fleetwise.runtime.modeling import ModelSpec, build_model, model_spec
+from fleetwise.runtime.modeling import ModelSpec, build_meta_model, materialize, model_spec
 from fleetwise.runtime.recompute import apply_recompute
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -58,13 +59,25 @@ class ParallelModel:
             part.train(mode)
 
 
-def parallelize(cfg: RunConfig, mesh: DeviceMesh, device: torch.device) -> ParallelModel:
+def parallelize(
+    cfg: RunConfig,
+    mesh: DeviceMesh,
+    device: torch.device,
+    allocate: Callable[[nn.Module], None] | None = None,
+) -> ParallelModel:
+    """allocate(part): turns a meta-built part into real tensors -- by default `materialize` (this
+    rank's shards on `device`, with the layout-invariant initial values); the dry run passes one
+    that allocates fake tensors (fleetwise.runtime.simulate)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     layout = Layout.of(cfg)
     spec = model_spec(cfg)
     engine = dp_engine(layout, s.sharding_stage)
-    model = build_model(cfg)  # whole and identical on every rank: every layout starts from the same weights
+    if allocate is None:
+        allocate = lambda part: materialize(part, device, cfg.train.seed)  # noqa: E731
+    # On `meta`: the structure of the whole model, no memory. Every rank keeps only its pipeline
+    # chunks and allocates only its shards, after TP/FSDP have decided what they are.
+    model = build_meta_model(cfg)
 
     # 1. pipeline: keep only this rank's chunks
     if layout.pp > 1:
@@ -84,15 +97,19 @@ def parallelize(cfg: RunConfig, mesh: DeviceMesh, device: torch.device) -> Paral
         num_chunks, chunk_ids, parts = 1, [0], [model]
 
     for i, part in enumerate(parts):
-        part.to(device)
         # 2. tensor parallel (Megatron plan; vocab-parallel embedding and LM head)
         if layout.mp > 1:
             parallelize_module(part, mesh["mp"], _existing(part, spec.tp_plan(s.sequence_parallel)))
         # 3. activation checkpointing of each block
         if s.recompute != "none":
             apply_recompute(part, s.recompute)
-        # 4. data parallel
+        # 4. data parallel. FSDP shards meta parameters (each rank then allocates 1/n of them);
+        # DDP broadcasts real values when it is built, so its part is allocated before.
+        if engine != "fsdp":
+            allocate(part)
         parts[i] = _data_parallel(part, cfg, mesh, engine, device)
+        if engine == "fsdp":
+            allocate(parts[i])
 
     pm = ParallelModel(parts, chunk_ids, num_chunks, engine, spec)
     if layout.pp > 1:

@@ -29,12 +29,13 @@ log = logging.getLogger("fleetwise")
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, plan: Plan, env: DistEnv, run_dir: Path):
+    def __init__(self, cfg: RunConfig, plan: Plan, env: DistEnv, run_dir: Path, allocate=None):
+        """allocate: how the meta-built model gets its tensors (see parallelize; the dry run's are fake)."""
         self.cfg, self.plan, self.env, self.run_dir = cfg, plan, env, run_dir
         self.layout = layout = Layout.of(cfg)
         self.mesh = layout.build_mesh(env.device.type)
         self.coords = layout.coords(env.rank)
-        self.model: ParallelModel = parallelize(cfg, self.mesh, env.device)
+        self.model: ParallelModel = parallelize(cfg, self.mesh, env.device, allocate)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.params = params
         zero = process_group(self.mesh, ("sharding",)) if self.model.engine == "zero1" else None

@@ -1,0 +1,143 @@
+"""`fleetwise dryrun`: the real per-rank runtime of a job of any size, on fake tensors.
+
+The config is validated exactly as `train` validates it (exit 2, nothing started). Then one
+process per selected rank runs `python -m fleetwise.runtime.simulate`: the same mesh, parallelize,
+optimizer and train step that `train` runs, under FakeTensorMode and the fake process group (see
+runtime/simulate.py). Each reports its peak live-tensor bytes, FLOPs and collective bytes per step;
+this module puts the planner's figures beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from fleetwise import rundir
+from fleetwise.config.layout import MESH_DIMS, Layout
+
+DIMS = ("dp", "sharding", "mp", "pp")
+
+
+def rank_of(layout: Layout, coords: dict[str, int]) -> int:
+    rank = 0
+    for name, size in zip(MESH_DIMS, layout.shape, strict=True):
+        rank = rank * size + coords.get(name, 0)
+    return rank
+
+
+def default_ranks(layout: Layout) -> list[int]:
+    """One rank per distinct role: every pipeline stage (they differ in layers and ends, and must
+    run together anyway, see `with_pipelines`), at the first and the last sharding coordinate (FSDP
+    shards may be uneven). Ranks that differ only in dp or mp coordinates hold the same shapes."""
+    shard_coords = sorted({0, layout.sharding - 1})
+    return sorted({rank_of(layout, {"pp": p, "sharding": s}) for p in range(layout.pp) for s in shard_coords})
+
+
+def with_pipelines(layout: Layout, ranks: list[int]) -> list[int]:
+    """The ranks plus every other stage of their pipelines: a stage learns its input shapes from its
+    neighbours before the first step (runtime.simulate.MetaRelay), so a pipeline runs whole."""
+    out = set()
+    for r in ranks:
+        c = layout.coords(r)
+        out.update(rank_of(layout, {**c, "pp": p}) for p in range(layout.pp))
+    return sorted(out)
+
+
+def parse_ranks(spec: str, world: int) -> list[int]:
+    """'0,5,8-11' or 'all' -> sorted ranks; ValueError names what is wrong."""
+    if spec == "all":
+        return list(range(world))
+    ranks: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        a, b = int(lo), int(hi or lo)
+        if not (0 <= a <= b < world):
+            raise ValueError(f"rank range {part!r} is outside 0..{world - 1}")
+        ranks.update(range(a, b + 1))
+    return sorted(ranks)
+
+
+def simulate(
+    cfg, plan, argv: list[str], ranks: list[int], steps: int, progress=print, workers: int | None = None
+) -> list[dict[str, Any]]:
+    """Run the selected ranks, `workers` processes at a time; returns their reports by rank."""
+    # pipeline stages wait for each other's metadata: all of them must be alive at once
+    from fleetwise.config.layout import Layout
+    from fleetwise.rundir import write_run_dir
+
+    parallel = len(ranks) if Layout.of(cfg).pp > 1 else min(len(ranks), os.cpu_count() or 1)
+    workers = workers or max(1, parallel)
+    with tempfile.TemporaryDirectory(prefix="fleetwise-dryrun-") as tmp:
+        run_dir = Path(tmp)
+        write_run_dir(run_dir, cfg, plan, argv)
+        (run_dir / "dryrun").mkdir()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        pending, running, failed = list(ranks), {}, []
+        while pending or running:
+            while pending and len(running) < workers:
+                rank = pending.pop(0)
+                log = rundir.rank_log(run_dir, rank).open("w")
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "fleetwise.runtime.simulate",
+                    str(run_dir),
+                    str(rank),
+                    str(steps),
+                ]
+                running[rank] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+                progress(f"rank {rank}: started ({len(ranks) - len(pending)}/{len(ranks)})")
+            time.sleep(0.2)
+            for rank, (proc, log) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                log.close()
+                del running[rank]
+                if proc.returncode:
+                    lines = rundir.rank_log(run_dir, rank).read_text().strip().splitlines()
+                    failed.append(f"rank {rank} (exit {proc.returncode}): {lines[-1] if lines else ''}")
+                    pending.clear()
+                    for other, _ in running.values():  # its pipeline peers would wait for it forever
+                        other.kill()
+                else:
+                    rep = json.loads((run_dir / "dryrun" / f"rank_{rank}.json").read_text())
+                    progress(
+                        f"rank {rank}: peak {rep['memory_bytes']['peak'] / 2**30:.3f} GiB, "
+                        f"{rep['flops_per_step'] / 1e12:.2f} TFLOP/step "
+                        f"({rep['time_s']['build']:.1f} s build, {rep['time_s']['steps']:.1f} s steps)"
+                    )
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        return [json.loads((run_dir / "dryrun" / f"rank_{r}.json").read_text()) for r in ranks]
+
+
+def rel(a: float, b: float) -> float | None:
+    """Relative difference of the planner's a from the dry run's b."""
+    return (a - b) / b if b else (0.0 if a == 0 else None)
+
+
+def compare(plan: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """The planner's figures for this rank beside the dry run's, with relative differences."""
+    pp = report["coords"]["pp"]
+    stage = (plan.get("stages") or [{}])[pp] if plan.get("stages") else {}
+    planned_mem = stage.get("memory_total_bytes", plan["memory_bytes"]["total"])
+    measured = report["comm_bytes_per_step"]
+    comm = {}
+    for dim in DIMS:
+        got = measured.get(dim, 0) + (measured.get("dp+sharding", 0) if dim == "dp" else 0)
+        want = plan["comm_bytes_per_step"].get(dim, 0)
+        comm[dim] = {"planner": want, "dryrun": got, "rel": rel(want, got)}
+    flops = stage.get("flops_per_device", 0.0)
+    return {
+        "memory_bytes": {"planner": planned_mem, "dryrun": report["memory_bytes"]["peak"]}
+        | {"rel": rel(planned_mem, report["memory_bytes"]["peak"])},
+        "flops_per_step": {"planner": flops, "dryrun": report["flops_per_step"]}
+        | {"rel": rel(flops, report["flops_per_step"])},
+        "comm_bytes_per_step": comm,
+    }

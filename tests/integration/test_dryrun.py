@@ -1,0 +1,55 @@
+"""`fleetwise dryrun` runs the real runtime on fake tensors; here it is held against real runs.
+
+For each small layout, the same config is trained for real (gloo, one process per rank, the live
+tensor bytes of every allocation tracked on the first steps: `memory/peak_bytes_max`) and dry-run
+(every rank, fake tensors, the fake process group); the dry run's worst rank must match the real
+worst rank within 2%. The planner's figures are checked against the dry run in test_planner_vs_dryrun.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+GPT = ("recipe=gpt/tiny", "train.steps=2", "optim=adamw")
+LAYOUTS = {
+    "dp2_ddp": (("strategy=dp",), 2),
+    "sharding2_stage1_zero": (("strategy=sharding", "strategy.sharding_stage=1"), 2),
+    "sharding2_stage3": (("strategy=sharding", "strategy.sharding_stage=3"), 2),
+    "mp2_sequence_parallel": (("strategy=mp", "strategy.mp_degree=2", "strategy.sequence_parallel=true"), 2),
+    "pp2_1F1B": (("strategy=pp", "strategy.schedule=1F1B"), 2),
+    "hybrid_pp2_sharding2_mp2": (
+        (
+            "strategy=hybrid",
+            "strategy.pp_degree=2",
+            "strategy.sharding_degree=2",
+            "strategy.sharding_stage=2",
+            "strategy.mp_degree=2",
+            "strategy.dp_degree=1",
+        ),
+        8,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_dryrun_peak_matches_the_real_run(tmp_path, name):
+    overrides, procs = LAYOUTS[name]
+    args = (*GPT, *overrides, f"hardware.devices_per_node={procs}")
+    r = run_cli("train", *args, "tracking.enabled=false", f"run.dir={tmp_path / 'real'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    real = read_metrics(tmp_path / "real")[-1]["memory/peak_bytes_max"]
+
+    r = run_cli("dryrun", *args, "--ranks", "all", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert [x["rank"] for x in out["ranks"]] == list(range(procs))
+    simulated = max(x["memory_bytes"]["peak"] for x in out["ranks"])
+    print(f"{name}: real {real:,.0f} B, dry run {simulated:,} B ({simulated / real - 1:+.2%})")
+    assert abs(simulated / real - 1) <= 0.02, (real, simulated)
+    for x in out["ranks"]:  # the run did the work: FLOPs counted on every rank
+        assert x["flops_per_step"] > 0
