@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         out.write_text(json.dumps({"skipped": "no CUDA device"}))
         return 0
-    from fleetwise.runtime.calibrate import gemm_flops
+    from fleetwise.launcher.calibrate import gemm_flops
 
     peak = max(gemm_flops(n, torch.device("cuda", 0), torch.bfloat16) for n in (4096, 8192))
     variants = (

@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fleetwise.config.problems import Problem, did_you_mean
-from fleetwise.plan.preflight import preflight
+from fleetwise.launcher.preflight import preflight
 from fleetwise.tracking import commands as tracking  # light: mlflow loads inside the commands
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
@@ -173,7 +173,7 @@ def cmd_plan(argv: list[str]) -> int:
 
 def cmd_train(argv: list[str]) -> int:
     """Validate every sweep point (exit 2, nothing started), then run the job(s) through Hydra."""
-    from fleetwise import train as tc
+    from fleetwise.launcher import train as tc
 
     multirun = any(a in tc.MULTIRUN_FLAGS for a in argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -206,7 +206,7 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_dryrun(argv: list[str]) -> int:
     """Validate like `train` (exit 2, nothing started), then run the selected ranks' real runtime
-    on fake tensors and the fake process group (fleetwise.dryrun); planner figures beside them."""
+    on fake tensors and the fake process group (fleetwise.launcher.dryrun); planner figures beside them."""
     p = _parser("dryrun", cmd_dryrun.__doc__)
     p.add_argument(
         "--ranks", default="roles", help="'roles' (one per distinct role), 'all', or e.g. 0,7,8-11"
@@ -217,7 +217,7 @@ def cmd_dryrun(argv: list[str]) -> int:
         return print_help("dryrun")
     if args.cfg:
         return _print_cfg(args.overrides, args.cfg, args.resolve)
-    from fleetwise import dryrun
+    from fleetwise.launcher import dryrun
 
     # a dry run is how one checks a job that may not fit: the memory rule only warns here
     pf = preflight(args.overrides, launching=True, enforce_memory=False)
@@ -418,7 +418,7 @@ def cmd_calibrate(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p.add_argument("--no-comm", action="store_true", help="skip the 2-process all-reduce measurement")
     args = p.parse_args(argv)
-    from fleetwise.runtime.calibrate import calibrate, profile, profile_yaml
+    from fleetwise.launcher.calibrate import calibrate, profile, profile_yaml
 
     cal = calibrate(comm=not args.no_comm)
     out = Path(args.out) if args.out else user_config_dir() / "hardware" / f"{args.name}.yaml"

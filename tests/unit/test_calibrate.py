@@ -35,7 +35,7 @@ MEASURED = dict(
 
 @pytest.fixture
 def local_profile(tmp_path, monkeypatch):
-    from fleetwise.runtime.calibrate import Calibration, profile_yaml
+    from fleetwise.launcher.calibrate import Calibration, profile_yaml
 
     (tmp_path / "hardware").mkdir()
     (tmp_path / "hardware" / "local.yaml").write_text(profile_yaml(Calibration(**MEASURED)))
@@ -83,7 +83,7 @@ def test_gloo_ddp_bucket_copy_is_planned_nccl_is_not():
 
 @pytest.mark.parametrize("recipe", ["gpt/tiny", "ernie/tiny", "resnet/tiny"])
 def test_planned_op_counts_match_the_ops_torch_dispatches(recipe):
-    from fleetwise.runtime.calibrate import OpCounter
+    from fleetwise.launcher.calibrate import OpCounter
     from fleetwise.runtime.modeling import build_model, build_source, model_spec
 
     cfg, problems = compose(f"recipe={recipe}", "hardware.devices_per_node=1")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import compose
 
-from fleetwise.runtime import launch
+from fleetwise.launcher import launch
 from fleetwise.runtime.checkpoint_files import (
     META,
     checkpoint_dir,
@@ -72,7 +72,7 @@ def test_one_job_holds_the_run_dir_at_a_time(tmp_path):
 
     held = launch.lock_run_dir(tmp_path)
     code = (
-        "import sys; from pathlib import Path; from fleetwise.runtime import launch\n"
+        "import sys; from pathlib import Path; from fleetwise.launcher import launch\n"
         "try:\n    launch.lock_run_dir(Path(sys.argv[1]))\nexcept launch.RunDirBusy as e:\n"
         "    print(e); sys.exit(3)\n"
     )
@@ -150,7 +150,7 @@ def test_rdzv_id_is_random_per_single_node_job_and_shared_by_the_nodes_of_one_jo
 
 @pytest.mark.parametrize("resume", ["/etc/passwd", "/etc"])
 def test_resume_from_something_that_is_no_checkpoint_is_refused_before_launch(resume):
-    from fleetwise.train import check_points
+    from fleetwise.launcher.train import check_points
 
     problems, checked = check_points([["recipe=gpt/tiny", f"checkpoint.resume={resume}"]])
     assert checked == {}  # nothing to launch

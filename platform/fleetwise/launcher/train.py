@@ -18,8 +18,8 @@ from rich.console import Console
 from fleetwise import rundir
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
+from fleetwise.launcher.preflight import preflight
 from fleetwise.plan.planner import Plan
-from fleetwise.plan.preflight import preflight
 from fleetwise.rundir import Summary
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
@@ -52,7 +52,7 @@ class Checked:
 def check_points(points: list[list[str]]) -> tuple[list[Problem], dict[tuple[str, ...], Checked]]:
     """Every problem of every point (exit 2 before anything starts), and each valid point's config
     and plan, keyed by its overrides, for the job to run without validating or planning again."""
-    from fleetwise.runtime.launch import capacity_problem, gpu_problem, run_dir_problems
+    from fleetwise.launcher.launch import capacity_problem, gpu_problem, run_dir_problems
 
     problems: list[Problem] = []
     checked: dict[tuple[str, ...], Checked] = {}
@@ -218,8 +218,8 @@ def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_pat
     """Run one job: launch the ranks, follow them, own its MLflow run, print the summary."""
     from rich.markup import escape
 
+    from fleetwise.launcher.launch import RunDirBusy, clear_run_dir, lock_run_dir
     from fleetwise.plan.render import describe_job
-    from fleetwise.runtime.launch import RunDirBusy, clear_run_dir, lock_run_dir
 
     console.print(
         f"[bold]fleetwise train[/] · {describe_job(cfg, plan)} · run dir {run_dir}", highlight=False
@@ -238,7 +238,7 @@ def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_pat
 def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_paths) -> int:
     from rich.markup import escape
 
-    from fleetwise.runtime.launch import launch_job
+    from fleetwise.launcher.launch import launch_job
     from fleetwise.runtime.lifeline import Stopped, stop_signals
 
     tracker = _Tracking(cfg, plan, run_dir, env_paths)
@@ -297,7 +297,7 @@ def redact_params(params: dict[str, str], env_paths=(), environ=None) -> dict[st
     value equal to a credential in the environment (a tracking password, a token)."""
     import os
 
-    from fleetwise.runtime.launch import is_secret_name
+    from fleetwise.launcher.launch import is_secret_name
 
     environ = os.environ if environ is None else environ
     secrets = {v for k, v in environ.items() if is_secret_name(k) and len(v) >= 4}
