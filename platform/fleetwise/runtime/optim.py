@@ -117,13 +117,16 @@ class Optimizers:
         return [getattr(o, "optim", o) for o in self.optimizers]
 
 
-def grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
+def grad_norm(params: list[nn.Parameter], pp_group=None, device: torch.device | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients of the job.
 
     Gradients are grouped by their DTensor layout (mesh and placements: FSDP shards, TP shards,
     replicas); DTensor computes each group's norm with the right reduction (a sharded dim is
     summed, a replicated one is not). Plain tensors are whole on every rank that holds them.
-    Pipeline stages own disjoint parameters, so their squared norms are summed across pp."""
+    Pipeline stages own disjoint parameters, so their squared norms are summed across pp.
+
+    The result lives on `device` (the job's device), where the pipeline reduction and the
+    trainer's finite-flag all-reduce need it: offloaded gradients are on the host."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is None:
@@ -131,7 +134,7 @@ def grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
         g = p.grad
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else "local"
         groups[key].append(g)
-    device = next((p.device for p in params), torch.device("cpu"))
+    device = device or next((p.device for p in params), torch.device("cpu"))
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     # a fixed group order, so every rank of a DTensor mesh calls its collectives in the same order
     for key in sorted(groups, key=str):

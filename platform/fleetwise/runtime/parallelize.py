@@ -39,6 +39,18 @@ class ParallelModel:
     spec: ModelSpec
     schedule: object | None = None  # torch.distributed.pipelining schedule when pp > 1
     stages: list = field(default_factory=list)
+    scaler: object | None = None  # fp16's GradScaler: the pipeline scales the loss it back-propagates
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss, in fp32 on every engine: FSDP's mixed precision runs without
+        autocast (which would upcast the cross entropy), so its 16-bit logits are upcast here."""
+        return self.spec.loss(out.float(), target)
+
+    def pipeline_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: it runs the backward itself, so fp16's loss scaling must
+        happen here -- otherwise unscale_ divides unscaled gradients by the scale (2^16)."""
+        loss = self.loss(out, target)
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     @property
     def has_first(self) -> bool:
@@ -190,4 +202,4 @@ def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device:
     # scale_grads divides by the micro-batch count, so gradients are the mean over micro-batches
     # (the same objective as one process averaging the same micro-batches).
     stage = pm.stages if s.schedule not in ("GPipe", "1F1B") else pm.stages[0]
-    pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.spec.loss, scale_grads=True)
+    pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.pipeline_loss, scale_grads=True)
