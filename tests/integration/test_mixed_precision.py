@@ -10,7 +10,7 @@ import math
 import subprocess
 
 import pytest
-from conftest import compose, read_metrics
+from conftest import compose, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +54,25 @@ def test_fp16_pipeline_gradient_norms_equal_one_stage(tmp_path):
         assert a == pytest.approx(b, rel=2e-3)
     for a, b in zip(got, ref, strict=True):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-3)
+
+
+def test_resnet_batchnorm_under_fsdp_bf16(tmp_path):
+    """FSDP's mixed precision casts parameters to bf16 but not BatchNorm's running statistics
+    ("expected scalar type BFloat16 but found Float"; on CUDA "Expected running_mean to have type
+    BFloat16", cf. torchtitan#674): BatchNorm keeps fp32 parameters in units of their own. The
+    FSDP run's losses equal DDP's under autocast (which runs BatchNorm the same way)."""
+    runs = {}
+    for name, layout in {
+        "fsdp": ("strategy=sharding", "strategy.sharding_stage=2"),
+        "ddp": ("strategy=dp",),
+    }.items():
+        run_dir = tmp_path / name
+        r = run_cli(
+            "train", "recipe=resnet/tiny", *layout, "hardware.devices_per_node=2", "train.precision=bf16",
+            "hardware.has_bf16=true", "train.steps=2", "checkpoint.enabled=false", "tracking.enabled=false",
+            f"run.dir={run_dir}", cwd=tmp_path,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        runs[name] = [m["train/loss"] for m in read_metrics(run_dir)]
+    print(runs)
+    assert runs["fsdp"] == pytest.approx(runs["ddp"], rel=1e-3)

@@ -163,6 +163,13 @@ def _data_parallel(
     if s.offload:
         # the default policy pins host memory, which needs an accelerator (fails on CPU-only machines)
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    if "mp_policy" in kwargs:
+        # BatchNorm keeps fp32 parameters, in units of their own: FSDP casts a unit's parameters
+        # but not its buffers, and batch_norm wants weight and running statistics in one dtype
+        # (fp32 with a 16-bit input is what autocast runs too; cf. torchtitan#674)
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=False)
+        for bn in [m for m in part.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(bn, reshard_after_forward=reshard, **{**kwargs, "mp_policy": fp32})
     for block in part.layers.values():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(part, reshard_after_forward=reshard, **kwargs)
