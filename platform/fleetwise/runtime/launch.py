@@ -80,6 +80,19 @@ def gpu_problem(cfg: RunConfig) -> str | None:
     )
 
 
+def job_id(cfg: RunConfig) -> str:
+    """An id every node of one job derives alike: a hash of the resolved config without what
+    differs per node (its rank, its run directory -- by default a timestamp of when that node
+    started, so nodes starting in different seconds would join different rendezvous)."""
+    import hashlib
+
+    data = cfg.model_dump(mode="json")
+    data["launch"] = {k: v for k, v in data["launch"].items() if k not in ("node_rank", "rdzv_id")}
+    data["run"] = {k: v for k, v in data["run"].items() if k != "dir"}
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    return f"fleetwise-{digest}"
+
+
 def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
     launch = cfg.launch
     host, _, port = launch.rdzv_endpoint.rpartition(":")
@@ -87,7 +100,7 @@ def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
     if launch.nnodes == "1" and int(port) == 0:
         cmd.append("--standalone")  # c10d rendezvous on a free local port
     else:
-        rdzv_id = launch.rdzv_id or cfg.run.name or run_dir.name
+        rdzv_id = launch.rdzv_id or cfg.run.name or job_id(cfg)
         cmd += [
             f"--nnodes={launch.nnodes}",
             f"--node-rank={launch.node_rank}",

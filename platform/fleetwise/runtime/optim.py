@@ -148,8 +148,7 @@ def grad_norm(params: list[nn.Parameter], pp_group=None, device: torch.device | 
 
 
 def clip_(params: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
-    coef = max_norm / (float(total) + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    """Scale gradients to a global norm of at most max_norm, given the norm `grad_norm` computed.
+    torch's foreach kernels: one multiply per device and dtype instead of a launch per parameter,
+    and the clip factor stays on the device (no host sync)."""
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)

@@ -216,6 +216,7 @@ class Trainer:
                 elapsed,
                 float(self.memory.peak),
                 float(rss_peak_bytes()),
+                float(self.memory.reserved),
             ],
             dtype=torch.float64,
             device=self.env.device,  # NCCL gathers only device tensors
@@ -249,10 +250,13 @@ class Trainer:
             "memory/peak_bytes_mean": float(table[:, 3].mean()),
             "memory/rss_peak_bytes_max": float(table[:, 4].max()),
             "memory/predicted_bytes": float(plan["memory_bytes"]["total"]),
+            "memory/reserved_bytes_max": float(table[:, 5].max()),
             "train/skipped_steps": float(self.skipped),
         }
         if cfg.model.family not in ("gpt", "ernie"):
             metrics.pop("perf/tokens_per_s")
+        if self.env.device.type != "cuda":  # no caching allocator: nothing reserved beyond tensors
+            metrics.pop("memory/reserved_bytes_max")
         return metrics
 
     # ------------------------------------------------------------------------------------------------
