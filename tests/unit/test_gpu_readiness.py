@@ -120,3 +120,46 @@ def test_clipping_uses_foreach_kernels():
     assert not any(c.startswith("aten.mul_") for c in calls), calls
     assert any("_foreach_mul" in c for c in calls), calls
     assert grad_norm(params).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_calibrated_v100_profile_has_no_bf16():
+    """A V100 runs bf16 emulated: its profile takes the measured fp16 peak for fp16 and says
+    has_bf16=false (it used to copy the emulated bf16 number into fp16 and claim bf16)."""
+    from test_calibrate import MEASURED
+
+    from fleetwise.runtime.calibrate import Calibration, profile
+
+    cal = Calibration(
+        **{
+            **MEASURED,
+            "device_type": "cuda",
+            "backend": "nccl",
+            "has_bf16": False,
+            "peak_flops": {"fp32": 15.7e12, "tf32": 15.7e12, "fp16": 112e12},
+        }  # fmt: skip
+    )
+    hw = profile(cal, "v100_local")
+    assert hw["has_bf16"] is False
+    assert hw["peak_tflops"]["bf16"] is None
+    assert hw["peak_tflops"]["fp16"] == pytest.approx(112.0)
+
+
+def test_calibrate_nccl_probe_selects_its_gpu_first(monkeypatch, tmp_path):
+    """NCCL binds a communicator to the current device: each probe rank selects its own GPU
+    before joining, or every rank would run on GPU 0."""
+    import torch
+    import torch.distributed as dist
+
+    from fleetwise.runtime import calibrate
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
+
+    def init(*args, **kwargs):
+        calls.append(("init", args[0]))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    with pytest.raises(RuntimeError, match="stop here"):
+        calibrate._allreduce_worker(1, 2, str(tmp_path / "init"), "nccl", str(tmp_path / "out"))
+    assert calls == [("set_device", "cuda:1"), ("init", "nccl")]
