@@ -149,6 +149,17 @@ def grad_norm(params: list[nn.Parameter], pp_group=None, device: torch.device | 
 
 def clip_(params: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
     """Scale gradients to a global norm of at most max_norm, given the norm `grad_norm` computed.
-    torch's foreach kernels: one multiply per device and dtype instead of a launch per parameter,
-    and the clip factor stays on the device (no host sync)."""
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+
+    One foreach multiply per group of gradients that share a device, dtype and DTensor mesh (a
+    foreach op cannot mix meshes: TP and FSDP gradients of a hybrid job live on different ones),
+    instead of a kernel launch per parameter; the factor stays on the device (no host sync, as in
+    torch.nn.utils.clip_grads_with_norm_, which refuses such mixed DTensor lists)."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            mesh = g.device_mesh if isinstance(g, DTensor) else None
+            groups[(mesh, g.device, g.dtype)].append(g)
+    for (_, device, dtype), grads in groups.items():
+        torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
