@@ -59,6 +59,7 @@ class Metric:
     PEAK_BYTES_MEAN = "memory/peak_bytes_mean"
     RSS_PEAK_BYTES_MAX = "memory/rss_peak_bytes_max"
     PREDICTED_BYTES = "memory/predicted_bytes"
+    RESERVED_BYTES_MAX = "memory/reserved_bytes_max"  # CUDA: what the caching allocator holds
     # parameter server jobs
     SAMPLES_PER_S_PER_TRAINER = "perf/samples_per_s_per_trainer"
     SERVER_BYTES_MAX = "memory/server_bytes_max"

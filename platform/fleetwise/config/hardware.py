@@ -30,6 +30,20 @@ class HardwareConfig(Section):
         ge=1, description="Ranks per machine (GPUs, or processes on a CPU machine)."
     )
     memory_per_device_gib: float = Field(gt=0, description="Memory one rank may use, GiB.")
+    device_overhead_gib: float = Field(
+        0.0,
+        ge=0,
+        description="Memory of one device that training tensors never get: the gap between the nominal "
+        "capacity and what the driver exposes, the CUDA context, NCCL's buffers and the cuBLAS workspace "
+        "(GPU profiles document their estimate; 0 on CPUs).",
+    )
+    fragmentation: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Fraction of the capacity the caching allocator holds reserved but cannot hand out "
+        "(fragmentation); the plan fits only below capacity - overhead - this share.",
+    )
     peak_tflops: PeakTflops
     has_bf16: bool = Field(
         description="Whether bf16 arithmetic is native (V100: no; AVX2-only CPUs: emulated)."
@@ -134,6 +148,11 @@ class HardwareConfig(Section):
     @property
     def memory_per_device_bytes(self) -> int:
         return int(self.memory_per_device_gib * GIB)
+
+    @property
+    def device_overhead_bytes(self) -> int:
+        """Per-device memory the planner reserves before training tensors (see the two fields)."""
+        return int(self.device_overhead_gib * GIB + self.fragmentation * self.memory_per_device_bytes)
 
     @property
     def threads_per_rank(self) -> int | None:

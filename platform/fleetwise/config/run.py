@@ -70,7 +70,9 @@ class LaunchConfig(Section):
         "127.0.0.1:0", description="host:port of the c10d rendezvous (port 0: pick a free one)."
     )
     rdzv_id: str | None = Field(
-        None, description="Rendezvous id shared by all nodes of one job (default: run name)."
+        None,
+        description="Rendezvous id shared by all nodes of one job (default: run.name, else a hash of the "
+        "resolved config without node_rank and run.dir, which every node derives alike).",
     )
     max_restarts: int = Field(0, ge=0, description="torchrun restarts of the whole group after a failure.")
     rdzv_last_call_s: int = Field(

@@ -92,6 +92,7 @@ class Calibration:
     conv_call_us: float = 0.0
     checkpoint_op_us: float = 0.0
     selective_checkpoint_op_us: float = 0.0
+    has_bf16: bool | None = None  # native bf16 (None: a GPU is assumed to have it, a CPU not)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -400,6 +401,9 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
 
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        # NCCL binds a communicator to the current device: without this every rank would use GPU 0
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     results = {}
@@ -489,10 +493,16 @@ def calibrate(*, comm: bool = True) -> Calibration:
         if cuda:
             torch.backends.cuda.matmul.allow_tf32 = True
             peak["tf32"] = max(gemm_flops(n, device, torch.float32) for n in (4096, 8192))
-            peak["bf16"] = max(gemm_flops(n, device, torch.bfloat16) for n in (4096, 8192))
+            peak["fp16"] = max(gemm_flops(n, device, torch.float16) for n in (4096, 8192))
+            # V100 runs bf16 emulated (far below its fp16 peak): it is no training precision there
+            has_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+            if has_bf16:
+                peak["bf16"] = max(gemm_flops(n, device, torch.bfloat16) for n in (4096, 8192))
             torch.backends.cuda.matmul.allow_tf32 = False
-        train = training_gemm_flops(device, torch.bfloat16 if cuda else torch.float32)
-        efficiency = min(1.0, train / (peak["bf16"] if cuda else peak["fp32"]))
+        half = ("bf16" if has_bf16 else "fp16") if cuda else "fp32"
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        train = training_gemm_flops(device, dtypes[half])
+        efficiency = min(1.0, train / peak[half])
         # on a GPU kernels queue behind the device's work: no host cost is charged
         host = {"op_overhead_us": 0.0} if cuda else _cpu_host_costs(peak["fp32"])
         torch.set_num_threads(1)
@@ -517,6 +527,7 @@ def calibrate(*, comm: bool = True) -> Calibration:
         matmul_efficiency=efficiency,
         memory_gib=_memory_gib(device),
         notes=notes,
+        has_bf16=has_bf16 if cuda else False,
         **host,
         **comm_speed,
     )
@@ -541,9 +552,13 @@ def profile(cal: Calibration, name: str = "local") -> dict[str, Any]:
             "fp32": round(tflops["fp32"], 6),
             "tf32": round(tflops["tf32"], 3) if "tf32" in tflops else None,
             "bf16": round(tflops["bf16"], 3) if "bf16" in tflops else None,
-            "fp16": round(tflops["bf16"], 3) if "bf16" in tflops else None,
+            "fp16": round(tflops["fp16"], 3) if "fp16" in tflops else None,
         },
-        "has_bf16": not cpu,
+        "has_bf16": (not cpu) if cal.has_bf16 is None else cal.has_bf16,
+        # the measured capacity is what torch sees; a GPU still loses its CUDA context, NCCL buffers
+        # and cuBLAS workspace (~1.6 GiB, see conf/hardware/h100.yaml) and ~5 % to fragmentation
+        "device_overhead_gib": 0.0 if cpu else 1.6,
+        "fragmentation": 0.0 if cpu else 0.05,
         "intra_node_gbps": round(cal.allreduce_gbps, 3) if cal.allreduce_gbps else (2.0 if cpu else 450.0),
         "inter_node_gbps": 1.25 if cpu else 50.0,  # not measurable from one machine: 10 GbE / 400 Gb/s NDR
         "shared_compute": cpu,

@@ -258,8 +258,11 @@ def rdzv_id(cfg: RunConfig) -> str:
         return f"fw-{secrets.token_hex(12)}"
     import hashlib
 
+    # what differs per node is left out: its rank and its run directory (by default a timestamp
+    # of when that node started: nodes starting in different seconds would not meet)
     data = cfg.model_dump(mode="json")
     data["launch"].pop("node_rank", None)
+    data["run"].pop("dir", None)
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
     return f"fw-{digest[:24]}"
 

@@ -56,6 +56,12 @@ def memory_problem(plan: Plan, fixes: list[Remedy]) -> Problem:
         f"the worst device needs {gib(m['total'])} (params {gib(m['params'])}, grads {gib(m['grads'])}, "
         f"optimizer {gib(m['optimizer'])}, activations {gib(m['activations'])}, inputs {gib(m['inputs'])}, pipeline buffers "
         f"{gib(m['pipeline_buffers'])}) but has "
-        f"{gib(plan.device_memory_bytes)}",
+        f"{gib(plan.device_memory_bytes)}"
+        + (
+            f" of which {gib(plan.usable_memory_bytes)} are usable (hardware.device_overhead_gib, "
+            "hardware.fragmentation)"
+            if plan.device_overhead_bytes
+            else ""
+        ),
         f"cheapest remedies: {cures}; or plan.memory_check=warn to launch anyway",
     )

@@ -62,12 +62,14 @@ class Plan:
     batch: dict[str, int]
     memory_bytes: dict[str, int]
     device_memory_bytes: int
-    fits: bool
+    fits: bool  # memory_bytes["total"] <= usable_memory_bytes
     flops_per_step: float
     bubble_fraction: float
     step_time_s: float
     mfu: float
     # beyond the contract
+    device_overhead_bytes: int = 0  # context, NCCL, cuBLAS, fragmentation (hardware.device_overhead_*)
+    usable_memory_bytes: int = 0  # device_memory_bytes - device_overhead_bytes
     device_peak_flops: float = 0.0  # peak FLOP/s of one device at the training precision (MFU's denominator)
     engine: str = "none"
     precision: str = "fp32"
@@ -386,7 +388,9 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         },
         memory_bytes=mem.as_ints(),
         device_memory_bytes=device_mem,
-        fits=mem.total <= device_mem,
+        fits=mem.total <= device_mem - hw.device_overhead_bytes,
+        device_overhead_bytes=hw.device_overhead_bytes,
+        usable_memory_bytes=device_mem - hw.device_overhead_bytes,
         flops_per_step=float(flops_per_step),
         bubble_fraction=bubble,
         step_time_s=step,
@@ -568,7 +572,9 @@ def _ps_plan(cfg: RunConfig) -> Plan:
         },
         memory_bytes=mem.as_ints(),
         device_memory_bytes=hw.memory_per_device_bytes,
-        fits=worst <= hw.memory_per_device_bytes,
+        fits=worst <= hw.memory_per_device_bytes - hw.device_overhead_bytes,
+        device_overhead_bytes=hw.device_overhead_bytes,
+        usable_memory_bytes=hw.memory_per_device_bytes - hw.device_overhead_bytes,
         flops_per_step=float(flops_per_step),
         bubble_fraction=0.0,
         step_time_s=step,

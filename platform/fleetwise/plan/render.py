@@ -84,7 +84,13 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
     t.add_row("params", count(plan.params))
     mem = plan.memory_bytes
     verdict = "[green]fits[/]" if plan.fits else "[bold red]does NOT fit[/]"
-    t.add_row("memory/device", f"{gib(mem['total'])} of {gib(plan.device_memory_bytes)} · {verdict}")
+    usable = (
+        f" (usable {gib(plan.usable_memory_bytes)} after {gib(plan.device_overhead_bytes)} context/NCCL/cuBLAS/"
+        "fragmentation)"
+        if plan.device_overhead_bytes
+        else ""
+    )
+    t.add_row("memory/device", f"{gib(mem['total'])} of {gib(plan.device_memory_bytes)}{usable} · {verdict}")
     t.add_row(
         "",
         f"params {gib(mem['params'])} · grads {gib(mem['grads'])} · optimizer {gib(mem['optimizer'])}"

@@ -117,7 +117,9 @@ def state_tensors(modules: list, optimizers: list, stages: list = ()) -> list[to
 class TensorPeak:
     """Peak bytes of live tensors during a step.
 
-    GPU: the allocator's max_memory_allocated (reset every step), exact and free.
+    GPU: the allocator's max_memory_allocated (reset every step), exact and free, and beside it
+    max_memory_reserved: what the caching allocator held from the device (allocated plus its cache
+    and fragmentation) -- the number an OOM is about.
     CPU: `LiveTensorBytes` follows every allocation through a dispatch mode; that costs time, so
     only sampled steps are tracked: the first two this process runs (in a fresh job the second is
     the first with optimizer state, i.e. the steady-state peak; a resumed job has it from the first)."""
@@ -126,6 +128,7 @@ class TensorPeak:
         self.device = device
         self.samples = samples  # steps still to track
         self.peak = 0  # running max over measured steps
+        self.reserved = 0  # CUDA: running max of the allocator's reserved bytes (0 elsewhere)
 
     @contextlib.contextmanager
     def measure(self, modules: list, optimizers: list, stages: list = ()) -> Iterator[None]:
@@ -133,6 +136,7 @@ class TensorPeak:
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
             self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+            self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
             return
         if self.samples <= 0:
             yield

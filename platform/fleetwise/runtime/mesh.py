@@ -54,7 +54,7 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
         dist.init_process_group(
-            backend=cfg.hardware.backend,
+            backend=process_group_backend(cfg),
             store=attempt_store(rank, world, restart, timeout),
             rank=rank,
             world_size=world,
@@ -62,6 +62,17 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
             device_id=device if device.type == "cuda" else None,
         )
     return DistEnv(rank, world, local, device, restart)
+
+
+def process_group_backend(cfg: RunConfig) -> str:
+    """The backend string of the job's process group. NCCL reduces only CUDA tensors; FSDP2's CPU
+    offload keeps gradients (and GradScaler's found_inf) on the host, where DTensor reduces them
+    for the gradient norm and the overflow check. Such a job gets gloo for its CPU tensors beside
+    NCCL for the rest, as torchtune does (cf. pytorch#148532)."""
+    backend = cfg.hardware.backend
+    if backend == "nccl" and getattr(cfg.strategy, "offload", False):
+        return "cpu:gloo,cuda:nccl"
+    return backend
 
 
 def attempt_store(rank: int, world: int, restart: int, timeout: timedelta) -> dist.Store:

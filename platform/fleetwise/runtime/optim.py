@@ -117,13 +117,16 @@ class Optimizers:
         return [getattr(o, "optim", o) for o in self.optimizers]
 
 
-def grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
+def grad_norm(params: list[nn.Parameter], pp_group=None, device: torch.device | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients of the job.
 
     Gradients are grouped by their DTensor layout (mesh and placements: FSDP shards, TP shards,
     replicas); DTensor computes each group's norm with the right reduction (a sharded dim is
     summed, a replicated one is not). Plain tensors are whole on every rank that holds them.
-    Pipeline stages own disjoint parameters, so their squared norms are summed across pp."""
+    Pipeline stages own disjoint parameters, so their squared norms are summed across pp.
+
+    The result lives on `device` (the job's device), where the pipeline reduction and the
+    trainer's finite-flag all-reduce need it: offloaded gradients are on the host."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is None:
@@ -131,7 +134,7 @@ def grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
         g = p.grad
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else "local"
         groups[key].append(g)
-    device = next((p.device for p in params), torch.device("cpu"))
+    device = device or next((p.device for p in params), torch.device("cpu"))
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     # a fixed group order, so every rank of a DTensor mesh calls its collectives in the same order
     for key in sorted(groups, key=str):
@@ -145,8 +148,18 @@ def grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
 
 
 def clip_(params: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
-    coef = max_norm / (float(total) + 1e-6)
-    if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    """Scale gradients to a global norm of at most max_norm, given the norm `grad_norm` computed.
+
+    One foreach multiply per group of gradients that share a device, dtype and DTensor mesh (a
+    foreach op cannot mix meshes: TP and FSDP gradients of a hybrid job live on different ones),
+    instead of a kernel launch per parameter; the factor stays on the device (no host sync, as in
+    torch.nn.utils.clip_grads_with_norm_, which refuses such mixed DTensor lists)."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            mesh = g.device_mesh if isinstance(g, DTensor) else None
+            groups[(mesh, g.device, g.dtype)].append(g)
+    for (_, device, dtype), grads in groups.items():
+        torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))

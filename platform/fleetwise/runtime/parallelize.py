@@ -41,6 +41,18 @@ class ParallelModel:
     spec: ModelSpec
     schedule: object | None = None  # torch.distributed.pipelining schedule when pp > 1
     stages: list = field(default_factory=list)
+    scaler: object | None = None  # fp16's GradScaler: the pipeline scales the loss it back-propagates
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss, in fp32 on every engine: FSDP's mixed precision runs without
+        autocast (which would upcast the cross entropy), so its 16-bit logits are upcast here."""
+        return self.spec.loss(out.float(), target)
+
+    def pipeline_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: it runs the backward itself, so fp16's loss scaling must
+        happen here -- otherwise unscale_ divides unscaled gradients by the scale (2^16)."""
+        loss = self.loss(out, target)
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     @property
     def has_first(self) -> bool:
@@ -163,6 +175,13 @@ def _data_parallel(
     if s.offload:
         # the default policy pins host memory, which needs an accelerator (fails on CPU-only machines)
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    if "mp_policy" in kwargs:
+        # BatchNorm keeps fp32 parameters, in units of their own: FSDP casts a unit's parameters
+        # but not its buffers, and batch_norm wants weight and running statistics in one dtype
+        # (fp32 with a 16-bit input is what autocast runs too; cf. torchtitan#674)
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=False)
+        for bn in [m for m in part.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(bn, reshard_after_forward=reshard, **{**kwargs, "mp_policy": fp32})
     for block in part.layers.values():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(part, reshard_after_forward=reshard, **kwargs)
@@ -203,4 +222,4 @@ def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device:
     # scale_grads divides by the micro-batch count, so gradients are the mean over micro-batches
     # (the same objective as one process averaging the same micro-batches).
     stage = pm.stages if s.schedule not in ("GPipe", "1F1B") else pm.stages[0]
-    pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.spec.loss, scale_grads=True)
+    pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.pipeline_loss, scale_grads=True)

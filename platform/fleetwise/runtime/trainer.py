@@ -59,6 +59,11 @@ class Trainer:
         self.reports_loss = self.model.has_last and self.coords["mp"] == 0
         self.autocast = self._autocast_context()
         self.scaler = torch.amp.GradScaler(env.device.type) if cfg.train.precision == "fp16" else None
+        self.model.scaler = self.scaler
+        if self.scaler is not None:
+            # GradScaler creates its scale in the first scale() call, which pipeline stages without
+            # the loss never make; their gradients arrive scaled by the last stage's (equal) scale
+            self.scaler.scale(torch.ones((), device=env.device))
 
     # ------------------------------------------------------------------------------------------------
     def _autocast_context(self):
@@ -88,7 +93,11 @@ class Trainer:
                 self.model.schedule.step(
                     *args, target=target, losses=losses if self.model.has_last else None, return_outputs=False
                 )
-            return torch.stack([_plain(x) for x in losses]).mean() if self.model.has_last else None
+            if not self.model.has_last:
+                return None
+            mean = torch.stack([_plain(x) for x in losses]).mean()
+            # fp16: the schedule's losses are the scaled ones it back-propagated
+            return mean / self.scaler.get_scale() if self.scaler is not None else mean
 
         (part,) = self.model.parts
         micro = self.data.microbatches(step)
@@ -99,7 +108,7 @@ class Trainer:
             with self._sync_context(part, last), self._loss_context():
                 with self.autocast():
                     out = part(*[mb[k].to(self.env.device) for k in spec.inputs])
-                    loss = spec.loss(out, mb[spec.label].to(self.env.device))
+                    loss = self.model.loss(out, mb[spec.label].to(self.env.device))
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += _plain(loss)
@@ -125,7 +134,8 @@ class Trainer:
             if self.scaler:
                 for opt in self.optimizers.optimizers:
                     self.scaler.unscale_(opt)
-            norm = grad_norm(self.params, self.pp_group)
+                self._agree_on_overflow()
+            norm = grad_norm(self.params, self.pp_group, self.env.device)
             lr = self.optimizers.lr
             skipped = not self._all_finite(norm) and not self.scaler  # fp16's scaler skips by itself
             if skipped:
@@ -143,6 +153,25 @@ class Trainer:
             torch.cuda.synchronize(self.env.device)
         elapsed = time.perf_counter() - start
         return self._reduce(step, loss, float(norm), lr, elapsed)
+
+    def _agree_on_overflow(self) -> None:
+        """GradScaler decides per optimizer from the gradients it sees. DTensor reduces found_inf
+        over a parameter's own mesh, but pipeline stages (and plain replicas) never compare: one
+        MAX over the job makes every rank skip the step, and back off the scale, together."""
+        if self.env.world_size == 1:
+            return
+        # torch keeps found_inf per optimizer and device here (its ShardedGradScaler reads it too)
+        found = [
+            v
+            for opt in self.optimizers.optimizers
+            for v in self.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
+        ]
+        flag = torch.zeros(1, device=self.env.device)
+        for v in found:
+            flag += v.to(self.env.device).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        for v in found:
+            v.copy_(flag.reshape(v.shape))
 
     def _all_finite(self, norm: torch.Tensor) -> bool:
         """Whether every rank's gradients are finite. The norm is already global for sharded and
@@ -187,8 +216,10 @@ class Trainer:
                 elapsed,
                 float(self.memory.peak),
                 float(rss_peak_bytes()),
+                float(self.memory.reserved),
             ],
             dtype=torch.float64,
+            device=self.env.device,  # NCCL gathers only device tensors
         )
         world = self.env.world_size
         rows = [torch.zeros_like(mine) for _ in range(world)] if self.env.rank == 0 else None
@@ -198,7 +229,7 @@ class Trainer:
             rows = [mine]
         if self.env.rank != 0:
             return {}
-        table = torch.stack(rows)
+        table = torch.stack(rows).cpu()  # one device-to-host copy for all the reads below
         step_time = float(table[:, 2].max())
         plan, cfg = self.plan, self.cfg
         samples = cfg.train.global_batch_size / step_time
@@ -218,10 +249,13 @@ class Trainer:
             Metric.PEAK_BYTES_MEAN: float(table[:, 3].mean()),
             Metric.RSS_PEAK_BYTES_MAX: float(table[:, 4].max()),
             Metric.PREDICTED_BYTES: float(plan.memory_bytes["total"]),
+            Metric.RESERVED_BYTES_MAX: float(table[:, 5].max()),
             Metric.SKIPPED_STEPS: float(self.skipped),
         }
         if cfg.model.family not in ("gpt", "ernie"):
             metrics.pop(Metric.TOKENS_PER_S)
+        if self.env.device.type != "cuda":  # no caching allocator: nothing reserved beyond tensors
+            metrics.pop(Metric.RESERVED_BYTES_MAX)
         return metrics
 
     # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,279 @@
+"""CUDA/NCCL semantics on a CPU build: one simulated rank of a real fleetwise job whose collectives,
+like NCCL's, refuse every tensor that is not on the job's device.
+
+    python tests/cuda_semantics.py RANK MESSAGES_DIR OVERRIDES...   (prints the rank-0 metrics as JSON)
+
+Why this shape (torch 2.13, CPU build):
+- The process group is `init_process_group("meta:fake", store=FakeStore())`: its only backend is for
+  the job's device type, so a host (CPU) tensor in a collective fails exactly as under NCCL ("No
+  backend type associated with device type cpu"). Collectives move no data.
+- The job's device is `meta`, not a fake `cuda`: fake CUDA tensors can be created on a CPU build,
+  but any op on them aborts the process in C++ (no CUDA device guard). Meta tensors run forward,
+  backward, DTensor, FSDP2 and the pipeline schedules; like GPU memory they are not host memory.
+- What the stand-in device lacks is supplied here, and only that: a device module (`torch.meta`:
+  current_device, streams, events), answers to host reads of device scalars (`.item()`: 1 --
+  finite, one; GradScaler's found_inf and the pipeline's warm-up vote: 0), device-to-host copies
+  (ones), FSDP2's host copy of offloaded meta shards (which it skips for meta parameters), DDP
+  with a Python all-reduce hook (its C++ hook needs a result the fake backend does not produce),
+  and the pipeline's metadata messages (pickled objects between stages) through files, because
+  fake collectives carry no data: simulated ranks of one pipeline must run at the same time.
+- autocast has no meta kernels: 16-bit runs use it as a no-op; the trainer's precision logic, the
+  GradScaler and FSDP's MixedPrecisionPolicy run as configured.
+
+Everything else is the product: Trainer, parallelize (DDP, ZeRO-1, FSDP2 ± offload, TP,
+pipelining), the optimizer step, clipping, the per-step metrics reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+import types
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+DEVICE = torch.device("meta")
+# reads that mean "how many overflows" (GradScaler) and "static pipeline metadata?" (the warm-up
+# vote): answered 0
+ZERO_READERS = ("_maybe_opt_step", "_warmup_p2p")
+
+
+class DeviceReads(TorchDispatchMode):
+    """Host reads of device data: a scalar read (`.item()`, `float()`) and a device-to-host copy."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            stack = traceback.extract_stack(limit=10)
+            if any(f.name in ZERO_READERS for f in stack):
+                return 0
+            return 1.0 if args[0].dtype.is_floating_point else 1
+        if func is torch.ops.aten._to_copy.default and args[0].is_meta and str(kwargs.get("device")) == "cpu":
+            return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        if func is torch.ops.aten.copy_.default and args[1].is_meta and args[0].device.type == "cpu":
+            return args[0].fill_(1)
+        return func(*args, **kwargs)
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args):
+        pass
+
+    def wait(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Stream(_Event):
+    def wait_stream(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+
+def _device_module(world: int):
+    stream = _Stream()
+    return types.SimpleNamespace(
+        current_device=lambda: 0,
+        device_count=lambda: world,
+        set_device=lambda d: None,
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        synchronize=lambda *a: None,
+        Stream=_Stream,
+        Event=_Event,
+        current_stream=lambda *a: stream,
+        stream=lambda s: contextlib.nullcontext(),
+    )
+
+
+def _ddp_class():
+    from torch.nn.parallel import DistributedDataParallel
+
+    def allreduce_hook(group, bucket):
+        buf = bucket.buffer()
+        dist.all_reduce(buf, group=group)  # the device rule applies to the bucket
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    class KeepBuckets:
+        """DDP re-buckets after the first backward, broadcasting rank 0's bucket order: with no
+        data in the broadcast, keep the first order instead."""
+
+        def __init__(self, reducer):
+            self._reducer = reducer
+
+        def _rebuild_buckets(self):
+            return False
+
+        def __getattr__(self, name):
+            return getattr(self._reducer, name)
+
+    class HookedDDP(DistributedDataParallel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.register_comm_hook(self.process_group, allreduce_hook)
+            self.reducer = KeepBuckets(self.reducer)
+
+    return HookedDDP
+
+
+def _offload_host_copy(original):
+    """FSDP2 copies an offloaded shard to the host unless the parameter is on meta (it expects meta
+    parameters to be materialised later): make the host copy it makes for a device parameter."""
+
+    def init(self, param, device, *rest):
+        original(self, param, device, *rest)
+        if self.offload_to_cpu and self._sharded_param_data.is_meta:
+            host = torch.zeros(self.padded_sharded_param_size, dtype=self._sharded_param_data.dtype)
+            self._sharded_param_data = host.view(-1)
+            rows = self.sharded_param._local_tensor.size(0) if host.dim() else 0
+            local = host.narrow(0, 0, rows) if host.dim() else host
+            self.sharded_param = torch.nn.Parameter(
+                self.to_sharded_dtensor(local), requires_grad=param.requires_grad
+            )
+            self._setattr_on_modules(self.sharded_param)
+
+    return init
+
+
+def _messages(directory: Path, rank: int):
+    """Pipeline metadata between stages, through files (fake collectives carry no data)."""
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
+
+    def send(self, meta, dst_stage):
+        dst = self._resolve_peer_global_rank(dst_stage)
+        n = sent[dst] = sent.get(dst, 0) + 1
+        tmp = directory / f"{rank}-{dst}-{n}.tmp"
+        tmp.write_bytes(pickle.dumps(meta))
+        tmp.rename(directory / f"{rank}-{dst}-{n}.pkl")
+
+    def recv(self, src_stage):
+        src = self._resolve_peer_global_rank(src_stage)
+        n = received[src] = received.get(src, 0) + 1
+        path = directory / f"{src}-{rank}-{n}.pkl"
+        deadline = time.monotonic() + 300
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no pipeline metadata from rank {src} ({path.name})")
+            time.sleep(0.02)
+        return pickle.loads(path.read_bytes())
+
+    return send, recv
+
+
+@contextlib.contextmanager
+def cuda_semantics(cfg, rank: int, messages: Path):
+    """The fake process group and the stand-ins above, for one simulated rank. The group has the
+    backends the product asks for, with the job's device in place of cuda."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.pipelining.stage import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fleetwise.runtime.mesh import process_group_backend
+
+    backend = process_group_backend(cfg)
+    fake = {"nccl": "meta:fake", "cpu:gloo,cuda:nccl": "cpu:fake,meta:fake"}[backend]
+    world = cfg.hardware.world_size
+    dist.init_process_group(fake, store=FakeStore(), rank=rank, world_size=world)
+    real_autocast = torch.autocast
+
+    def autocast(device_type, *args, **kwargs):
+        return (
+            contextlib.nullcontext() if device_type == "meta" else real_autocast(device_type, *args, **kwargs)
+        )
+
+    send, recv = _messages(messages, rank)
+    patches = [
+        mock.patch.object(torch, "meta", _device_module(world), create=True),
+        mock.patch("torch.autocast", autocast),
+        mock.patch("fleetwise.runtime.parallelize.DistributedDataParallel", _ddp_class()),
+        # DDP's start-up checks compare parameter data across ranks: meaningless without data
+        mock.patch(
+            "torch.nn.parallel.distributed._verify_param_shape_across_processes", lambda *a, **k: None
+        ),
+        mock.patch("torch.nn.parallel.distributed._sync_module_states", lambda *a, **k: None),
+        mock.patch.object(_fsdp_init, "_get_device_from_mesh", lambda mesh: DEVICE),
+        mock.patch.object(FSDPParamGroup, "_validate_no_meta_params", lambda self: None),
+        mock.patch.object(
+            FSDPParam, "_init_sharded_param", _offload_host_copy(FSDPParam._init_sharded_param)
+        ),
+        mock.patch.object(PipelineStage, "_send_meta", send),
+        mock.patch.object(PipelineStage, "_recv_meta", recv),
+    ]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        stack.enter_context(DeviceReads())
+        yield
+
+
+def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) -> dict:
+    """Build the real Trainer for `rank` of the job the overrides describe and run `steps` steps
+    on the stand-in device; returns rank 0's last metrics ({} on other ranks)."""
+    from fleetwise.config.validate import load_config
+    from fleetwise.plan import make_plan
+    from fleetwise.runtime.mesh import DistEnv
+    from fleetwise.runtime.trainer import Trainer
+
+    cfg = load_config(overrides)
+    plan = make_plan(cfg).to_dict()
+    world = cfg.hardware.world_size
+    metrics: dict = {}
+    with cuda_semantics(cfg, rank, messages), tempfile.TemporaryDirectory() as run_dir:
+        env = DistEnv(rank, world, 0, DEVICE, 0)
+        trainer = Trainer(cfg, plan, env, Path(run_dir))
+        for step in range(1, steps + 1):
+            metrics = trainer.train_step(step)
+    return metrics
+
+
+def ranks_to_run(overrides: list[str]) -> list[int]:
+    """Rank 0 and the other stages of its pipeline (they exchange metadata); every other rank runs
+    the same code as one of these."""
+    from fleetwise.config.validate import layout_of, load_config
+
+    layout = layout_of(load_config(overrides))
+    return [
+        r for r in range(layout.world_size) if all(v == 0 for k, v in layout.coords(r).items() if k != "pp")
+    ]
+
+
+if __name__ == "__main__":
+    rank, messages, overrides = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    try:
+        result = run_rank(rank, messages, overrides)
+    except Exception as err:  # one line for the test's message, the traceback above it
+        traceback.print_exc()
+        print(f"FAILED rank {rank}: {type(err).__name__}: {err}", file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)  # the fake group needs no teardown
