@@ -243,7 +243,7 @@ def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) ->
     from fleetwise.runtime.trainer import Trainer
 
     cfg = load_config(overrides)
-    plan = make_plan(cfg).to_dict()
+    plan = make_plan(cfg)
     world = cfg.hardware.world_size
     metrics: dict = {}
     with cuda_semantics(cfg, rank, messages), tempfile.TemporaryDirectory() as run_dir:
@@ -257,9 +257,10 @@ def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) ->
 def ranks_to_run(overrides: list[str]) -> list[int]:
     """Rank 0 and the other stages of its pipeline (they exchange metadata); every other rank runs
     the same code as one of these."""
-    from fleetwise.config.validate import layout_of, load_config
+    from fleetwise.config.layout import Layout
+    from fleetwise.config.validate import load_config
 
-    layout = layout_of(load_config(overrides))
+    layout = Layout.of(load_config(overrides))
     return [
         r for r in range(layout.world_size) if all(v == 0 for k, v in layout.coords(r).items() if k != "pp")
     ]

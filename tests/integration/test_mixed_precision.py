@@ -20,9 +20,9 @@ STEPS = 3
 
 def train_unvalidated(run_dir, *overrides, precision: str) -> list[dict]:
     """Compose a valid config, switch its precision, and run it the way the launcher does."""
-    from fleetwise.runtime.launch import torchrun_command, write_run_dir
-
+    from fleetwise.launcher.launch import torchrun_command
     from fleetwise.plan import make_plan
+    from fleetwise.rundir import write_run_dir
 
     cfg, problems = compose(
         *overrides, f"train.steps={STEPS}", "checkpoint.enabled=false", "tracking.enabled=false"

@@ -18,7 +18,7 @@ TWO_NODES = (
 
 
 def rdzv_id(*overrides: str, run_dir: str) -> str:
-    from fleetwise.runtime.launch import torchrun_command
+    from fleetwise.launcher.launch import torchrun_command
 
     cfg, problems = compose(*TWO_NODES, *overrides)
     assert cfg is not None, problems
@@ -125,8 +125,9 @@ def test_clipping_uses_foreach_kernels():
 def test_calibrated_v100_profile_has_no_bf16():
     """A V100 runs bf16 emulated: its profile takes the measured fp16 peak for fp16 and says
     has_bf16=false (it used to copy the emulated bf16 number into fp16 and claim bf16)."""
-    from fleetwise.runtime.calibrate import Calibration, profile
     from test_calibrate import MEASURED
+
+    from fleetwise.launcher.calibrate import Calibration, profile
 
     cal = Calibration(
         **{
@@ -149,7 +150,7 @@ def test_calibrate_nccl_probe_selects_its_gpu_first(monkeypatch, tmp_path):
     import torch
     import torch.distributed as dist
 
-    from fleetwise.runtime import calibrate
+    from fleetwise.launcher import calibrate
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))

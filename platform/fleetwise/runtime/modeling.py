@@ -50,13 +50,18 @@ def build_meta_model(cfg: RunConfig) -> nn.Module:
         return model_spec(cfg).build(cfg.model)
 
 
-def materialize(part: nn.Module, device: torch.device, seed: int) -> None:
+def materialize(part: nn.Module, device: torch.device, seed: int, *, params_on_host: bool = False) -> None:
     """Allocate a (possibly sharded) meta-built part on `device` -- only this rank's shards -- and
-    fill it with its slice of the layout-invariant initial values (fleetwise.models.init)."""
+    fill it with its slice of the layout-invariant initial values (fleetwise.models.init).
+    params_on_host: parameters on the CPU, buffers on `device` (FSDP with CPU offload)."""
     from fleetwise.models.init import init_weights_
 
-    part.to_empty(device=device)
+    part.to_empty(device=torch.device("cpu") if params_on_host else device)
     init_weights_(part, seed)
+    if params_on_host and device.type != "cpu":
+        for module in part.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.to(device)
 
 
 def build_model(cfg: RunConfig) -> nn.Module:

@@ -86,7 +86,10 @@ def parallelize(
     spec = model_spec(cfg)
     engine = dp_engine(layout, s.sharding_stage)
     if allocate is None:
-        allocate = lambda part: materialize(part, device, cfg.train.seed)  # noqa: E731
+        # FSDP's CPU offload keeps the sharded parameters on the host (it refuses them anywhere
+        # else at its first forward); buffers still belong on the device
+        host = engine == "fsdp" and s.offload
+        allocate = lambda part: materialize(part, device, cfg.train.seed, params_on_host=host)  # noqa: E731
     # On `meta`: the structure of the whole model, no memory. Every rank keeps only its pipeline
     # chunks and allocates only its shards, after TP/FSDP have decided what they are.
     model = build_meta_model(cfg)
