@@ -155,3 +155,32 @@ def test_resume_from_something_that_is_no_checkpoint_is_refused_before_launch(re
     problems, checked = check_points([["recipe=gpt/tiny", f"checkpoint.resume={resume}"]])
     assert checked == {}  # nothing to launch
     assert [p.loc for p in problems] == ["checkpoint.resume"], problems
+
+
+def _listen_address(port: int) -> str:
+    """The local address a TCP port listens on, from /proc/net/tcp (hex, little-endian IPv4)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, p = local.split(":")
+        if int(p, 16) == port and state == "0A":  # LISTEN
+            return ".".join(str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0))
+    return ""
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="Linux /proc/net/tcp")
+def test_single_node_stores_listen_on_loopback_only():
+    """torch's TCPStore server binds every interface; the agent's listens on 127.0.0.1."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fleetwise.runtime.agent import loopback_store_class
+
+    store = loopback_store_class(dist.TCPStore)("localhost", 0, is_master=True, multi_tenant=True)
+    assert isinstance(store, dist.TCPStore) and _listen_address(store.port) == "127.0.0.1"
+    client = dist.TCPStore("127.0.0.1", store.port, timeout=datetime.timedelta(seconds=30))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    cmd = launch.torchrun_command(_cfg(), Path("/tmp/run"))
+    assert cmd[2] == "fleetwise.runtime.agent" and "--local-addr=127.0.0.1" in cmd
+    assert any(c.startswith("--rdzv-endpoint=127.0.0.1:") for c in cmd)

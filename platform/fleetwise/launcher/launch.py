@@ -31,6 +31,7 @@ from fleetwise.rundir import Metric
 from fleetwise.runtime.lifeline import die_with_parent
 
 WORKER = "fleetwise.runtime.worker"
+AGENT = "fleetwise.runtime.agent"
 
 
 @dataclass
@@ -205,10 +206,19 @@ def _mem_available() -> int | None:
 def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
     launch = cfg.launch
     host, _, port = launch.rdzv_endpoint.rpartition(":")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node(cfg)}"]
-    if launch.nnodes == "1" and int(port) == 0:
-        cmd.append("--standalone")  # c10d rendezvous on a free local port
+    nproc = f"--nproc-per-node={nproc_per_node(cfg)}"
+    if launch.nnodes == "1":
+        # One node: torchrun through fleetwise.runtime.agent, whose stores listen on loopback
+        # only (torch's own bind every interface), with a random rendezvous id.
+        cmd = [sys.executable, "-m", AGENT, nproc, "--nnodes=1", "--rdzv-backend=c10d"]
+        cmd += [
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-conf=is_host=true",
+            f"--rdzv-id={rdzv_id(cfg)}",
+            "--local-addr=127.0.0.1",
+        ]
     else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", nproc]
         cmd += [
             f"--nnodes={launch.nnodes}",
             f"--node-rank={launch.node_rank}",
@@ -305,6 +315,8 @@ def launch_job(
     threads = max(1, (os.cpu_count() or 1) // max(1, nproc_per_node(cfg)))
     env.setdefault("OMP_NUM_THREADS", str(threads))  # one process per core share, no oversubscription
     env["PYTHONUNBUFFERED"] = "1"
+    if cfg.launch.nnodes == "1" and "GLOO_SOCKET_IFNAME" not in env and Path("/sys/class/net/lo").exists():
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # one node: the ranks' gloo mesh on loopback, off the network
     rank0_log = Follower(rundir.rank_log(run_dir, 0))
     metrics = Follower(rundir.metrics_path(run_dir))
     records: list[dict] = []
