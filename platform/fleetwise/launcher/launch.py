@@ -31,7 +31,7 @@ from fleetwise.rundir import Metric
 from fleetwise.runtime.lifeline import die_with_parent
 
 WORKER = "fleetwise.runtime.worker"
-AGENT = "fleetwise.runtime.agent"
+AGENT = "fleetwise.launcher.agent"
 
 
 @dataclass
@@ -208,7 +208,7 @@ def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
     host, _, port = launch.rdzv_endpoint.rpartition(":")
     nproc = f"--nproc-per-node={nproc_per_node(cfg)}"
     if launch.nnodes == "1":
-        # One node: torchrun through fleetwise.runtime.agent, whose stores listen on loopback
+        # One node: torchrun through fleetwise.launcher.agent, whose stores listen on loopback
         # only (torch's own bind every interface), with a random rendezvous id.
         cmd = [sys.executable, "-m", AGENT, nproc, "--nnodes=1", "--rdzv-backend=c10d"]
         cmd += [

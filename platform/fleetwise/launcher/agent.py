@@ -1,6 +1,6 @@
 """torchrun for a single-node job, with every store it hosts listening on loopback only.
 
-`python -m fleetwise.runtime.agent TORCHRUN_ARGS…` is `python -m torch.distributed.run` except that
+`python -m fleetwise.launcher.agent TORCHRUN_ARGS…` is `python -m torch.distributed.run` except that
 torch's TCPStore servers (the c10d rendezvous store and the store the ranks share) listen on
 127.0.0.1. torch binds them to every interface whatever host it is given, and they are
 unauthenticated: on a single-node job anyone who reaches the machine could join the rendezvous or
