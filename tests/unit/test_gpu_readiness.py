@@ -178,3 +178,20 @@ def test_channels_last_for_16_bit_convolutions_on_gpu():
     assert memory_format(resnet_bf16, cpu) == torch.preserve_format
     assert memory_format(resnet_fp32, cuda) == torch.preserve_format
     assert memory_format(gpt_bf16, cuda) == torch.preserve_format
+
+
+def test_checkpoint_rng_state_includes_the_gpu_stream(monkeypatch):
+    import torch
+
+    from fleetwise.runtime.checkpoint import rng_state, set_rng_state
+
+    gpu_state = torch.arange(4, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: gpu_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    cuda = torch.device("cuda", 3)
+    state = rng_state(3, cuda)
+    assert set(state) == {"rng.rank3", "rng_cuda.rank3"}
+    set_rng_state(state, 3, cuda)
+    assert restored == [(gpu_state, cuda)]
+    assert set(rng_state(0, torch.device("cpu"))) == {"rng.rank0"}

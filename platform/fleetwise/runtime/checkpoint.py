@@ -37,6 +37,22 @@ from fleetwise.runtime.checkpoint_files import (
 )
 
 RNG_KEY = "rng.rank{rank}"
+CUDA_RNG_KEY = "rng_cuda.rank{rank}"
+
+
+def rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's RNG streams: the host's, and its GPU's (dropout and random init draw there)."""
+    state = {RNG_KEY.format(rank=rank): torch.get_rng_state()}
+    if device.type == "cuda":
+        state[CUDA_RNG_KEY.format(rank=rank)] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], rank: int, device: torch.device) -> None:
+    torch.set_rng_state(state[RNG_KEY.format(rank=rank)])
+    cuda_key = CUDA_RNG_KEY.format(rank=rank)
+    if device.type == "cuda" and cuda_key in state:
+        torch.cuda.set_rng_state(state[cuda_key], device)
 
 
 def _clean(name: str) -> str:
@@ -101,7 +117,7 @@ def save(run_dir: Path, step: int, trainer, *, keep: int) -> Path:
         **model_state(trainer.model.parts),
         **optimizer_state(trainer.model.parts, trainer.optimizers),
         **train_state(step, trainer.skipped),
-        RNG_KEY.format(rank=rank): torch.get_rng_state(),
+        **rng_state(rank, trainer.env.device),
     }
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
@@ -118,6 +134,7 @@ def save(run_dir: Path, step: int, trainer, *, keep: int) -> Path:
             "model": cfg.model.model_dump(mode="json"),
             "optimizer": cfg.optim.name,
             "saved_at": time.time(),
+            "cuda_rng": trainer.env.device.type == "cuda",
             "files": _manifest(tmp),
         }
         (tmp / META).write_text(json.dumps(meta, indent=2))
@@ -157,9 +174,11 @@ def load(path: Path, trainer) -> int:
     train = train_state(0, 0)
     state = {**model, **optim, **train}
     same_world = meta["world_size"] == dist.get_world_size()
-    rng_key = RNG_KEY.format(rank=rank)
     if same_world:  # RNG streams are per rank: meaningful only for the same ranks
-        state[rng_key] = torch.get_rng_state()
+        rng = rng_state(rank, trainer.env.device)
+        if trainer.env.device.type == "cuda" and not meta.get("cuda_rng", False):
+            rng = {k: v for k, v in rng.items() if not k.startswith("rng_cuda.")}  # an older checkpoint
+        state.update(rng)
     if meta.get("optimizer") != trainer.cfg.optim.name:  # a different optimizer starts fresh
         state = {k: v for k, v in state.items() if not k.startswith("state.")}
     dcp.load(state, checkpoint_id=str(path))
@@ -168,7 +187,7 @@ def load(path: Path, trainer) -> int:
         own = get_model_state_dict(part)
         set_model_state_dict(part, {k: prefix_free[k] for k in own})
     if same_world:
-        torch.set_rng_state(state[rng_key])
+        set_rng_state(state, rank, trainer.env.device)
     step = int(state["train.step"])
     trainer.skipped = int(state["train.skipped"])
     trainer.optimizers.restore_schedule(step)
