@@ -14,9 +14,12 @@ Why this shape (torch 2.13, CPU build):
   current_device, streams, events), answers to host reads of device scalars (`.item()`: 1 --
   finite, one; GradScaler's found_inf and the pipeline's warm-up vote: 0), device-to-host copies
   (ones), FSDP2's host copy of offloaded meta shards (which it skips for meta parameters), DDP
-  with a Python all-reduce hook (its C++ hook needs a result the fake backend does not produce),
-  and the pipeline's metadata messages (pickled objects between stages) through files, because
-  fake collectives carry no data: simulated ranks of one pipeline must run at the same time.
+  with a Python all-reduce hook (its C++ hook needs a result the fake backend does not produce)
+  and without its data-dependent start-up checks and bucket rebuild, and the pipeline's metadata
+  messages (pickled objects between stages) through files, because fake collectives carry no
+  data: simulated ranks of one pipeline must run at the same time.
+- Not covered: checkpoints (DCP writes tensor data, which the device does not hold), and code
+  behind `device.type == "cuda"` tests (pinned offload, DDP device_ids, CUDA memory statistics).
 - autocast has no meta kernels: 16-bit runs use it as a no-op; the trainer's precision logic, the
   GradScaler and FSDP's MixedPrecisionPolicy run as configured.
 

@@ -39,8 +39,11 @@ def train_unvalidated(run_dir, *overrides, precision: str) -> list[dict]:
 def test_fp16_pipeline_gradient_norms_equal_one_stage(tmp_path):
     """fp16 + pp: the pipeline's loss goes through the GradScaler like every other engine's, so
     the unscaled gradient norm equals a one-process run's (before: unscale_ met a scaler that never
-    scaled -- a crash here, ~2^16 too small gradients where a scale had been set)."""
-    base = ("recipe=gpt/tiny", *SGD, "train.global_batch_size=8", "train.micro_batch_size=2")
+    scaled -- a crash here, ~2^16 too small gradients where a scale had been set). A NaN gradient on
+    the first stage at step 2 makes every stage skip that step and halve its scale together (before:
+    the other stage stepped and kept its scale, and step 3 differed)."""
+    nan = ("fault.kill_rank=0", "fault.at_step=2", "fault.mode=nan_grad")
+    base = ("recipe=gpt/tiny", *SGD, *nan, "train.global_batch_size=8", "train.micro_batch_size=2")
     ref = train_unvalidated(
         tmp_path / "pp1", *base, "strategy=dp", "hardware.devices_per_node=1", precision="fp16"
     )
@@ -50,11 +53,11 @@ def test_fp16_pipeline_gradient_norms_equal_one_stage(tmp_path):
     ref_norms = [m["train/grad_norm"] for m in ref]
     norms = [m["train/grad_norm"] for m in got]
     print("pp=1", ref_norms, "pp=2", norms)
-    assert all(math.isfinite(n) and n > 0.1 for n in ref_norms), ref_norms
-    for a, b in zip(norms, ref_norms, strict=True):
-        assert a == pytest.approx(b, rel=2e-3)
-    for a, b in zip(got, ref, strict=True):
-        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-3)
+    assert math.isnan(ref_norms[1]) and math.isnan(norms[1])  # the poisoned step
+    for step in (0, 2):
+        assert math.isfinite(ref_norms[step]) and ref_norms[step] > 0.1, ref_norms
+        assert norms[step] == pytest.approx(ref_norms[step], rel=2e-3)
+        assert got[step]["train/loss"] == pytest.approx(ref[step]["train/loss"], rel=1e-3)
 
 
 def test_resnet_batchnorm_under_fsdp_bf16(tmp_path):

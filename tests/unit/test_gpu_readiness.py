@@ -163,3 +163,35 @@ def test_calibrate_nccl_probe_selects_its_gpu_first(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="stop here"):
         calibrate._allreduce_worker(1, 2, str(tmp_path / "init"), "nccl", str(tmp_path / "out"))
     assert calls == [("set_device", "cuda:1"), ("init", "nccl")]
+
+
+def test_channels_last_for_16_bit_convolutions_on_gpu():
+    import torch
+
+    from fleetwise.runtime.parallelize import memory_format
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    resnet_bf16, _ = compose("recipe=resnet/tiny", "train.precision=bf16", "hardware.has_bf16=true")
+    resnet_fp32, _ = compose("recipe=resnet/tiny")
+    gpt_bf16, _ = compose("recipe=gpt/tiny", "train.precision=bf16", "hardware.has_bf16=true")
+    assert memory_format(resnet_bf16, cuda) == torch.channels_last
+    assert memory_format(resnet_bf16, cpu) == torch.preserve_format
+    assert memory_format(resnet_fp32, cuda) == torch.preserve_format
+    assert memory_format(gpt_bf16, cuda) == torch.preserve_format
+
+
+def test_checkpoint_rng_state_includes_the_gpu_stream(monkeypatch):
+    import torch
+
+    from fleetwise.runtime.checkpoint import rng_state, set_rng_state
+
+    gpu_state = torch.arange(4, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: gpu_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    cuda = torch.device("cuda", 3)
+    state = rng_state(3, cuda)
+    assert set(state) == {"rng.rank3", "rng_cuda.rank3"}
+    set_rng_state(state, 3, cuda)
+    assert restored == [(gpu_state, cuda)]
+    assert set(rng_state(0, torch.device("cpu"))) == {"rng.rank0"}

@@ -50,6 +50,22 @@ from fleetwise.runtime.checkpoint_files import (
 from fleetwise.runtime.parallelize import clean_name
 
 RNG_KEY = "rng.rank{rank}"
+CUDA_RNG_KEY = "rng_cuda.rank{rank}"
+
+
+def rng_state(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's RNG streams: the host's, and its GPU's (dropout and random init draw there)."""
+    state = {RNG_KEY.format(rank=rank): torch.get_rng_state()}
+    if device.type == "cuda":
+        state[CUDA_RNG_KEY.format(rank=rank)] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], rank: int, device: torch.device) -> None:
+    torch.set_rng_state(state[RNG_KEY.format(rank=rank)])
+    cuda_key = CUDA_RNG_KEY.format(rank=rank)
+    if device.type == "cuda" and cuda_key in state:
+        torch.cuda.set_rng_state(state[cuda_key], device)
 
 
 class Stateful(Protocol):
@@ -132,6 +148,7 @@ def save(run_dir: Path, step: int, app: Stateful, cfg: RunConfig, layout: Layout
             "optimizer": cfg.optim.name,
             "saved_at": time.time(),
             "seq": next_seq(run_dir),  # the written order keep-N and resume=auto follow
+            "cuda_rng": cfg.hardware.device_type == "cuda",
             "files": _manifest(tmp),
         }
         write_durably(tmp / META, json.dumps(meta, indent=2))
@@ -186,8 +203,10 @@ def load(path: Path, app: Stateful, cfg: RunConfig) -> None:
     of ranks is the same; optimizer state only when the optimizer is."""
     meta = json.loads((path / META).read_text())
     state = app.state_dict()
-    if meta["world_size"] != dist.get_world_size():
-        state = {k: v for k, v in state.items() if not k.startswith("rng.")}
+    if meta["world_size"] != dist.get_world_size():  # RNG streams are per rank: only for the same ranks
+        state = {k: v for k, v in state.items() if not k.startswith(("rng.", "rng_cuda."))}
+    elif not meta.get("cuda_rng", False):  # written before GPU RNG states were kept (or on CPU)
+        state = {k: v for k, v in state.items() if not k.startswith("rng_cuda.")}
     if meta.get("optimizer") != cfg.optim.name:  # a different optimizer starts fresh
         state = {k: v for k, v in state.items() if not k.startswith("state.")}
     dcp.load(state, storage_reader=VerifiedReader(path))

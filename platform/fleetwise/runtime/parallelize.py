@@ -112,6 +112,7 @@ def parallelize(
         num_chunks, chunk_ids, parts = 1, [0], [model]
 
     for i, part in enumerate(parts):
+        part.to(memory_format=memory_format(cfg, device))  # on meta: the layout its shards inherit
         # 2. tensor parallel (Megatron plan; vocab-parallel embedding and LM head)
         if layout.mp > 1:
             parallelize_module(part, mesh["mp"], _existing(part, spec.tp_plan(s.sequence_parallel)))
@@ -130,6 +131,16 @@ def parallelize(
     if layout.pp > 1:
         _build_pipeline(pm, cfg, mesh, device)
     return pm
+
+
+def memory_format(cfg: RunConfig, device: torch.device) -> torch.memory_format:
+    """channels_last for convolutions in 16-bit on a GPU: tensor-core convolution kernels are NHWC,
+    and NCHW tensors would be transposed around every one. (FSDP's flat shards return NCHW.)"""
+    from fleetwise.config.model import ResNetModel
+
+    if device.type == "cuda" and cfg.train.precision != "fp32" and isinstance(cfg.model, ResNetModel):
+        return torch.channels_last
+    return torch.preserve_format
 
 
 def _existing(module: nn.Module, plan: dict) -> dict:

@@ -23,7 +23,7 @@ from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv, process_group
 from fleetwise.runtime.modeling import build_source
 from fleetwise.runtime.optim import Optimizers, clip_, grad_norm
-from fleetwise.runtime.parallelize import DTYPES, ParallelModel, clean_name, parallelize
+from fleetwise.runtime.parallelize import DTYPES, ParallelModel, clean_name, memory_format, parallelize
 
 log = logging.getLogger("fleetwise")
 
@@ -58,6 +58,7 @@ class Trainer:
         # the rank whose loss counts: one per data-parallel replica, on the last pipeline stage
         self.reports_loss = self.model.has_last and self.coords["mp"] == 0
         self.autocast = self._autocast_context()
+        self.image_format = memory_format(cfg, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type) if cfg.train.precision == "fp16" else None
         self.model.scaler = self.scaler
         if self.scaler is not None:
@@ -84,8 +85,8 @@ class Trainer:
         spec = self.model.spec
         if self.model.schedule is not None:
             batch = self.data.whole(step)
-            args = [batch[k].to(self.env.device) for k in spec.inputs] if self.model.has_first else []
-            target = batch[spec.label].to(self.env.device) if self.model.has_last else None
+            args = [self._to_device(batch[k]) for k in spec.inputs] if self.model.has_first else []
+            target = self._to_device(batch[spec.label]) if self.model.has_last else None
             losses: list[torch.Tensor] = []
             with self._loss_context(), self.autocast():
                 # return_outputs=False: otherwise the last stage keeps every micro-batch's output
@@ -107,12 +108,17 @@ class Trainer:
             last = i == n - 1
             with self._sync_context(part, last), self._loss_context():
                 with self.autocast():
-                    out = part(*[mb[k].to(self.env.device) for k in spec.inputs])
-                    loss = self.model.loss(out, mb[spec.label].to(self.env.device))
+                    out = part(*[self._to_device(mb[k]) for k in spec.inputs])
+                    loss = self.model.loss(out, self._to_device(mb[spec.label]))
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += _plain(loss)
         return total / n
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the job's device; images in the model's memory format."""
+        fmt = self.image_format if t.dim() == 4 else torch.preserve_format
+        return t.to(self.env.device, memory_format=fmt)
 
     def _sync_context(self, part, last: bool):
         """Gradient accumulation without redundant communication: DDP all-reduces only on the last
@@ -269,15 +275,14 @@ class Trainer:
             **checkpoint.optimizer_state(self.model.parts, self.optimizers.local()),
             "train.step": torch.tensor(self.step),
             "train.skipped": torch.tensor(self.skipped),
-            checkpoint.RNG_KEY.format(rank=self.env.rank): torch.get_rng_state(),
+            **checkpoint.rng_state(self.env.rank, self.env.device),
         }
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Take back a state that DCP loaded in place (optimizer state is already in place)."""
         checkpoint.load_model_state(self.model.parts, state)
-        rng = state.get(checkpoint.RNG_KEY.format(rank=self.env.rank))
-        if rng is not None:
-            torch.set_rng_state(rng)
+        if checkpoint.RNG_KEY.format(rank=self.env.rank) in state:  # same ranks as the checkpoint's
+            checkpoint.set_rng_state(state, self.env.rank, self.env.device)
         self.step = int(state["train.step"])
         self.skipped = int(state["train.skipped"])
         self.optimizers.restore_schedule(self.step)
