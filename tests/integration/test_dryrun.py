@@ -13,8 +13,6 @@ import json
 import pytest
 from conftest import read_metrics, run_cli
 
-pytestmark = pytest.mark.slow
-
 GPT = ("recipe=gpt/tiny", "train.steps=2", "optim=adamw")
 LAYOUTS = {
     "dp2_ddp": (("strategy=dp",), 2),
@@ -36,6 +34,18 @@ LAYOUTS = {
 }
 
 
+def test_a_bad_config_or_rank_spec_exits_2_before_anything_starts(tmp_path):
+    r = run_cli("dryrun", "recipe=gpt/tiny", "strategy=mp", "strategy.mp_degree=3", "--json", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert json.loads(r.stdout)["errors"][0]["loc"].startswith("strategy")
+    r = run_cli(
+        "dryrun", "recipe=gpt/tiny", "hardware.devices_per_node=2", "--ranks", "5", "--json", cwd=tmp_path
+    )
+    assert r.returncode == 2 and "outside 0..1" in r.stdout
+    assert "dryrun: rank" not in r.stderr  # nothing was simulated
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_dryrun_peak_matches_the_real_run(tmp_path, name):
     overrides, procs = LAYOUTS[name]
