@@ -59,7 +59,13 @@ def test_dryrun_peak_matches_the_real_run(tmp_path, name):
     out = json.loads(r.stdout)
     assert [x["rank"] for x in out["ranks"]] == list(range(procs))
     simulated = max(x["memory_bytes"]["peak"] for x in out["ranks"])
-    print(f"{name}: real {real:,.0f} B, dry run {simulated:,} B ({simulated / real - 1:+.2%})")
+    print(f"\n{name}: real {real:,.0f} B, dry run {simulated:,} B ({simulated / real - 1:+.2%})")
+    for x in out["ranks"]:  # the planner beside the dry run (reported; the planner is checked elsewhere)
+        cmp = x["planner"]
+        comm = {d: v["rel"] for d, v in cmp["comm_bytes_per_step"].items() if v["dryrun"] or v["planner"]}
+        print(
+            f"  rank {x['rank']}: planner memory {cmp['memory_bytes']['rel']:+.2%}, flops {cmp['flops_per_step']['rel']:+.2%}, comm {comm}"
+        )
     assert abs(simulated / real - 1) <= 0.02, (real, simulated)
     for x in out["ranks"]:  # the run did the work: FLOPs counted on every rank
         assert x["flops_per_step"] > 0
