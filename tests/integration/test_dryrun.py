@@ -13,7 +13,7 @@ import json
 import pytest
 from conftest import read_metrics, run_cli
 
-GPT = ("recipe=gpt/tiny", "train.steps=2", "optim=adamw")
+GPT = ("recipe=gpt/tiny", "train.steps=2", "optim=adamw", "optim.warmup_steps=0")
 LAYOUTS = {
     "dp2_ddp": (("strategy=dp",), 2),
     "sharding2_stage1_zero": (("strategy=sharding", "strategy.sharding_stage=1"), 2),
