@@ -230,6 +230,17 @@ def cmd_dryrun(argv: list[str]) -> int:
                 "use `fleetwise plan` for a parameter-server job, or a collective strategy (dp, sharding, …)",
             )
         )
+    if pf.cfg is not None and pf.plan is not None and pf.plan.engine in ("ddp", "zero1"):
+        # DDP's C++ reducer and ZeroRedundancyOptimizer's buckets fail on fake tensors / the fake
+        # backend (torch 2.13): refused here rather than reported wrong
+        problems.append(
+            Problem(
+                "strategy",
+                f"dryrun cannot simulate the {pf.plan.engine} engine yet (DistributedDataParallel / "
+                "ZeroRedundancyOptimizer do not run on fake tensors)",
+                "dry-run the layout with FSDP instead (strategy.sharding_stage=2 or 3), or use `fleetwise plan`",
+            )
+        )
     if args.steps < 1:
         problems.append(Problem("--steps", f"--steps {args.steps}: at least one step", "use --steps 2"))
     ranks: list[int] = []
