@@ -166,10 +166,19 @@ def _start_train(tmp_path, run_dir, *extra, env=None):
     )
 
 
-def _wait_for_a_step(proc, run_dir, timeout_s=240):
+def _wait_for_a_step(proc, run_dir, timeout_s=240, tracked=False):
+    """Until a rank wrote a step (and, with `tracked`, the launcher created the MLflow run: on a
+    loaded machine ranks can train before the launcher has finished importing mlflow)."""
     deadline = time.monotonic() + timeout_s
     metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().strip()):
+
+    def ready() -> bool:
+        if not (metrics.exists() and metrics.read_text().strip()):
+            return False
+        state = run_dir / "tracking.json"
+        return not tracked or (state.exists() and '"run_id": "' in state.read_text())
+
+    while not ready():
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no step within the time limit"
         time.sleep(0.5)
@@ -193,7 +202,7 @@ def test_sigterm_stops_every_rank_and_marks_the_run_killed(tmp_path):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     proc = _start_train(tmp_path, run_dir, "tracking.system_metrics=false", env=env)
     try:
-        _wait_for_a_step(proc, run_dir)
+        _wait_for_a_step(proc, run_dir, tracked=True)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

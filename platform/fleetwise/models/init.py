@@ -26,11 +26,14 @@ from torch import nn
 from fleetwise.models.ctr import mix_seed
 
 # the checkpoint wrapper first: its segment ends in "module." too
+# Longest first: "module." is also the tail of "_checkpoint_wrapped_module.".
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
 
 def model_name(name: str) -> str:
-    """A tensor's name in the plain model (without DDP / checkpoint-wrapper / compile segments)."""
+    """A tensor's name in the plain model, without the DDP / activation-checkpoint / compile
+    segments parallelizing adds: initial values, checkpoints and fault reports all use it, so a
+    checkpoint written with recompute loads without it and vice versa."""
     for seg in WRAPPER_SEGMENTS:
         name = name.replace(seg, "")
     return name

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from fleetwise import rundir
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
+from fleetwise.models.init import model_name
 from fleetwise.runtime.checkpoint_files import (
     HASH_LIMIT_BYTES,
     META,
@@ -47,7 +48,6 @@ from fleetwise.runtime.checkpoint_files import (
     sweep_stale,
     write_durably,
 )
-from fleetwise.runtime.parallelize import clean_name
 
 RNG_KEY = "rng.rank{rank}"
 CUDA_RNG_KEY = "rng_cuda.rank{rank}"
@@ -117,7 +117,7 @@ def optimizer_state(parts, optimizers: list[torch.optim.Optimizer]) -> dict[str,
     out: dict[str, torch.Tensor] = {}
     for part, opt in zip(parts, optimizers, strict=True):
         _init_optimizer_state(opt)
-        names = {id(p): clean_name(n) for n, p in part.named_parameters()}
+        names = {id(p): model_name(n) for n, p in part.named_parameters()}
         for p, st in opt.state.items():
             for key, value in st.items():
                 if isinstance(value, torch.Tensor):

@@ -202,17 +202,6 @@ def _data_parallel(
     return part
 
 
-WRAPPER_PREFIXES = ("module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter's model name, without the DDP / activation-checkpoint / compile wrapper segments
-    that parallelizing adds (checkpoints and fault reports use the model's own names)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device: torch.device) -> None:
     from torch.distributed import pipelining as P
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.data.loader import StepBatches
+from fleetwise.models.init import model_name
 from fleetwise.plan.planner import Plan
 from fleetwise.rundir import Metric, append_record
 from fleetwise.runtime import checkpoint
@@ -23,7 +24,7 @@ from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv, process_group
 from fleetwise.runtime.modeling import build_source
 from fleetwise.runtime.optim import Optimizers, clip_, grad_norm
-from fleetwise.runtime.parallelize import DTYPES, ParallelModel, clean_name, memory_format, parallelize
+from fleetwise.runtime.parallelize import DTYPES, ParallelModel, memory_format, parallelize
 
 log = logging.getLogger("fleetwise")
 
@@ -51,7 +52,7 @@ class Trainer:
         )
         self.memory = TensorPeak(env.device)
         self.named_params = [
-            (clean_name(n), p) for part in self.model.parts for n, p in part.named_parameters()
+            (model_name(n), p) for part in self.model.parts for n, p in part.named_parameters()
         ]
         self.skipped = 0
         self.step = 0
