@@ -19,6 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fleetwise import rundir
+from fleetwise.rundir import Metric
+
 WARMUP = 3  # leading steps left out (allocator warm-up, cuDNN/cuBLAS autotuning, NCCL set-up)
 STEPS, QUICK_STEPS = 12, 6
 # recipe, layout on one GPU, layout on a node, micro-batch, accumulation
@@ -77,18 +80,18 @@ def cases(profile: str, gpus: int, steps: int) -> list[tuple[str, list[str]]]:
 def summarize(records: list[dict], plan: dict) -> dict:
     """The steady-state numbers of one run from its metrics.jsonl records and plan.json."""
     steady = [r for r in records if r["step"] > WARMUP] or records
-    allocated = max(r["memory/peak_bytes_max"] for r in records)
-    reserved = max(r.get("memory/reserved_bytes_max", 0.0) for r in records)
+    allocated = max(r[Metric.PEAK_BYTES_MAX] for r in records)
+    reserved = max(r.get(Metric.RESERVED_BYTES_MAX, 0.0) for r in records)
     predicted = float(plan["memory_bytes"]["total"])
     usable = float(plan.get("usable_memory_bytes") or plan["device_memory_bytes"])
     row = {
         "steps": len(records),
-        "first_step_s": records[0]["perf/step_time_s"],
-        "step_s": statistics.median(r["perf/step_time_s"] for r in steady),
+        "first_step_s": records[0][Metric.STEP_TIME],
+        "step_s": statistics.median(r[Metric.STEP_TIME] for r in steady),
         "planned_step_s": plan["step_time_s"],
-        "mfu": statistics.median(r["perf/mfu"] for r in steady),
+        "mfu": statistics.median(r[Metric.MFU] for r in steady),
         "planned_mfu": plan["mfu"],
-        "samples_per_s": statistics.median(r["perf/samples_per_s"] for r in steady),
+        "samples_per_s": statistics.median(r[Metric.SAMPLES_PER_S] for r in steady),
         "allocated_bytes": allocated,
         "reserved_bytes": reserved,
         "predicted_bytes": predicted,
@@ -97,8 +100,8 @@ def summarize(records: list[dict], plan: dict) -> dict:
         "reserved_over_usable": reserved / usable if usable else None,
         "plan_fits": plan["fits"],
     }
-    if "perf/tokens_per_s" in steady[0]:
-        row["tokens_per_s"] = statistics.median(r["perf/tokens_per_s"] for r in steady)
+    if Metric.TOKENS_PER_S in steady[0]:
+        row["tokens_per_s"] = statistics.median(r[Metric.TOKENS_PER_S] for r in steady)
     return row
 
 
@@ -108,8 +111,8 @@ def run(name: str, overrides: list[str], out_dir: Path) -> dict:
     r = subprocess.run([str(exe), "train", *overrides, f"run.dir={run_dir}"], capture_output=True, text=True)
     if r.returncode != 0:
         return {"name": name, "overrides": overrides, "error": (r.stderr or r.stdout)[-2000:]}
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    plan = json.loads((run_dir / "plan.json").read_text())
+    records = [json.loads(x) for x in rundir.metrics_path(run_dir).read_text().splitlines() if x.strip()]
+    plan = json.loads((run_dir / rundir.PLAN_FILE).read_text())
     return {"name": name, "overrides": overrides, **summarize(records, plan)}
 
 
