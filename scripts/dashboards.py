@@ -250,19 +250,23 @@ def look(store: Path, out: Path, *, port: int | None = None) -> list[str]:
         page = f"{base}/#/experiments/{exp_id}/runs/{job.info.run_id}/model-metrics"
         browser.size(900)
         drawn: set[str] = set()
-        for chart in (*CHARTS, "loss"):
+        for chart in (*CHARTS, "train/"):
             browser.open("about:blank")
             browser.open(page)
             browser.wait_text(["Model metrics", "memory"], timeout=60)
             dismiss_overlays(browser)
-            browser.evaluate("document.querySelector('input[placeholder*=\"Search metric\"]').focus()")
+            # select what is there: the page keeps the last search of this run across reloads
+            browser.evaluate(
+                "(() => { const i = document.querySelector('input[placeholder*=\"Search metric\"]');"
+                " i.focus(); i.select(); })()"
+            )
             browser.call("Input.insertText", text=chart)
             drawn |= _wait_charts(browser, [chart] if "/" in chart else [], timeout=60)
         missing = [c for c in CHARTS if c not in drawn]
         if missing:
             failures.append(f"run page: no chart for {missing} (charts drawn: {sorted(drawn)})")
         time.sleep(2.0)
-        browser.screenshot(out / "charts.png", 900)  # the loss charts: train, eval, final
+        browser.screenshot(out / "charts.png", 900)  # the train/ charts: loss, lr, grad_norm, ...
         for shot in ("runs.png", "charts.png"):
             browser.shrink(out / shot)
     finally:
