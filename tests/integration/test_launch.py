@@ -3,6 +3,7 @@ ranks without leaving processes behind, spans two "nodes" on loopback, runs Hydr
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -71,18 +72,22 @@ def _free_port() -> int:
 
 
 def test_two_nodes_on_loopback_match_one_node(tmp_path):
+    """Also: both nodes report their system metrics into the job's one MLflow run (a sqlite store
+    in tmp_path), and node 0 logs the model consolidated from the 4 ranks' shards."""
     single = tmp_path / "single"
     r = run_cli("train", *TINY, "hardware.devices_per_node=4", f"run.dir={single}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     multi = tmp_path / "multi"
     port = _free_port()
     exe = Path(sys.executable).parent / "fleetwise"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = "0.5"
     nodes = [
         subprocess.Popen(
             [
                 str(exe),
                 "train",
-                *TINY,
+                *(a for a in TINY if not a.startswith("tracking.")),
                 "hardware.nodes=2",
                 "hardware.devices_per_node=2",
                 f"launch.node_rank={rank}",
@@ -90,6 +95,7 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
                 f"run.dir={multi}",
             ],
             cwd=tmp_path,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -101,6 +107,16 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
     assert sorted(f.name for f in (multi / "logs").glob("rank_*.log")) == [f"rank_{i}.log" for i in range(4)]
     a, b = read_metrics(single), read_metrics(multi)
     assert [m["train/loss"] for m in a] == pytest.approx([m["train/loss"] for m in b], abs=2e-6)
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("fleetwise").experiment_id])
+    keys = set(run.data.metrics)
+    for node in ("node_0", "node_1"):
+        assert f"system/{node}/cpu_utilization_percentage" in keys, (sorted(keys), outs[1][1][-2000:])
+    assert not any(k.startswith("system/cpu") for k in keys)  # every sample says which node it is from
+    assert "eval/loss" in keys  # the model, consolidated from both nodes' shards
 
 
 def test_multirun_sweep_runs_every_point(tmp_path):

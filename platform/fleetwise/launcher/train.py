@@ -246,9 +246,24 @@ def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console, env
     # process group (launch_job) and mark the run KILLED; without this a SIGTERM'd launcher left
     # every rank running and the MLflow run RUNNING forever.
     with stop_signals():
+        # A multi-node job's run exists before its ranks start, so that node 0 can hand the id to
+        # the other nodes through the rendezvous store as soon as it is up (their samplers cover
+        # the job).
+        early = tracker.multi_node and cfg.launch.node_rank == 0
+        if early:
+            rundir.write_run_dir(
+                run_dir, cfg, plan, argv
+            )  # the run's artifacts (launch_job writes them again)
+            tracker.start()
         try:
             result = launch_job(
-                cfg, plan, run_dir, argv, console, on_started=tracker.start, on_poll=tracker.poll
+                cfg,
+                plan,
+                run_dir,
+                argv,
+                console,
+                on_started=None if early else tracker.start,
+                on_poll=tracker.poll,
             )
         except KeyboardInterrupt as exc:
             reason = exc.reason if isinstance(exc, Stopped) else "interrupted by the user (Ctrl-C)"
@@ -317,9 +332,20 @@ class _Tracking:
         self.tracker = None
         self.enabled = cfg.tracking.enabled and cfg.launch.node_rank == 0
         self.last_poll = 0.0
+        # a multi-node job: node 0 hands the run id to the other nodes, which log their system metrics
+        self.multi_node = cfg.tracking.enabled and cfg.tracking.system_metrics and cfg.hardware.nodes > 1
+        self.publisher = None
+        self.node_metrics = None
 
     def start(self) -> None:
         """Called once torchrun runs: importing mlflow (~2.5 s) overlaps the ranks' start-up."""
+        if self.multi_node and self.cfg.launch.node_rank > 0:
+            from fleetwise.tracking.nodes import NodeSystemMetrics
+            from fleetwise.tracking.store import tracking_uri
+
+            launch = self.cfg.launch
+            self.node_metrics = NodeSystemMetrics(launch.rdzv_endpoint, launch.node_rank, tracking_uri())
+            self.node_metrics.start()
         if not self.enabled:
             return
         from fleetwise.tracking.run_tracker import RunTracker, flatten_config, git_commit
@@ -351,6 +377,12 @@ class _Tracking:
             node_id="node_0" if cfg.hardware.nodes > 1 else None,
         )
         self.tracker.start()
+        if self.multi_node:
+            from fleetwise.tracking.nodes import RunIdPublisher
+
+            self.publisher = RunIdPublisher(cfg.launch.rdzv_endpoint)
+            if self.tracker.run_id:
+                self.publisher.publish(self.tracker.run_id)
 
     def poll(self) -> None:
         import time
@@ -359,10 +391,22 @@ class _Tracking:
             return
         self.last_poll = time.monotonic()
         self.tracker.poll()
+        if self.publisher is not None and self.tracker.run_id:
+            self.publisher.publish(self.tracker.run_id)
 
     def finish(self, status: str, error: str | None, summary: dict) -> str | None:
+        if self.node_metrics is not None:
+            self.node_metrics.stop()
+            if self.node_metrics.run_id is None:
+                why = self.node_metrics.error or "node 0 published no MLflow run id"
+                print(f"fleetwise: this node's system metrics were not logged: {why}", file=sys.stderr)
         if self.tracker is None:
             return None
+        if self.publisher is not None:
+            self.publisher.stop()
+            if not self.publisher.done.is_set():
+                why = self.publisher.error or "the job ended before the rendezvous store took the run id"
+                self.tracker.notify(f"the other nodes' system metrics were not logged: {why}")
         self.tracker.add_artifacts(rundir.rank_logs(self.run_dir) + [rundir.launcher_log(self.run_dir)])
         if status == "FINISHED":
             self.log_model()
