@@ -36,13 +36,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+from fleetwise.rundir import Metric
+
 SWEEP = [
     "recipe=gpt/tiny",
     "train.steps=12",
     "hardware.devices_per_node=2",
     "strategy=dp,sharding",
 ]
-CHARTS = ("train/loss", "perf/tokens_per_s", "memory/peak_bytes_max", "memory/predicted_bytes")
+CHARTS = (Metric.LOSS, Metric.TOKENS_PER_S, Metric.PEAK_BYTES_MAX, Metric.PREDICTED_BYTES)
 WIDTH = 1400
 
 

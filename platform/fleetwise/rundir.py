@@ -13,6 +13,7 @@ the typed plan and every metric name are defined here once, so both sides agree 
     ps_summary.json    parameter-server jobs: per-trainer and per-server totals
     logs/rank_N.log    per-rank logs; logs/launcher.log: torchrun's own
     checkpoints/       DCP checkpoints (runtime/checkpoint_files.py)
+    model/             the final weights (DCP shards) of a job without checkpoints, for MLflow
 
 Nothing here imports torch.
 """
@@ -39,6 +40,7 @@ PS_SUMMARY_FILE = "ps_summary.json"  # parameter-server jobs: per-trainer and pe
 LOGS_DIR = "logs"
 LAUNCHER_LOG = "launcher.log"
 CHECKPOINTS_DIR = "checkpoints"
+MODEL_DIR = "model"  # the final weights as DCP shards, when no checkpoint holds them
 # What a run's MLflow record carries as artifacts, besides the logs.
 RUN_ARTIFACTS = (CONFIG_FILE, PLAN_FILE, COMMAND_FILE)
 

@@ -37,10 +37,10 @@ from fleetwise import rundir
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.models.init import model_name
+from fleetwise.rundir import MODEL_DIR
 from fleetwise.runtime.checkpoint_files import (
     HASH_LIMIT_BYTES,
     META,
-    MODEL_DIR,
     checkpoint_dir,
     fsync_dir,
     next_seq,

@@ -14,14 +14,13 @@ from pathlib import Path
 
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
-from fleetwise.rundir import checkpoints_dir
+from fleetwise.rundir import MODEL_DIR, checkpoints_dir
 
 STEP_PREFIX = "step_"
 META = "fleetwise.json"
 HASH_LIMIT_BYTES = 1 << 30  # checksum every file of checkpoints up to 1 GiB; sizes only above
 # <run_dir>/model: the final weights alone (a DCP directory), written at the end of a job whose model
 # is logged to MLflow when no checkpoint holds them (checkpoint.enabled=false)
-MODEL_DIR = "model"
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:

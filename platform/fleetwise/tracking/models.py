@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from fleetwise.rundir import CONFIG_FILE, PLAN_FILE
+
 MODEL_NAME = "model"  # runs:/<run_id>/model
 EVAL_METRIC = "eval/loss"
 EVAL_SAMPLES_MAX = 32
@@ -91,7 +93,7 @@ def _config(checkpoint: Path):
 
     from fleetwise.config.run import RunConfig
 
-    return RunConfig.model_validate(yaml.safe_load((checkpoint / "config.yaml").read_text()))
+    return RunConfig.model_validate(yaml.safe_load((checkpoint / CONFIG_FILE).read_text()))
 
 
 class CheckpointReference:
@@ -172,15 +174,15 @@ def log_model(
     run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
     cfg = cfg if cfg is not None else _config(checkpoint)
     if plan is None:
-        saved = checkpoint / "plan.json"
-        plan = json.loads((saved if saved.exists() else run_dir / "plan.json").read_text())
+        saved = checkpoint / PLAN_FILE
+        plan = json.loads((saved if saved.exists() else run_dir / PLAN_FILE).read_text())
     if step is None:  # a checkpoint knows its step; a job's final weights are at its last one
         meta = checkpoint / "fleetwise.json"
         step = json.loads(meta.read_text())["step"] if meta.exists() else cfg.train.steps
     limit = cfg.tracking.model_max_bytes if max_bytes is None else max_bytes
-    extra = [str(p) for p in (run_dir / "config.yaml", run_dir / "plan.json") if p.exists()]
-    if (checkpoint / "config.yaml").exists():
-        extra = [str(checkpoint / "config.yaml"), str(checkpoint / "plan.json")]
+    extra = [str(p) for p in (run_dir / CONFIG_FILE, run_dir / PLAN_FILE) if p.exists()]
+    if (checkpoint / CONFIG_FILE).exists():
+        extra = [str(checkpoint / CONFIG_FILE), str(checkpoint / PLAN_FILE)]
     configure_http()
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # its "registered model ..." notes
     mlflow.set_tracking_uri(uri)
