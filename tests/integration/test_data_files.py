@@ -80,6 +80,8 @@ def test_resnet_trains_from_an_image_array_and_an_image_folder(tmp_path):
         ("array", ("data=image_array", f"data.path={tmp_path / 'images.npz'}")),
         ("folder", ("data=image_folder", f"data.path={folder}")),
     ):
-        r = run_cli("train", "recipe=resnet/tiny", *data, *FAST, f"run.dir={tmp_path / name}", cwd=tmp_path)
+        # (the run directory must not be the data folder: a non-empty run.dir is refused)
+        run_dir = tmp_path / f"run_{name}"
+        r = run_cli("train", "recipe=resnet/tiny", *data, *FAST, f"run.dir={run_dir}", cwd=tmp_path)
         assert r.returncode == 0, r.stderr[-2000:]
-        assert len(read_metrics(tmp_path / name)) == 3
+        assert len(read_metrics(run_dir)) == 3
