@@ -265,7 +265,6 @@ def cmd_dryrun(argv: list[str]) -> int:
     if problems:
         return _report_invalid(problems, args.json)
     err_console = Console(stderr=True)
-    plan = pf.plan.to_dict()
     started = time.perf_counter()
     err_console.print(
         f"dryrun: {len(ranks)} of {layout.world_size} ranks ({', '.join(map(str, ranks))}), {args.steps} steps each",
@@ -284,7 +283,7 @@ def cmd_dryrun(argv: list[str]) -> int:
         err_console.print(f"[bold red]✗ dry run failed[/]: {err}", highlight=False)
         return EXIT_FAIL
     for rep in reports:
-        rep["planner"] = dryrun.compare(plan, rep)
+        rep["planner"] = dryrun.compare(pf.plan, rep)
     out = {"world_size": layout.world_size, "mesh": layout.as_dict(), "steps": args.steps, "ranks": reports}
     out["time_s"] = time.perf_counter() - started
     if args.json:

@@ -20,6 +20,7 @@ from typing import Any
 
 from fleetwise import rundir
 from fleetwise.config.layout import MESH_DIMS, Layout
+from fleetwise.plan.planner import Plan
 
 DIMS = ("dp", "sharding", "mp", "pp")
 
@@ -122,16 +123,15 @@ def rel(a: float, b: float) -> float | None:
     return (a - b) / b if b else (0.0 if a == 0 else None)
 
 
-def compare(plan: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+def compare(plan: Plan, report: dict[str, Any]) -> dict[str, Any]:
     """The planner's figures for this rank beside the dry run's, with relative differences."""
-    pp = report["coords"]["pp"]
-    stage = (plan.get("stages") or [{}])[pp] if plan.get("stages") else {}
-    planned_mem = stage.get("memory_total_bytes", plan["memory_bytes"]["total"])
+    stage = plan.stages[report["coords"]["pp"]] if plan.stages else {}
+    planned_mem = stage.get("memory_total_bytes", plan.memory_bytes["total"])
     measured = report["comm_bytes_per_step"]
     comm = {}
     for dim in DIMS:
         got = measured.get(dim, 0) + (measured.get("dp+sharding", 0) if dim == "dp" else 0)
-        want = plan["comm_bytes_per_step"].get(dim, 0)
+        want = plan.comm_bytes_per_step.get(dim, 0)
         comm[dim] = {"planner": want, "dryrun": got, "rel": rel(want, got)}
     flops = stage.get("flops_per_device", 0.0)
     return {
