@@ -85,12 +85,19 @@ def _same_job(cfg: RunConfig, written: Path) -> bool:
         theirs = yaml.safe_load(written.read_text())
     except (OSError, yaml.YAMLError):
         return False
-    mine = cfg.model_dump(mode="json")
     if not isinstance(theirs, dict) or not isinstance(theirs.get("launch"), dict):
         return False
-    for data in (mine, theirs):
-        data["launch"].pop("node_rank", None)
-    return mine == theirs
+    return per_job(cfg.model_dump(mode="json")) == per_job(theirs)
+
+
+def per_job(data: dict) -> dict:
+    """A resolved config (as JSON data) without what differs between the nodes of one job: the
+    node's rank and its run directory (by default a timestamp of when that node started)."""
+    out = dict(data)
+    for section, key in (("launch", "node_rank"), ("run", "dir")):
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k != key}
+    return out
 
 
 class RunDirBusy(RuntimeError):
@@ -268,11 +275,7 @@ def rdzv_id(cfg: RunConfig) -> str:
         return f"fw-{secrets.token_hex(12)}"
     import hashlib
 
-    # what differs per node is left out: its rank and its run directory (by default a timestamp
-    # of when that node started: nodes starting in different seconds would not meet)
-    data = cfg.model_dump(mode="json")
-    data["launch"].pop("node_rank", None)
-    data["run"].pop("dir", None)
+    data = per_job(cfg.model_dump(mode="json"))  # every node computes the same id
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
     return f"fw-{digest[:24]}"
 
