@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 METRICS = [
@@ -75,3 +76,12 @@ def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def answers(url: str) -> bool:
+    """Whether an HTTP server answers `url` with 200 (a server still starting does not)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False

@@ -17,11 +17,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from tracking_support import free_port
+from tracking_support import answers, free_port
 
 from fleetwise.tracking.commands import ui_env
 
@@ -30,14 +29,6 @@ pytestmark = pytest.mark.slow
 USER, PASSWORD = "fleetwise-ci", "Pw-only-in-the-launcher-7351"
 SECRETS = (PASSWORD, base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode())
 JOB = ("recipe=gpt/tiny", "train.steps=3", "hardware.devices_per_node=2", "tracking.experiment=auth")
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +51,7 @@ def server(tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         began = time.monotonic()
-        while not _answers(url + "/health"):  # /health is open; everything else needs credentials
+        while not answers(url + "/health"):  # /health is open; everything else needs credentials
             if proc.poll() is not None or time.monotonic() - began > 180:
                 pytest.fail("basic-auth server did not start:\n" + (root / "server.log").read_text()[-3000:])
             time.sleep(0.25)

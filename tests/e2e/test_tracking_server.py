@@ -18,7 +18,16 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from tracking_support import METRICS, Messages, free_port, make_run_dir, value, wait_until, write_steps
+from tracking_support import (
+    METRICS,
+    Messages,
+    answers,
+    free_port,
+    make_run_dir,
+    value,
+    wait_until,
+    write_steps,
+)
 
 from fleetwise.cli import main
 from fleetwise.tracking import run_tracker
@@ -28,14 +37,6 @@ from fleetwise.tracking.spool import is_behind, load_state
 from fleetwise.tracking.sweep import MlflowSweepCallback, parent_run_id_for
 
 STARTUP_TIMEOUT_S = 180
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 class MlflowServer:
@@ -64,7 +65,7 @@ class MlflowServer:
             cmd, stdout=log, stderr=subprocess.STDOUT, env=ui_env(), start_new_session=True
         )
         log.close()
-        while not _answers(self.url + "/health"):
+        while not answers(self.url + "/health"):
             if self.proc.poll() is not None or time.monotonic() - began > STARTUP_TIMEOUT_S:
                 self.stop()
                 tail = (self.root / "server.log").read_text()[-3000:]
@@ -414,4 +415,4 @@ def test_fleetwise_ui_serves_the_local_store_and_stops_on_ctrl_c(fleetwise_bin, 
             ui.kill()
             ui.wait()
     assert ui.returncode == 0, log.read_text()
-    assert not _answers(url + "/health")  # the server went with it
+    assert not answers(url + "/health")  # the server went with it
