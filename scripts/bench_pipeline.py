@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fleetwise.config.model import GPTModel
+from fleetwise.families.gpt import GPTModel
 from fleetwise.models import pipeline_chunk
 from fleetwise.models.gpt import GPT, lm_loss
 from fleetwise.plan.pipeline import bubble_fraction, split_layers

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from conftest import compose
 
+from fleetwise.families import model_units
 from fleetwise.plan import make_plan
-from fleetwise.plan.units import model_units
 
 MEASURED = dict(
     device_type="cpu",

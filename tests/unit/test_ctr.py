@@ -8,8 +8,9 @@ import torch
 from conftest import compose
 
 from fleetwise.data.ctr import SyntheticClicks, rank_micro_batches, step_indices
+from fleetwise.families import total_params
+from fleetwise.families.ctr import parameter_shapes as ctr_parameter_shapes
 from fleetwise.models.ctr import TABLE_CHUNK_ROWS, CTRNet, ctr_loss, table_init
-from fleetwise.plan.units import ctr_parameter_shapes, total_params
 
 
 def ctr_cfg(*overrides: str):

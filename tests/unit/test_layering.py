@@ -1,4 +1,4 @@
-"""The README's import rule: `cli` → `launcher` → `config`/`plan`/`runtime`/`tracking` → `models`/`data`.
+"""The README's import rule: `cli` → `launcher` → `config`/`plan`/`families`/`runtime`/`tracking` → `models`/`data`.
 Nothing below the parent side imports it (a rank must never pull in the launcher), and nothing
 imports the command line."""
 
@@ -9,7 +9,7 @@ import ast
 from conftest import REPO
 
 PACKAGE = REPO / "platform" / "fleetwise"
-BELOW_LAUNCHER = ("config", "plan", "runtime", "tracking", "models", "data")
+BELOW_LAUNCHER = ("config", "plan", "families", "runtime", "tracking", "models", "data")
 
 
 def _imports(path) -> set[str]:

@@ -9,9 +9,10 @@ import zlib
 import pytest
 from conftest import compose
 
+from fleetwise.families import total_params
+from fleetwise.families.ctr import parameter_shapes as ctr_parameter_shapes
 from fleetwise.plan.planner import make_plan
 from fleetwise.plan.ps import dispatch, placement, slice_rows, stable_hash
-from fleetwise.plan.units import ctr_parameter_shapes, total_params
 
 
 def ps_cfg(*overrides: str):

@@ -13,8 +13,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from fleetwise.config.model import ModelConfig, ResNetModel, TransformerModel
+from fleetwise.config.model import ModelConfig
 from fleetwise.config.problems import Problem
+from fleetwise.families.resnet import ResNetModel
+from fleetwise.families.transformer import TransformerModel
 
 TOKEN_DTYPES = {"uint8": 1, "uint16": 2, "uint32": 4, "int32": 4}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -33,13 +35,10 @@ def check_data_file(source: str, path: Path, model: ModelConfig) -> Iterator[Pro
         )
         return
     if source == "token_file":
-        assert isinstance(model, TransformerModel)
         yield from _check_tokens(path, model)
     elif source == "image_array":
-        assert isinstance(model, ResNetModel)
         yield from _check_image_array(path, model)
     else:
-        assert isinstance(model, ResNetModel)
         yield from _check_image_folder(path, model)
 
 

@@ -12,10 +12,10 @@ import ipaddress
 import re
 from collections.abc import Iterator
 
-from fleetwise.config.model import CTRModel, ResNetModel
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
+from fleetwise.families import family_of
 
 MAX_RANKS = 1 << 20  # ranks of one job (about 1000x the largest published GPU jobs)
 # config path -> largest accepted value
@@ -45,10 +45,6 @@ MAX = {
     "launch.rdzv_last_call_s": 86400,
     "launch.monitor_interval_s": 3600,
 }
-MAX_TABLE_ROWS = 10**13
-MAX_TABLES = 1024
-MAX_RESNET_BLOCKS = 4096
-MAX_MLP_LAYERS = 256
 # MLflow's own limits (mlflow.utils.validation; runs.name is a 250-character column)
 MAX_EXPERIMENT_CHARS, MAX_RUN_NAME_CHARS = 500, 250
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -105,33 +101,7 @@ def _bounds(cfg: RunConfig) -> Iterator[Problem]:
             f"{hw.devices_per_node:,}); fleetwise plans at most {MAX_RANKS:,}",
             "use fewer nodes or devices per node",
         )
-    m = cfg.model
-    if isinstance(m, ResNetModel) and sum(m.layers) > MAX_RESNET_BLOCKS:
-        yield Problem(
-            "model.layers",
-            f"model.layers has {sum(m.layers):,} blocks, at most {MAX_RESNET_BLOCKS:,} are planned",
-            "use fewer blocks per stage",
-        )
-    if isinstance(m, CTRModel):
-        if len(m.sparse_tables) > MAX_TABLES:
-            yield Problem(
-                "model.sparse_tables",
-                f"{len(m.sparse_tables):,} sparse tables, at most {MAX_TABLES:,}",
-                "merge feature fields into fewer tables",
-            )
-        for i, t in enumerate(m.sparse_tables):
-            if t.num_embeddings > MAX_TABLE_ROWS:
-                yield Problem(
-                    f"model.sparse_tables.{i}.num_embeddings",
-                    f"table {t.name!r} has {t.num_embeddings:,} rows, at most {MAX_TABLE_ROWS:,}",
-                    "hash the ids into fewer rows",
-                )
-        if len(m.mlp_hidden) > MAX_MLP_LAYERS or any(w > 1 << 20 for w in m.mlp_hidden):
-            yield Problem(
-                "model.mlp_hidden",
-                f"at most {MAX_MLP_LAYERS} MLP layers of width up to {1 << 20:,}",
-                "use a smaller MLP",
-            )
+    yield from family_of(cfg.model).limits(cfg.model)
 
 
 def _names(cfg: RunConfig) -> Iterator[Problem]:

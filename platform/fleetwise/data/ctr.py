@@ -24,8 +24,8 @@ import math
 import numpy as np
 import torch
 
-from fleetwise.config.model import CTRModel
 from fleetwise.config.run import DataConfig
+from fleetwise.families.ctr import CTRModel
 
 _U64 = np.uint64
 

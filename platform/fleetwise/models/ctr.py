@@ -6,7 +6,7 @@ DeepFM adds the factorization-machine term 0.5·Σ_k((Σ_f e_fk)² − Σ_f e_fk
 parameters (the "wide" part is the first-order term) without it, so both plan identically.
 
 Each field f has a table of `num_embeddings` rows: an embedding (embedding_dim) and a first-order
-weight (1), the accounting of `fleetwise.plan.units.ctr_parameter_shapes`. The tables are separable
+weight (1), the accounting of `fleetwise.families.ctr.parameter_shapes`. The tables are separable
 from the dense part: `forward(sparse_ids, dense)` looks them up (ordinary, collective training);
 `forward_rows(emb, first_order, dense)` takes looked-up rows, which is how parameter-server trainers
 run the model without ever holding the distributed tables (`remote_tables=True` leaves them out).
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-from fleetwise.config.model import CTRModel
+from fleetwise.families.ctr import CTRModel
 
 EMBEDDING_STD = 0.05
 TABLE_CHUNK_ROWS = 1 << 16

@@ -16,7 +16,7 @@ from fleetwise.models.init import transformer_rule
 from fleetwise.models.transformer import PostLNBlock
 
 if TYPE_CHECKING:  # models depend on config only for type hints
-    from fleetwise.config.model import ERNIEModel
+    from fleetwise.families.ernie import ERNIEModel
 
 
 class ERNIEEmbedding(nn.Module):

@@ -18,7 +18,7 @@ from fleetwise.models.init import transformer_rule
 from fleetwise.models.transformer import PreLNBlock
 
 if TYPE_CHECKING:  # models depend on config only for type hints
-    from fleetwise.config.model import GPTModel
+    from fleetwise.families.gpt import GPTModel
 
 
 class GPTEmbedding(nn.Module):

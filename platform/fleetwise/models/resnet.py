@@ -18,7 +18,7 @@ from torch import nn
 from fleetwise.models.init import resnet_rule
 
 if TYPE_CHECKING:  # models depend on config only for type hints
-    from fleetwise.config.model import ResNetModel
+    from fleetwise.families.resnet import ResNetModel
 
 
 def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:

@@ -30,12 +30,12 @@ from typing import Any
 
 from fleetwise.config.engine import dp_engine, optimizer_state_factor, reshard_after_forward
 from fleetwise.config.layout import Layout
-from fleetwise.config.model import CTRModel, ERNIEModel, TransformerModel
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy, PSStrategy
+from fleetwise.families import family_of, model_units
 from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, split_layers
 from fleetwise.plan.ps import placement as ps_placement
-from fleetwise.plan.units import Unit, input_bytes_per_sample, masked_per_sample, model_units
+from fleetwise.plan.units import Unit
 
 FP32 = 4
 
@@ -203,7 +203,7 @@ def _rank_memory(
     # each micro-batch is copied over in turn, except under a pipeline schedule, which takes the
     # whole batch on the device and splits it itself.
     on_device = n * b if (cfg.hardware.device_type == "cpu" or pipelined) else b
-    mem.inputs = on_device * input_bytes_per_sample(cfg.model)
+    mem.inputs = on_device * family_of(cfg.model).input_bytes(cfg.model)
 
     # Peak of forward/backward vs peak of the optimizer step (foreach AdamW keeps about one
     # parameter-sized temporary).
@@ -369,13 +369,12 @@ def _collective_plan(cfg: RunConfig) -> Plan:
             }
         )
     device_mem = hw.memory_per_device_bytes
-    tokens = cfg.model.seq_len if isinstance(cfg.model, TransformerModel) else 0
+    family = family_of(cfg.model)
+    tokens = family.tokens_per_sample(cfg.model)
     notes = []
     if s.offload and hw.device_type == "cpu":
         notes.append("offload keeps state in host memory, which on a CPU device is the same memory")
-    if isinstance(cfg.model, ERNIEModel):
-        k = masked_per_sample(cfg.model)
-        notes.append(f"masked LM: {k} of {cfg.model.seq_len} positions per sequence are predicted")
+    notes += family.plan_notes(cfg.model)
     return Plan(
         world_size=layout.world_size,
         mesh=layout.as_dict(),
@@ -517,18 +516,19 @@ def _ps_plan(cfg: RunConfig) -> Plan:
 
     # A trainer prefetches once per step the distinct rows of all its n micro-batches (parameters
     # do not change within a step), so the draws per table are b·n, de-duplicated.
+    family = family_of(m)
     sparse_rows = 0
     pulled_rows = 0.0
     row_width = 0
-    if isinstance(m, CTRModel):
-        row_width = m.embedding_dim + 1  # embedding + first-order weight
-        for table in m.sparse_tables:
+    if family.sparse_tables is not None:
+        row_width = family.sparse_row_width(m)
+        for table in family.sparse_tables(m):
             if table.distributed:
                 sparse_rows += table.num_embeddings
                 pulled_rows += expected_unique(table.num_embeddings, b * n, cfg.data.zipf_alpha)
     sparse_params = sparse_rows * row_width
     dense_params = params - sparse_params
-    if isinstance(m, CTRModel):
+    if family.parameter_shapes is not None:
         # exact bytes of each server's shard, following the dispatch and slicing rules
         place = ps_placement(cfg)
         per_server = [place.server_bytes(i) for i in range(s.num_servers)]
@@ -537,7 +537,7 @@ def _ps_plan(cfg: RunConfig) -> Plan:
         per_server = [int(even)] * s.num_servers
     server_bytes = max(per_server)
     acts = sum(u.saved("none").total for u in units) * b * FP32
-    inputs = n * b * input_bytes_per_sample(m)  # a trainer loads all its micro-batches of the step
+    inputs = n * b * family_of(m).input_bytes(m)  # a trainer loads all its micro-batches of the step
     trainer_bytes = FP32 * dense_params * 2 + FP32 * pulled_rows * row_width * 2 + acts + inputs
     # per trainer per step: values pulled; gradients pushed with their row ids (int64), the ids also
     # sent once with the prefetch request

@@ -29,10 +29,9 @@ import zlib
 from dataclasses import dataclass
 
 from fleetwise.config.engine import optimizer_state_factor
-from fleetwise.config.model import CTRModel
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
-from fleetwise.plan.units import ctr_parameter_shapes
+from fleetwise.families import family_of
 
 FP32 = 4
 
@@ -141,16 +140,17 @@ def table_parameter_names(table_name: str) -> tuple[str, str]:
 def placement(cfg: RunConfig) -> Placement:
     """Placement of a CTR model's variables over the servers of a `strategy=ps` config."""
     s, m = cfg.strategy, cfg.model
-    assert isinstance(s, PSStrategy) and isinstance(m, CTRModel), (
-        "placement() needs strategy=ps and a CTR model"
+    family = family_of(m)
+    assert isinstance(s, PSStrategy) and family.sparse_tables and family.parameter_shapes, (
+        "placement() needs strategy=ps and a model family with sparse tables (CTR)"
     )
     tables = [
-        ServerTable(t.name, t.num_embeddings, m.embedding_dim + 1, i)
-        for i, t in enumerate(m.sparse_tables)
+        ServerTable(t.name, t.num_embeddings, family.sparse_row_width(m), i)
+        for i, t in enumerate(family.sparse_tables(m))
         if t.distributed
     ]
     remote = {n for t in tables for n in table_parameter_names(t.name)}
-    dense = [(n, shape) for n, shape in ctr_parameter_shapes(m) if n not in remote]
+    dense = [(n, shape) for n, shape in family.parameter_shapes(m) if n not in remote]
     return Placement(
         num_servers=s.num_servers,
         dense=place_dense(dense, s),

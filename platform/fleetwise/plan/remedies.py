@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetwise.config.layout import Layout
-from fleetwise.config.model import TransformerModel
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
 from fleetwise.config.validate import check, resolve
+from fleetwise.families import family_of
 from fleetwise.plan.planner import Plan, make_plan
 
 GIB = 1024**3
@@ -52,7 +52,7 @@ def _candidates(cfg: RunConfig) -> Iterator[tuple[str, dict[str, Any], dict[str,
     if lay.sharding > 1 and not s.offload and cfg.hardware.device_type == "cuda" and s.sharding_stage != 1:
         yield "strategy.offload=true", {"offload": True}, {}
     for dim, donor in (("mp", "dp"), ("mp", "sharding"), ("pp", "dp"), ("pp", "sharding")):
-        if dim == "mp" and not isinstance(cfg.model, TransformerModel):
+        if dim == "mp" and family_of(cfg.model).tensor_parallel is None:
             continue
         have, give = getattr(lay, dim), getattr(lay, donor)
         if give % 2 == 0:

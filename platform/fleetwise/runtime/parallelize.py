@@ -23,10 +23,11 @@ from fleetwise.config.engine import dp_engine, reshard_after_forward
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
+from fleetwise.families import ModelSpec, family_of
 from fleetwise.models import pipeline_chunk
 from fleetwise.plan.pipeline import chunk_ranks, split_layers
 from fleetwise.runtime.mesh import process_group
-from fleetwise.runtime.modeling import ModelSpec, build_meta_model, materialize, model_spec
+from fleetwise.runtime.modeling import build_meta_model, materialize, model_spec
 from fleetwise.runtime.recompute import apply_recompute
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -136,9 +137,8 @@ def parallelize(
 def memory_format(cfg: RunConfig, device: torch.device) -> torch.memory_format:
     """channels_last for convolutions in 16-bit on a GPU: tensor-core convolution kernels are NHWC,
     and NCHW tensors would be transposed around every one. (FSDP's flat shards return NCHW.)"""
-    from fleetwise.config.model import ResNetModel
-
-    if device.type == "cuda" and cfg.train.precision != "fp32" and isinstance(cfg.model, ResNetModel):
+    convolutional = family_of(cfg.model).convolutional
+    if device.type == "cuda" and cfg.train.precision != "fp32" and convolutional:
         return torch.channels_last
     return torch.preserve_format
 

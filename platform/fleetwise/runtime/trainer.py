@@ -15,6 +15,7 @@ import torch.distributed as dist
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.data.loader import StepBatches
+from fleetwise.families import family_of
 from fleetwise.models.init import model_name
 from fleetwise.plan.planner import Plan
 from fleetwise.rundir import Metric, append_record
@@ -240,7 +241,7 @@ class Trainer:
         step_time = float(table[:, 2].max())
         plan, cfg = self.plan, self.cfg
         samples = cfg.train.global_batch_size / step_time
-        tokens_per_sample = getattr(cfg.model, "seq_len", 0) if cfg.model.family in ("gpt", "ernie") else 0
+        tokens_per_sample = family_of(cfg.model).tokens_per_sample(cfg.model)
         metrics = {
             "step": step,
             "time": time.time(),  # when the step ended (the tracker's timestamp if delivery is late)
@@ -259,7 +260,7 @@ class Trainer:
             Metric.RESERVED_BYTES_MAX: float(table[:, 5].max()),
             Metric.SKIPPED_STEPS: float(self.skipped),
         }
-        if cfg.model.family not in ("gpt", "ernie"):
+        if not tokens_per_sample:  # not a token model
             metrics.pop(Metric.TOKENS_PER_S)
         if self.env.device.type != "cuda":  # no caching allocator: nothing reserved beyond tensors
             metrics.pop(Metric.RESERVED_BYTES_MAX)

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from fleetwise.families import family_of
+
 DIGEST_CHARS = 32  # MLflow's datasets.digest column holds 36 characters
 FULL_HASH_BYTES = 1 << 30
 WINDOWS, WINDOW_BYTES = 64, 1 << 20
@@ -58,10 +60,7 @@ def describe_data(cfg) -> DatasetInfo:
             for k in ("vocab_size", "seq_len", "num_classes", "image_size", "in_channels")
             if hasattr(m, k)
         }
-        if m.family == "ernie":
-            shape.update(masking=m.masking, mask_prob=m.mask_prob, max_span_words=m.max_span_words)
-        if m.family == "ctr":
-            shape.update(zipf_alpha=d.zipf_alpha, model=m.model_dump(mode="json"))
+        shape.update(family_of(m).data_profile(m, d))
         spec = {
             "generator": f"fleetwise.synthetic.{m.family}",
             "seed": d.seed,

@@ -5,16 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from fleetwise.config.layout import Layout
-from fleetwise.config.model import (
-    VOCAB_MULTIPLE,
-    CTRModel,
-    ResNetModel,
-    TransformerModel,
-    padded_vocab,
-)
 from fleetwise.config.problems import Problem
 from fleetwise.config.rules import Context, num_microbatches, rule
 from fleetwise.config.strategy import DEGREE_NAMES, INTERLEAVED_SCHEDULES, PSStrategy
+from fleetwise.families import family_of
 
 
 @rule
@@ -44,38 +38,16 @@ def tensor_parallel_divides(ctx: Context) -> Iterator[Problem]:
     m, lay = ctx.cfg.model, ctx.layout
     if lay is None or not lay.mp_enabled:
         return
-    if not isinstance(m, TransformerModel):
+    fam = family_of(m)
+    if fam.tensor_parallel is None:
+        why, fix = fam.no_tensor_parallel
         yield Problem(
             "strategy.mp_degree",
-            f"model family '{m.family}' has no tensor-parallel plan (mp_degree={lay.mp}): "
-            + (
-                "convolutions are not split by fleetwise"
-                if isinstance(m, ResNetModel)
-                else "its embedding tables belong on parameter servers"
-            ),
-            "set strategy.mp_degree=1 and use dp or sharding"
-            + ("" if isinstance(m, ResNetModel) else ", or strategy=ps"),
+            f"model family '{m.family}' has no tensor-parallel plan (mp_degree={lay.mp}): {why}",
+            fix,
         )
         return
-    padded = padded_vocab(m.vocab_size)
-    if padded % lay.mp:
-        yield Problem(
-            "strategy.mp_degree",
-            f"mp_degree={lay.mp} does not divide the padded vocabulary "
-            f"({m.vocab_size} -> {padded}, a multiple of {VOCAB_MULTIPLE})",
-            f"use an mp_degree dividing {padded}",
-        )
-    for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size"):
-        value = getattr(m, key)
-        if value % lay.mp:
-            divisors = [
-                d for d in range(1, min(value, 64) + 1) if value % d == 0
-            ]  # not up to value: 10^11 hangs
-            yield Problem(
-                "strategy.mp_degree",
-                f"mp_degree={lay.mp} does not divide model.{key}={value}",
-                f"use an mp_degree that divides {value} (e.g. {', '.join(map(str, divisors[-4:]))})",
-            )
+    yield from fam.tensor_parallel(m, lay.mp)
 
 
 @rule
@@ -86,12 +58,10 @@ def pipeline_split(ctx: Context) -> Iterator[Problem]:
     pp = lay.pp if lay else (s.pp_degree if isinstance(s.pp_degree, int) else None)
     if pp is None:
         return
-    if isinstance(m, CTRModel) and pp > 1:
-        yield Problem(
-            "strategy.pp_degree",
-            f"pp_degree={pp} on a CTR model: its MLP is too shallow to pipeline",
-            "set strategy.pp_degree=1; use strategy=ps for large embedding tables",
-        )
+    no_pipeline = family_of(m).no_pipeline
+    if no_pipeline is not None and pp > 1:
+        why, fix = no_pipeline
+        yield Problem("strategy.pp_degree", f"pp_degree={pp} on {why}", fix)
         return
     units = m.num_layers
     v = s.virtual_stages
@@ -233,10 +203,11 @@ def sequence_parallel(ctx: Context) -> Iterator[Problem]:
             "set strategy.mp_degree > 1, or strategy.sequence_parallel=false",
         )
     m = ctx.cfg.model
-    if isinstance(m, TransformerModel) and lay is not None and m.seq_len % lay.mp:
+    tokens = family_of(m).tokens_per_sample(m)
+    if tokens and lay is not None and tokens % lay.mp:
         yield Problem(
             "strategy.sequence_parallel",
-            f"model.seq_len={m.seq_len} does not divide by mp_degree={lay.mp}",
+            f"model.seq_len={tokens} does not divide by mp_degree={lay.mp}",
             "choose a seq_len divisible by mp_degree, or strategy.sequence_parallel=false",
         )
 
@@ -244,12 +215,10 @@ def sequence_parallel(ctx: Context) -> Iterator[Problem]:
 @rule
 def recompute_supported(ctx: Context) -> Iterator[Problem]:
     s = ctx.collective
-    if s is not None and s.recompute != "none" and isinstance(ctx.cfg.model, CTRModel):
-        yield Problem(
-            "strategy.recompute",
-            "a CTR model has no repeated blocks to recompute",
-            "set strategy.recompute=none",
-        )
+    no_recompute = family_of(ctx.cfg.model).no_recompute
+    if s is not None and s.recompute != "none" and no_recompute is not None:
+        why, fix = no_recompute
+        yield Problem("strategy.recompute", why, fix)
 
 
 # --- parameter server ------------------------------------------------------------------------------
@@ -260,11 +229,12 @@ def parameter_server(ctx: Context) -> Iterator[Problem]:
     s, m = ctx.cfg.strategy, ctx.cfg.model
     if not isinstance(s, PSStrategy):
         return
-    distributed = isinstance(m, CTRModel) and any(t.distributed for t in m.sparse_tables)
+    tables = family_of(m).sparse_tables
+    distributed = tables is not None and any(t.distributed for t in tables(m))
     if not distributed and not s.dense_fallback:
         what = (
             "its sparse tables are all distributed=false"
-            if isinstance(m, CTRModel)
+            if tables is not None
             else f"model family '{m.family}' has no sparse embedding tables"
         )
         yield Problem(
@@ -278,7 +248,7 @@ def parameter_server(ctx: Context) -> Iterator[Problem]:
             "max_staleness bounds async trainers; mode=sync never runs ahead",
             "set strategy.mode=async, or strategy.max_staleness=null",
         )
-    if ctx.launching and not isinstance(m, CTRModel):
+    if ctx.launching and tables is None:  # the ps runtime trains the families with sparse tables
         yield Problem(
             "strategy",
             f"the parameter-server runtime trains CTR models; model family '{m.family}' can be planned "

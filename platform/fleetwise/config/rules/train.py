@@ -9,6 +9,7 @@ from pathlib import Path
 from fleetwise.config.problems import Problem
 from fleetwise.config.rules import Context, data_parallel_ranks, rule
 from fleetwise.config.strategy import PSStrategy
+from fleetwise.families import FAMILIES, family_of
 
 
 @rule
@@ -84,10 +85,8 @@ def data_source(ctx: Context) -> Iterator[Problem]:
     d, m = ctx.cfg.data, ctx.cfg.model
     if d.source == "synthetic":
         return
-    wants = {"token_file": ("gpt", "ernie"), "image_folder": ("resnet",), "image_array": ("resnet",)}[
-        d.source
-    ]
-    if m.family not in wants:
+    wants = tuple(name for name, f in FAMILIES.items() if d.source in f.data_sources)
+    if d.source not in family_of(m).data_sources:
         yield Problem(
             "data.source",
             f"data.source={d.source} feeds {'/'.join(wants)} models, not {m.family}",

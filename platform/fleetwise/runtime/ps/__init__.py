@@ -50,13 +50,13 @@ def run(cfg: RunConfig, plan: Plan, run_dir: Path) -> None:
     import torch
     import torch.distributed.rpc as rpc
 
-    from fleetwise.config.model import CTRModel
     from fleetwise.config.strategy import PSStrategy
+    from fleetwise.families import family_of
     from fleetwise.runtime.ps.roles import log, role_from_env
 
     if not isinstance(cfg.strategy, PSStrategy):
         raise ValueError(f"fleetwise.runtime.ps runs strategy=ps, got strategy={cfg.strategy.name}")
-    if not isinstance(cfg.model, CTRModel):
+    if family_of(cfg.model).sparse_tables is None:
         raise NotImplementedError(
             f"the parameter-server runtime trains CTR models (sparse tables on the servers); "
             f"model family '{cfg.model.family}' is planned only: use a collective strategy to train it"

@@ -51,10 +51,10 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from fleetwise.config.model import CTRModel
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
 from fleetwise.data.ctr import SyntheticClicks, rank_micro_batches
+from fleetwise.families.ctr import CTRModel
 from fleetwise.models.ctr import CTRNet, ctr_loss
 from fleetwise.plan.planner import Plan
 from fleetwise.plan.ps import placement

@@ -1,0 +1,72 @@
+"""What the platform needs to know about a model family, in one record.
+
+A `Family` is importable without torch: its schema, its validation rules, its planner units and
+the capabilities the strategy rules ask about are plain Python. Its rank-side parts (`spec`:
+builder, loss, batch inputs and tensor-parallel plan; `source`: the sample source) are functions
+that import torch, `fleetwise.models` and `fleetwise.data` only when a rank calls them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fleetwise.config.base import Section
+from fleetwise.config.problems import Problem
+from fleetwise.plan.units import Unit
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The rank-side parts of a family (callables over torch; this record itself is torch-free)."""
+
+    build: Callable[..., Any]  # model config -> nn.Module (called under torch.device("meta"))
+    loss: Callable[[Any, Any], Any]  # (output, labels) -> scalar tensor
+    inputs: tuple[str, ...]  # batch keys fed to the first pipeline stage, in order
+    tp_plan: Callable[[bool], dict] | None = None  # sequence_parallel -> plan (None: no tensor parallelism)
+    label: str = "labels"
+
+
+def _no_problems(*_: Any) -> Iterator[Problem]:
+    return iter(())
+
+
+def _zero(_: Any) -> int:
+    return 0
+
+
+def _no_notes(_: Any) -> list[str]:
+    return []
+
+
+def _no_profile(_m: Any, _d: Any) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # the `model.family` tag (and conf/model/<name>.yaml)
+    schema: type[Section]  # pydantic model of the `model` section; `family: Literal[name]`
+    units: Callable[[Any], list[Unit]]  # the model as a chain of planner units
+    input_bytes: Callable[[Any], int]  # bytes of one sample of the batch, as the data source builds it
+    spec: Callable[[Any], ModelSpec]  # rank side: imports torch when called
+    source: Callable[[Any, Any], Any]  # rank side: (model, data config) -> sample source
+    check: Callable[[Any], Iterator[Problem]] = _no_problems  # rules on the model section alone
+    limits: Callable[[Any], Iterator[Problem]] = _no_problems  # sizes the planner cannot represent
+    tokens_per_sample: Callable[[Any], int] = _zero  # token models: sequence length
+    plan_notes: Callable[[Any], list[str]] = _no_notes  # lines the plan prints about the model
+    data_sources: tuple[str, ...] = ()  # file-backed data.source readers for this family
+    data_profile: Callable[[Any, Any], dict] = _no_profile  # what else defines its synthetic data
+    # Tensor parallelism: a check of mp_degree against the shapes, or None when the family has no
+    # tensor-parallel plan; then `no_tensor_parallel` says why and what to do instead.
+    tensor_parallel: Callable[[Any, int], Iterator[Problem]] | None = None
+    no_tensor_parallel: tuple[str, str] = ("", "")
+    no_pipeline: tuple[str, str] | None = None  # (why, fix) when pp_degree > 1 cannot work
+    no_recompute: tuple[str, str] | None = None  # (why, fix) when there is nothing to recompute
+    # Parameter server: the sparse tables that can live on servers (None: the family has none,
+    # and the ps runtime cannot train it), the floats of one table row, every parameter's shape.
+    sparse_tables: Callable[[Any], list] | None = None
+    sparse_row_width: Callable[[Any], int] = _zero
+    parameter_shapes: Callable[[Any], list[tuple[str, tuple[int, ...]]]] | None = None
+    convolutional: bool = False  # 16-bit GPU runs use channels_last
