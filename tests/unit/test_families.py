@@ -4,6 +4,7 @@ nothing outside `fleetwise.families` dispatches on a concrete family."""
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 import typing
@@ -94,3 +95,112 @@ def test_the_dispatch_check_sees_a_planted_dispatch(tmp_path):
         assert len(_dispatches(planted)) == 2
     finally:
         planted.unlink()
+
+
+# A fifth family in one module: schema, planner units, rank-side builder and source. Nothing else
+# in fleetwise changes; the test registers it, then validates, plans and builds it in a fresh
+# interpreter (the `model` union is built once per process, from the registry).
+TOY_FAMILY = '''
+from typing import Literal
+
+from pydantic import Field
+
+from fleetwise.config.base import Section
+from fleetwise.families import register
+from fleetwise.families.base import Family, ModelSpec
+from fleetwise.plan.units import Acts, Unit
+
+
+class ToyModel(Section):
+    family: Literal["toy"] = "toy"
+    width: int = Field(ge=1)
+    num_layers: int = Field(2, ge=1)
+
+
+def units(m):
+    w = m.width
+    linear = dict(params_whole=w * w + w, fwd_flops=2 * w * w, acts={"none": Acts(whole=w)})
+    return [
+        Unit("embedding", "embedding", **linear),
+        *[Unit(f"block{i}", "block", **linear) for i in range(m.num_layers)],
+        Unit("head", "head", params_whole=w + 1, fwd_flops=2 * w, acts={"none": Acts(whole=w)}),
+    ]
+
+
+def spec(m):
+    import torch
+    from torch import nn
+
+    class ToyNet(nn.Sequential):
+        def init_rule(self, mname, module, attr, shape, g):  # see fleetwise.models.init
+            return torch.randn(shape, generator=g) * 0.1
+
+    def build(m):
+        layers = [nn.Linear(m.width, m.width) for _ in range(m.num_layers + 1)]
+        return ToyNet(*layers, nn.Linear(m.width, 1))
+
+    return ModelSpec(build, lambda out, y: torch.nn.functional.mse_loss(out.squeeze(-1), y), ("x",))
+
+
+class Source:
+    def __init__(self, m, d):
+        self.width, self.seed = m.width, d.seed
+
+    def batch(self, indices):
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed + int(indices[0]))
+        x = torch.randn(len(indices), self.width, generator=g)
+        return {"x": x, "labels": x.sum(-1)}
+
+
+register(Family(name="toy", schema=ToyModel, units=units, input_bytes=lambda m: 4 * m.width + 4,
+                spec=spec, source=Source))
+'''
+
+TOY_DRIVER = """
+import json, numpy as np, torch
+import toyfam  # registers the family before anything builds the config union
+from fleetwise.config.compose import compose_config
+from fleetwise.config.validate import validate
+from fleetwise.plan import make_plan
+from fleetwise.runtime.modeling import build_model, build_source, model_spec
+
+data = compose_config(["recipe=gpt/tiny"])
+data["model"] = {"family": "toy", "width": 8}
+cfg = validate(data)
+plan = make_plan(cfg)
+model, spec = build_model(cfg), model_spec(cfg)
+batch = build_source(cfg).batch(np.arange(4))
+loss = spec.loss(model(batch["x"]), batch["labels"])
+data["model"] = {"family": "toy", "width": 0}
+try:
+    validate(data)
+    bad = []
+except Exception as exc:
+    bad = [p.loc for p in exc.problems]
+print(json.dumps({"plan_params": plan.params, "torch_params": sum(p.numel() for p in model.parameters()),
+                  "loss_finite": bool(torch.isfinite(loss)), "bad": bad}))
+"""
+
+
+def test_a_fifth_family_is_one_module(tmp_path):
+    import os
+
+    (tmp_path / "toyfam.py").write_text(TOY_FAMILY)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", TOY_DRIVER], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["plan_params"] == got["torch_params"] == 3 * (8 * 8 + 8) + 8 + 1
+    assert got["loss_finite"]
+    assert got["bad"] == ["model.width"]  # its schema's rules reach the user like any family's
+
+
+def test_register_refuses_once_the_union_is_built():
+    from fleetwise.families import register
+
+    with pytest.raises(RuntimeError, match="after fleetwise.config.model"):
+        register(FAMILIES["gpt"])

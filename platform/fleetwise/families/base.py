@@ -21,7 +21,9 @@ from fleetwise.plan.units import Unit
 class ModelSpec:
     """The rank-side parts of a family (callables over torch; this record itself is torch-free)."""
 
-    build: Callable[..., Any]  # model config -> nn.Module (called under torch.device("meta"))
+    # model config -> nn.Module, called under torch.device("meta"); the root module says how its
+    # parameters start with `init_rule` (or `initial_value`), see fleetwise.models.init
+    build: Callable[..., Any]
     loss: Callable[[Any, Any], Any]  # (output, labels) -> scalar tensor
     inputs: tuple[str, ...]  # batch keys fed to the first pipeline stage, in order
     tp_plan: Callable[[bool], dict] | None = None  # sequence_parallel -> plan (None: no tensor parallelism)
