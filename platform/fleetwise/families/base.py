@@ -59,7 +59,9 @@ class Family:
     tokens_per_sample: Callable[[Any], int] = _zero  # token models: sequence length
     plan_notes: Callable[[Any], list[str]] = _no_notes  # lines the plan prints about the model
     data_sources: tuple[str, ...] = ()  # file-backed data.source readers for this family
-    data_profile: Callable[[Any, Any], dict] = _no_profile  # what else defines its synthetic data
+    # (model, data config) -> the model fields (and data settings) its synthetic samples depend on;
+    # part of the dataset's digest in MLflow
+    data_profile: Callable[[Any, Any], dict] = _no_profile
     # Tensor parallelism: a check of mp_degree against the shapes, or None when the family has no
     # tensor-parallel plan; then `no_tensor_parallel` says why and what to do instead.
     tensor_parallel: Callable[[Any, int], Iterator[Problem]] | None = None

@@ -15,6 +15,7 @@ from fleetwise.families.transformer import (
     TransformerModel,
     check_shape,
     check_tensor_parallel,
+    token_data_profile,
     token_source,
     tokens_per_sample,
     transformer_block,
@@ -97,8 +98,8 @@ def plan_notes(m: ERNIEModel) -> list[str]:
     return [f"masked LM: {k} of {m.seq_len} positions per sequence are predicted"]
 
 
-def data_profile(m: ERNIEModel, _d) -> dict:
-    return {"masking": m.masking, "mask_prob": m.mask_prob, "max_span_words": m.max_span_words}
+def data_profile(m: ERNIEModel, d) -> dict:
+    return {**token_data_profile(m, d), "masking": m.masking, "mask_prob": m.mask_prob, "max_span_words": m.max_span_words}
 
 
 def spec(_: ERNIEModel) -> ModelSpec:

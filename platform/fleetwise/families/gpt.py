@@ -10,6 +10,7 @@ from fleetwise.families.transformer import (
     TransformerModel,
     check_shape,
     check_tensor_parallel,
+    token_data_profile,
     token_source,
     tokens_per_sample,
     transformer_block,
@@ -83,5 +84,6 @@ FAMILY = Family(
     check=check_shape,
     tokens_per_sample=tokens_per_sample,
     data_sources=TOKEN_SOURCES,
+    data_profile=token_data_profile,
     tensor_parallel=check_tensor_parallel,
 )

@@ -171,6 +171,10 @@ def input_bytes(m: ResNetModel) -> int:
     return 4 * m.in_channels * m.image_size**2 + 8  # fp32 image, int64 label
 
 
+def data_profile(m: ResNetModel, _d) -> dict:
+    return {"num_classes": m.num_classes, "image_size": m.image_size, "in_channels": m.in_channels}
+
+
 def spec(_: ResNetModel) -> ModelSpec:
     from fleetwise.models.resnet import ResNet, classification_loss
 
@@ -197,6 +201,7 @@ FAMILY = Family(
     check=check,
     limits=limits,
     data_sources=("image_folder", "image_array"),
+    data_profile=data_profile,
     no_tensor_parallel=(
         "convolutions are not split by fleetwise",
         "set strategy.mp_degree=1 and use dp or sharding",

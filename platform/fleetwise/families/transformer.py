@@ -49,6 +49,10 @@ class TransformerModel(Section):
         return self.hidden_size // self.num_attention_heads
 
 
+def token_data_profile(m: TransformerModel, _d) -> dict:
+    return {"vocab_size": m.vocab_size, "seq_len": m.seq_len}
+
+
 def tokens_per_sample(m: TransformerModel) -> int:
     return m.seq_len
 

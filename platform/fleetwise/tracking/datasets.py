@@ -55,12 +55,7 @@ def describe_data(cfg) -> DatasetInfo:
     h = hashlib.sha256()
     profile: dict[str, object] = {}
     if d.source == "synthetic":
-        shape = {
-            k: getattr(m, k)
-            for k in ("vocab_size", "seq_len", "num_classes", "image_size", "in_channels")
-            if hasattr(m, k)
-        }
-        shape.update(family_of(m).data_profile(m, d))
+        shape = family_of(m).data_profile(m, d)  # what else determines the family's synthetic samples
         spec = {
             "generator": f"fleetwise.synthetic.{m.family}",
             "seed": d.seed,
