@@ -40,6 +40,8 @@ def test_each_family_has_its_conf_a_tiny_recipe_and_plans(name):
     assert units[0].kind == "embedding" and {u.kind for u in units} <= {"embedding", "block", "head"}
     assert fam.input_bytes(cfg.model) > 0
     assert make_plan(cfg).params == total_params(cfg.model) > 0
+    # the rules allow mp_degree > 1 exactly when the rank side has a tensor-parallel plan
+    assert (fam.tensor_parallel is None) == (fam.spec(cfg.model).tp_plan is None)
 
 
 def test_families_import_no_torch():

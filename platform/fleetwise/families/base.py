@@ -49,7 +49,9 @@ def _no_profile(_m: Any, _d: Any) -> dict:
 @dataclass(frozen=True)
 class Family:
     name: str  # the `model.family` tag (and conf/model/<name>.yaml)
-    schema: type[Section]  # pydantic model of the `model` section; `family: Literal[name]`
+    # pydantic model of the `model` section: `family: Literal[name]` and `num_layers` (the blocks a
+    # pipeline split distributes)
+    schema: type[Section]
     units: Callable[[Any], list[Unit]]  # the model as a chain of planner units
     input_bytes: Callable[[Any], int]  # bytes of one sample of the batch, as the data source builds it
     spec: Callable[[Any], ModelSpec]  # rank side: imports torch when called
@@ -65,7 +67,10 @@ class Family:
     # Tensor parallelism: a check of mp_degree against the shapes, or None when the family has no
     # tensor-parallel plan; then `no_tensor_parallel` says why and what to do instead.
     tensor_parallel: Callable[[Any, int], Iterator[Problem]] | None = None
-    no_tensor_parallel: tuple[str, str] = ("", "")
+    no_tensor_parallel: tuple[str, str] = (
+        "its layers are not split by fleetwise",
+        "set strategy.mp_degree=1 and use dp or sharding",
+    )
     no_pipeline: tuple[str, str] | None = None  # (why, fix) when pp_degree > 1 cannot work
     no_recompute: tuple[str, str] | None = None  # (why, fix) when there is nothing to recompute
     # Parameter server: the sparse tables that can live on servers (None: the family has none,
