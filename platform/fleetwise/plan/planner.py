@@ -282,7 +282,38 @@ def worst_memory(cfg: RunConfig) -> float:
     chunks = assign_units(cfg, layout)
     v = s.virtual_stages if layout.pp > 1 else 1
     ranks = chunk_ranks(s.schedule, layout.pp, v) if layout.pp > 1 else [0]
-    return max(_rank_memory(cfg, layout, chunks, ranks, r, n)[0].total for r in range(layout.pp))
+    return max(
+        _rank_memory(cfg, layout, chunks, ranks, r, n)[0].total
+        for r in _memory_ranks(s, layout, chunks, ranks, n)
+    )
+
+
+def _memory_ranks(
+    s: CollectiveStrategy, layout: Layout, chunks: list[list[Unit]], ranks: list[int], n: int
+) -> list[int]:
+    """Pipeline ranks that can hold the most memory. Ranks whose chunks are all inner ones (neither
+    the first nor the last) with the same units differ only in the micro-batches they keep in flight,
+    and their memory grows with that count (activations per micro-batch; their receive buffers
+    add up to 2n whatever it is): of such a group only the rank with the most in flight is planned."""
+    v = s.virtual_stages if layout.pp > 1 else 1
+    last = len(chunks) - 1
+    keep: list[int] = []
+    groups: dict[tuple, list[tuple[tuple[int, ...], int]]] = {}
+    for r in range(layout.pp):
+        local = [c for c, rr in enumerate(ranks) if rr == r]
+        if 0 in local or last in local:
+            keep.append(r)
+            continue
+        flight = chunks_in_flight(s.schedule, layout.pp, v, n, r)
+        counts = tuple(flight.get(i, 1) for i in range(len(local)))
+        groups.setdefault(tuple(len(chunks[c]) for c in local), []).append((counts, r))
+    for members in groups.values():
+        top = max(members)
+        if all(all(a >= b for a, b in zip(top[0], m[0], strict=True)) for m in members):
+            keep.append(top[1])
+        else:  # no rank holds the most of every chunk: plan them all
+            keep += [r for _, r in members]
+    return keep
 
 
 def _collective_plan(cfg: RunConfig) -> Plan:
@@ -373,12 +404,16 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         dim: (comm[dim] / bw[dim] + calls[dim] * hw.comm_latency_us * 1e-6) * hw.ranks_per_core
         for dim in comm
     }
-    # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with backward compute on GPUs
-    # (separate streams). On a CPU the same cores run both, so nothing is hidden.
+    # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with compute on GPUs (NCCL runs
+    # on its own stream), but only with the compute that runs while they are in flight. On a CPU
+    # the same cores run both, so nothing is hidden.
     overlappable = comm_time["dp"] + comm_time["sharding"]
-    hidden = min(overlappable, (2 / 3) * compute) if hw.device_type == "cuda" else 0.0
+    hidden = (
+        min(overlappable, _overlap_window(engine, layout, n, compute)) if hw.device_type == "cuda" else 0.0
+    )
     exposed = comm_time["mp"] + comm_time["pp"] + overlappable - hidden
-    step = pipelined_compute + exposed + update
+    offload = _offload_time(cfg, engine, per_rank[worst][1], layout.sharding, n)
+    step = pipelined_compute + exposed + update + offload
     mfu = flops_per_step / (step * layout.world_size * peak) if step > 0 else 0.0
 
     stages = []
@@ -436,10 +471,44 @@ def _collective_plan(cfg: RunConfig) -> Plan:
             **{f"comm_{k}": v for k, v in comm_time.items()},
             "comm_hidden": hidden,
             "update": update,
+            "offload": offload,
         },
         stages=stages,
         notes=notes,
     )
+
+
+def _overlap_window(engine: str, layout: Layout, n: int, compute: float) -> float:
+    """Compute time a step's data-parallel communication can hide behind, per engine.
+
+    - DDP / ZeRO-1 under gradient accumulation (`no_sync`): the buckets are all-reduced during the
+      last micro-batch's backward only, 2/3 of one micro-batch's compute (backward = 2 × forward).
+    - FSDP under a pipeline schedule gathers once before the first micro-batch's forward and
+      reduce-scatters after the last one's backward: one micro-batch's compute in all.
+    - FSDP without a pipeline gathers and reduce-scatters every unit in every micro-batch, prefetched
+      behind the unit before it: the whole compute.
+    `compute` is the step's compute on the slowest stage (all its micro-batches)."""
+    per_micro = compute / max(1, n)
+    if engine in ("ddp", "zero1"):
+        return (2 / 3) * per_micro
+    if engine == "fsdp" and layout.pp > 1:
+        return per_micro
+    return compute
+
+
+def _offload_time(cfg: RunConfig, engine: str, p: float, sharding: int, n: int) -> float:
+    """Offloaded FSDP (CPUOffloadPolicy): each rank's parameter shard crosses to the device for every
+    all-gather and its gradient shard back after every reduce-scatter (fp32, over the host link),
+    and the optimizer step runs on the host. Not overlapped: FSDP2 copies on the compute stream."""
+    s, hw = cfg.strategy, cfg.hardware
+    if not (s.offload and engine == "fsdp" and hw.device_type == "cuda"):
+        return 0.0
+    shard = p / sharding
+    pipelined = Layout.of(cfg).pp > 1
+    gathers = 1 if pipelined else (n if not reshard_after_forward(s.sharding_stage) else 2 * n)
+    scatters = 1 if pipelined else n
+    link = (FP32 * shard * (gathers + scatters)) / (hw.host_link_gbps * 1e9) if hw.host_link_gbps else 0.0
+    return link + shard * hw.offload_update_ns_per_param * 1e-9
 
 
 def _bandwidth(cfg: RunConfig, layout: Layout, dim: str) -> float:

@@ -145,12 +145,21 @@ def _choices(name: str, options: list[Any], fixed: dict[str, Any]) -> list[Any]:
     return [fixed[name]] if name in fixed else options
 
 
+# The planner gives these schedules the same step time as their partner (same bubble, same chunk
+# placement) and more memory (every micro-batch in flight): they never rank above it, so they are
+# searched only when the user fixes them.
+DOMINATED = {"GPipe": "1F1B", "looped_BFS": "interleaved_1F1B"}
+
+
 def _pipeline_options(cfg: RunConfig, pp: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
     if pp == 1:
         return [(fixed.get("schedule", "1F1B"), fixed.get("virtual_stages", 1))]
     layers = getattr(cfg.model, "num_layers", pp)
     out = []
-    for sched in _choices("schedule", list(SCHEDULES), fixed):
+    schedules = (
+        [s for s in SCHEDULES if s not in DOMINATED] if "schedule" not in fixed else [fixed["schedule"]]
+    )
+    for sched in schedules:
         if sched in INTERLEAVED_SCHEDULES:
             vs = (
                 [v for v in range(2, layers // pp + 1) if (layers // pp) % v == 0] if layers >= 2 * pp else []
@@ -301,12 +310,19 @@ def search(
                         if mem > budget:
                             result.too_big += 1
                             continue
-                    sps = [False, True] if mp > 1 else [False]
+                    # sequence parallel: the planner gives it the same time (its all-gather and
+                    # reduce-scatter move what the all-reduce moved, Korthikanti et al. 2022) and
+                    # less memory; without it only when it is not legal (seq_len % mp)
+                    sps = [True, False] if mp > 1 else [False]
                     for sp in _choices("sequence_parallel", sps, fixed):
+                        fitted = False
                         for sched, v in _pipeline_options(base, pp, fixed):
                             for mb in mbs_all:  # ascending: memory only grows with it
                                 if not _fastest_fitting(degrees, sp, sched, v, mb):
                                     break
+                                fitted = True
+                        if fitted:
+                            break
     finally:
         bar.close()
 
