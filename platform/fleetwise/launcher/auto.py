@@ -81,7 +81,7 @@ def resolve_auto(overrides: list[str], *, progress: bool = True) -> AutoOutcome:
     )
     out = AutoOutcome(result=result, base=base)
     if result.winner is None:
-        out.problems = [nothing_fits(result)]
+        out.problems = [nothing_fits(result, a.headroom)]
         return out
     out.layout_overrides = result.winner.overrides()
     # the winner's keys replace the user's (fixed ones have the same values)

@@ -373,24 +373,30 @@ def _sec(x: float) -> str:
     return f"{x * 1e3:+.1f} ms" if abs(x) < 1 else f"{x:+.2f} s"
 
 
-def nothing_fits(result: SearchResult) -> Problem:
+def nothing_fits(result: SearchResult, headroom: float) -> Problem:
     """Exit-2 problem when no legal layout fits: the least memory found and what would make it fit."""
-    budget = result.budget_bytes / GIB
+    from fleetwise.plan.render import gib
+
     if result.smallest is None:
+        fixed = ", ".join(
+            f"strategy.{k}={v}" if k != "micro_batch_size" else f"train.{k}={v}"
+            for k, v in result.fixed.items()
+        )
         return Problem(
             "strategy",
             "strategy=auto found no legal layout for this model and hardware"
-            + (f" with the fixed keys {result.fixed}" if result.fixed else ""),
-            "free some fixed strategy keys, or change hardware.nodes / devices_per_node",
+            + (f" with {fixed} fixed" if fixed else ""),
+            f"free the fixed keys ({fixed}), or change hardware.nodes / hardware.devices_per_node"
+            if fixed
+            else "change hardware.nodes / hardware.devices_per_node",
         )
     s = result.smallest
-    need = s.memory / GIB
     ratio = s.memory / result.budget_bytes if result.budget_bytes else float("inf")
+    fixed = f"; or free the fixed keys ({', '.join(sorted(result.fixed))})" if result.fixed else ""
     return Problem(
         "hardware.memory_per_device_gib",
-        f"no legal layout fits: the smallest needs {need:.1f} GiB per device ({s.layout_text()}) "
-        f"but {budget:.1f} GiB are allowed (usable memory less auto.headroom)",
-        f"use about {ratio:.1f}× the devices (hardware.nodes), a device with ≥ {need / (1 - 0.0):.0f} GiB "
-        "usable, lower auto.headroom, or free fixed keys"
-        + (f" ({', '.join(sorted(result.fixed))})" if result.fixed else ""),
+        f"no legal layout fits: the smallest needs {gib(s.memory)} per device ({s.layout_text()}) "
+        f"but {gib(result.budget_bytes)} are allowed (usable device memory less auto.headroom={headroom:g})",
+        f"use about {ratio:.1f}× the devices (hardware.nodes), or devices with {gib(s.memory / (1 - headroom))} "
+        f"usable memory, or a lower auto.headroom{fixed}",
     )
