@@ -25,7 +25,7 @@ Everything here is arithmetic on the validated config (no torch). Sources of the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from fleetwise.config.engine import dp_engine, optimizer_state_factor, reshard_after_forward
@@ -118,7 +118,10 @@ def assign_units(cfg: RunConfig, layout: Layout) -> list[list[Unit]]:
 
 # A layout search plans thousands of layouts of one model: its units (pure arithmetic on the model
 # config, a third of a plan's time for a 96-layer GPT) are built once per model. Units are frozen.
+# Equal units (a model's blocks, names aside) share a class key, so per-unit arithmetic is done
+# once per class: id(unit) -> key, for the cached units only (they stay alive in the cache).
 _UNITS_CACHE: dict[str, list[Unit]] = {}
+_UNIT_CLASS: dict[int, str] = {}
 
 
 def _units(model) -> list[Unit]:
@@ -126,7 +129,13 @@ def _units(model) -> list[Unit]:
     if key not in _UNITS_CACHE:
         if len(_UNITS_CACHE) > 64:
             _UNITS_CACHE.clear()
-        _UNITS_CACHE[key] = model_units(model)
+            _UNIT_CLASS.clear()
+        units = model_units(model)
+        classes: dict[str, str] = {}
+        for u in units:
+            sig = repr(replace(u, name=""))
+            _UNIT_CLASS[id(u)] = classes.setdefault(sig, sig)
+        _UNITS_CACHE[key] = units
     return _UNITS_CACHE[key]
 
 
@@ -190,22 +199,31 @@ def _rank_memory(
     split_bytes, whole_bytes = _act_bytes(cfg.train.precision, engine)
     flight = chunks_in_flight(s.schedule, layout.pp, s.virtual_stages if pipelined else 1, n, rank)
     acts, transient = 0.0, 0.0
+    memo: dict[str, tuple[float, float]] = {}  # equal units (the blocks) are worked out once
     for i, c in enumerate(local):
         for u in chunks[c]:
-            a = u.saved(s.recompute)
-            per_sample = (
-                (a.split / mp) * split_bytes
-                + (a.sp / mp if s.sequence_parallel else a.sp) * whole_bytes
-                + a.whole * whole_bytes
-            )
-            acts += flight.get(i, 1) * b * per_sample
-            transient = max(transient, b * u.transient.elements(mp, s.sequence_parallel) * FP32)
-            if s.recompute != "none" and u.kind == "block":  # one block re-materialised in backward
-                full = u.saved("none")
-                transient = max(
-                    transient,
-                    b * (full.split / mp * split_bytes + full.sp * whole_bytes + full.whole * whole_bytes),
+            key = _UNIT_CLASS.get(id(u))
+            known = memo.get(key) if key is not None else None
+            if known is None:
+                a = u.saved(s.recompute)
+                per_sample = (
+                    (a.split / mp) * split_bytes
+                    + (a.sp / mp if s.sequence_parallel else a.sp) * whole_bytes
+                    + a.whole * whole_bytes
                 )
+                peak = b * u.transient.elements(mp, s.sequence_parallel) * FP32
+                if s.recompute != "none" and u.kind == "block":  # one block re-materialised in backward
+                    full = u.saved("none")
+                    peak = max(
+                        peak,
+                        b
+                        * (full.split / mp * split_bytes + full.sp * whole_bytes + full.whole * whole_bytes),
+                    )
+                known = (per_sample, peak)
+                if key is not None:
+                    memo[key] = known
+            acts += flight.get(i, 1) * b * known[0]
+            transient = max(transient, known[1])
     if pipelined:
         mem.pipeline_buffers = _pipeline_buffers(chunks, local, flight, n, b) * whole_bytes
     if accumulating and engine != "fsdp":
@@ -360,6 +378,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     update_scale = (2 + k) / 4 * hw.ranks_per_core * slow
     update_shard = layout.sharding if engine in ("fsdp", "zero1") else 1
     stage_time, host_time, elementwise_time, update_time, device_flops = [], [], [], [], []
+    gemm_memo: dict[str, float] = {}  # GEMM efficiency per class of equal units
     for r in range(layout.pp):
         units = _rank_units(chunks, ranks, r)
         # both recompute modes re-run every op of a block in backward (selective reads saved
@@ -370,7 +389,13 @@ def _collective_plan(cfg: RunConfig) -> Plan:
             flops = b * u.fwd_flops / layout.mp  # one micro-batch's forward on this rank
             if flops:
                 passes = 3 + (recompute_extra if u.kind == "block" else 0.0)
-                gemm += n * passes * flops / (peak * hw.gemm_fraction(flops / max(1, u.fwd_gemms)))
+                key = _UNIT_CLASS.get(id(u))
+                fraction = gemm_memo.get(key) if key is not None else None
+                if fraction is None:
+                    fraction = hw.gemm_fraction(flops / max(1, u.fwd_gemms))
+                    if key is not None:
+                        gemm_memo[key] = fraction
+                gemm += n * passes * flops / (peak * fraction)
                 done += n * passes * flops
         device_flops.append(done)
         redo_ops = sum(u.fwd_ops for u in redo)

@@ -278,7 +278,9 @@ def search(
             if gbs % ranks:
                 continue
             mbs_all = _choices("micro_batch_size", _divisors(gbs // ranks), fixed)
-            stages = [1, 2, 3] if sh > 1 else [None]
+            # under a pipeline FSDP keeps parameters gathered across micro-batches whatever the
+            # stage, so the planner gives stage 3 the plan of stage 2: only the simpler is searched
+            stages = ([1, 2, 3] if pp == 1 else [1, 2]) if sh > 1 else [None]
             for stage in _choices("sharding_stage", stages, fixed):
                 offloads = (
                     [False, True] if (sh > 1 and stage in (2, 3) and hw.device_type == "cuda") else [False]
