@@ -238,11 +238,15 @@ def search(
     # layout are slower (or bigger) in every respect and never rank above it.
     order = list(RECOMPUTE) if objective == "time" else list(reversed(RECOMPUTE))
 
-    def _fastest_fitting(degrees: dict[str, Any], sp: bool, sched: str, v: int, mb: int) -> bool:
-        """Time the best recompute mode of this layout that fits; False when none fits."""
+    def _fastest_fitting(
+        degrees: dict[str, Any], sp: bool, sched: str, v: int, mb: int, modes: list[str]
+    ) -> list[str]:
+        """Time the first recompute mode of `modes` that fits. Returns the modes still worth
+        trying at a larger micro-batch (memory grows with it: a mode that did not fit here will
+        not fit there); empty when none fits."""
         nonlocal smallest
-        fitted = False
-        for recompute in _choices("recompute", order, fixed):
+        skipped: list[str] = []  # illegal here (not too big): tried again at the next size
+        for i, recompute in enumerate(modes):
             strategy = {
                 **degrees,
                 "sequence_parallel": sp,
@@ -252,6 +256,7 @@ def search(
             }
             cfg = legal(strategy, mb)
             if cfg is None:
+                skipped.append(recompute)
                 continue
             result.legal += 1
             mem = worst_memory(cfg)
@@ -259,15 +264,16 @@ def search(
                 smallest = (mem, strategy, mb)
             if mem > budget:
                 result.too_big += 1
+                if objective == "memory":
+                    return []  # the modes after the leanest need more
                 continue
             cand = Candidate(dict(strategy), mb, make_plan(cfg))
             result.planned += 1
             found.append(cand)
             if on_candidate:
                 on_candidate(cand)
-            fitted = True
-            break
-        return fitted
+            return skipped + modes[i:]
+        return []
 
     tuples = list(_degree_tuples(world, max_mp, fixed))
     bar = _Progress(len(tuples), progress)
@@ -319,8 +325,10 @@ def search(
                     for sp in _choices("sequence_parallel", sps, fixed):
                         fitted = False
                         for sched, v in _pipeline_options(base, pp, fixed):
+                            modes = _choices("recompute", order, fixed)
                             for mb in mbs_all:  # ascending: memory only grows with it
-                                if not _fastest_fitting(degrees, sp, sched, v, mb):
+                                modes = _fastest_fitting(degrees, sp, sched, v, mb, modes)
+                                if not modes:
                                     break
                                 fitted = True
                         if fitted:
