@@ -1,6 +1,6 @@
 """fleetwise benchmarks: the platform against plain PyTorch, the planner against reality.
 
-    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu] [--quick]
+    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu,auto] [--quick]
                             [--reps 3] [--out bench]          (make bench runs all suites)
 
 Writes OUT/results.json (every row, every target, met or missed) and OUT/results.md (the tables,
@@ -32,8 +32,51 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 PY = sys.executable
 WARMUP = 3  # steps excluded from step times: 1-2 carry the exact memory tracker, 3 settles
-SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu")
-TARGETS = {"overhead_ratio": 1.03, "memory_error": 0.10, "time_error": 0.25, "total_s": 600}
+SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu", "auto")
+TARGETS = {
+    "overhead_ratio": 1.03,
+    "memory_error": 0.10,
+    "time_error": 0.25,
+    "total_s": 600,
+    "auto_within": 0.10,  # strategy=auto: the chosen layout's measured step within 10 % of the best measured
+    "auto_spearman": 0.8,  # rank correlation of planned and measured step times over the top 5
+}
+# strategy=auto on real ranks: gpt/tiny and a ~20M-parameter GPT (6 layers, d=512: 12·d²·L = 18.9M
+# in the blocks, + embeddings)
+AUTO_MODELS = {
+    "gpt/tiny": ["recipe=gpt/tiny"],
+    "gpt ~20M": [
+        "recipe=gpt/tiny",
+        "model.num_layers=6",
+        "model.hidden_size=512",
+        "model.num_attention_heads=8",
+        "model.ffn_hidden_size=2048",
+        "model.seq_len=128",
+    ],
+}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+
+    def ranks(xs: list[float]) -> list[float]:
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        out = [0.0] * len(xs)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
 
 
 class Bench:
@@ -231,6 +274,43 @@ class Bench:
             "time_met": all(r["time_met"] for r in rows),
         }
 
+    def auto(self) -> dict:
+        """strategy=auto against reality: the planner's top 5 layouts (hardware=local), each trained
+        for a few steps; the winner's measured step vs the best measured, and the rank correlation."""
+        cases = [(m, r) for m in AUTO_MODELS for r in (2, 4)]
+        if self.quick:
+            cases = cases[:1]
+        steps = WARMUP + (3 if self.quick else 5)
+        rows = []
+        for model, ranks in cases:
+            base = [*AUTO_MODELS[model], f"hardware.devices_per_node={ranks}"]
+            proc = self.fleetwise("plan", "hardware=local", "strategy=auto", *base, "auto.top_k=5", "--json")
+            search = json.loads(proc.stdout)["auto"]
+            measured = []
+            for cand in search["candidates"]:
+                _, records, _ = self.train([*base, *cand["overrides"].split(), f"train.steps={steps}",
+                                            f"train.warmup_steps_excluded={WARMUP}", "tracking.enabled=false"])  # fmt: skip
+                measured.append(median_step(records))
+            planned = [c["step_time_s"] for c in search["candidates"]]
+            best = min(measured)
+            within = measured[0] / best - 1
+            rho = spearman(planned, measured) if len(planned) > 1 else float("nan")
+            rows.append(
+                {
+                    "model": model,
+                    "ranks": ranks,
+                    "search_s": search["search_s"],
+                    "layouts": [c["layout"] for c in search["candidates"]],
+                    "planned_s": planned,
+                    "measured_s": measured,
+                    "winner_vs_best": within,
+                    "within_met": within <= TARGETS["auto_within"],
+                    "spearman": rho,
+                    "spearman_met": rho >= TARGETS["auto_spearman"],
+                }
+            )
+        return {"rows": rows}
+
     def startup(self) -> dict:
         rows = []
         args = ["recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=8", "strategy=hybrid",
@@ -370,6 +450,16 @@ def markdown(results: dict) -> str:
             out.append(table(["config", "step", "MFU", "memory plan", "max_memory_allocated", "error"],
                              [[r["config"], f"{r['step_s'] * 1e3:.1f} ms", f"{r['mfu']:.1%}", f"{r['predicted_bytes'] / 2**30:.2f} GiB",
                                f"{r['measured_bytes'] / 2**30:.2f} GiB", pct(r["memory_error"])] for r in g["rows"]]))  # fmt: skip
+    if "auto" in s:
+        out.append(f"\n## 7. strategy=auto: the planner's top 5 run for real (targets: winner within {TARGETS['auto_within']:.0%} "
+                   f"of the best measured, Spearman ≥ {TARGETS['auto_spearman']})\n")  # fmt: skip
+        for r in s["auto"]["rows"]:
+            out.append(f"\n**{r['model']}, {r['ranks']} ranks** (search {r['search_s']:.2f} s): winner "
+                       f"{pct(r['winner_vs_best'])} slower than the best measured {ok(r['within_met'])} · "
+                       f"Spearman {r['spearman']:.2f} {ok(r['spearman_met'])}\n")  # fmt: skip
+            out.append(table(["#", "layout", "planned step", "measured step"],
+                             [[str(i + 1), lay, f"{p * 1e3:.1f} ms", f"{m * 1e3:.1f} ms"]
+                              for i, (lay, p, m) in enumerate(zip(r["layouts"], r["planned_s"], r["measured_s"], strict=True))]))  # fmt: skip
     for name, err in results.get("errors", {}).items():
         out.append(f"\n**suite {name} failed**: {err.splitlines()[0]}")
     return "\n".join(out) + "\n"

@@ -136,8 +136,13 @@ def cmd_validate(argv: list[str]) -> int:
     if pf.problems:
         return _report_invalid(pf.problems, args.json)
     if args.json:
-        print(json.dumps({"valid": True, "errors": []}, indent=2))
+        out = {"valid": True, "errors": []}
+        if pf.auto is not None:
+            out["auto"] = pf.auto.to_dict()
+        print(json.dumps(strict_json(out), indent=2))
     else:
+        if pf.auto is not None:
+            Console().print(f"strategy=auto chose: {pf.auto.override_text}", highlight=False, soft_wrap=True)
         from fleetwise.plan.render import describe_job, gib
 
         plan = pf.plan
@@ -163,9 +168,14 @@ def cmd_plan(argv: list[str]) -> int:
     if args.json:
         out = pf.plan.to_dict()
         out["remedies"] = [r.to_dict() for r in pf.remedies]
+        if pf.auto is not None:
+            out["auto"] = pf.auto.to_dict()
         print(json.dumps(strict_json(out), indent=2, allow_nan=False))
     else:
-        from fleetwise.plan.render import print_plan
+        from fleetwise.plan.render import print_plan, print_search
+
+        if pf.auto is not None:
+            print_search(Console(), pf.auto.result, pf.cfg.auto.top_k, pf.auto.override_text)
 
         print_plan(Console(), pf.cfg, pf.plan, pf.remedies)
     return EXIT_OK

@@ -11,6 +11,7 @@ the typed plan and every metric name are defined here once, so both sides agree 
     metrics.jsonl      one record per optimizer step: `step`, `time` and metric names below
     tracking.json      the MLflow run id and how far delivery got (tracking/spool.py)
     ps_summary.json    parameter-server jobs: per-trainer and per-server totals
+    auto_search.json   strategy=auto: the chosen override and the candidate table
     logs/rank_N.log    per-rank logs; logs/launcher.log: torchrun's own
     checkpoints/       DCP checkpoints (runtime/checkpoint_files.py)
     model/             the final weights (DCP shards) of a job without checkpoints, for MLflow
@@ -37,6 +38,7 @@ METRICS_FILE = "metrics.jsonl"
 TRACKING_FILE = "tracking.json"
 ERROR_FILE = "error.txt"  # why the job failed, for `fleetwise sync` and the MLflow run
 PS_SUMMARY_FILE = "ps_summary.json"  # parameter-server jobs: per-trainer and per-server totals
+AUTO_SEARCH_FILE = "auto_search.json"  # strategy=auto: the chosen override and the candidate table
 LOGS_DIR = "logs"
 LAUNCHER_LOG = "launcher.log"
 CHECKPOINTS_DIR = "checkpoints"
@@ -164,6 +166,14 @@ def write_run_dir(run_dir: Path, cfg: RunConfig, plan: Plan, argv: list[str]) ->
     write_config(run_dir, cfg)
     write_plan(run_dir, plan)
     atomic_write(run_dir / COMMAND_FILE, shlex.join(["fleetwise", "train", *argv]) + "\n")
+
+
+def write_auto_search(run_dir: Path, search: dict) -> Path:
+    """What `strategy=auto` chose and the candidates it weighed (an MLflow artifact of the run)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / AUTO_SEARCH_FILE
+    atomic_write(path, json.dumps(search, indent=2) + "\n")
+    return path
 
 
 def append_record(run_dir: Path, record: dict) -> None:

@@ -135,6 +135,18 @@ class HardwareConfig(Section):
         description="The same for selective checkpointing, whose policy dispatch mode sees every op twice "
         "(calibrate measures it on CPUs; 0: not charged).",
     )
+    host_link_gbps: float | None = Field(
+        None,
+        gt=0,
+        description="Host <-> device bandwidth per device (PCIe), GB/s per direction: what offloaded "
+        "parameters and gradients cross every step (null: offload is not charged).",
+    )
+    offload_update_ns_per_param: float = Field(
+        0.0,
+        ge=0,
+        description="Host time of the optimizer step per offloaded parameter element (the update runs "
+        "on the CPU), nanoseconds (0: not charged).",
+    )
     host_cores: int | None = Field(
         None,
         ge=1,

@@ -147,6 +147,21 @@ class PlanCheckConfig(Section):
     )
 
 
+class AutoConfig(Section):
+    """Constraints of `strategy=auto`, the layout search (plan/search.py)."""
+
+    max_mp: int | None = Field(
+        None, ge=1, description="Largest tensor-parallel degree searched (null: devices per node)."
+    )
+    objective: Literal["time", "memory"] = Field(
+        "time", description="Rank fitting layouts by planned step time, or by memory per device."
+    )
+    headroom: float = Field(
+        0.10, ge=0, lt=1, description="Fraction of usable device memory a chosen layout must leave free."
+    )
+    top_k: int = Field(10, ge=1, description="Layouts shown in the candidate table.")
+
+
 class RunConfig(Section):
     recipe: str = Field(description="Recipe the job was composed from, e.g. gpt/tiny.")
     model: ModelConfig
@@ -161,3 +176,4 @@ class RunConfig(Section):
     tracking: TrackingConfig = TrackingConfig()
     fault: FaultConfig = FaultConfig()
     plan: PlanCheckConfig = PlanCheckConfig()
+    auto: AutoConfig = AutoConfig()

@@ -4,11 +4,15 @@ plan, and the memory fit (with remedies)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fleetwise.config.problems import ConfigError, Problem
 from fleetwise.config.run import RunConfig
 from fleetwise.plan.planner import Plan
 from fleetwise.plan.remedies import Remedy
+
+if TYPE_CHECKING:
+    from fleetwise.launcher.auto import AutoOutcome
 
 
 @dataclass
@@ -19,9 +23,23 @@ class Preflight:
     plan: Plan | None = None
     problems: list[Problem] = field(default_factory=list)
     remedies: list[Remedy] = field(default_factory=list)
+    auto: AutoOutcome | None = None  # strategy=auto: the search that chose the layout
 
 
 def preflight(overrides: list[str], *, launching: bool = False, enforce_memory: bool = True) -> Preflight:
+    from fleetwise.launcher import auto
+
+    if auto.requested(overrides):  # search, then check the winner like a typed-in layout
+        outcome = auto.resolve_auto(overrides)
+        if outcome.problems:
+            return Preflight(problems=outcome.problems, auto=outcome)
+        pf = _preflight(outcome.command, launching=launching, enforce_memory=enforce_memory)
+        pf.auto = outcome
+        return pf
+    return _preflight(overrides, launching=launching, enforce_memory=enforce_memory)
+
+
+def _preflight(overrides: list[str], *, launching: bool, enforce_memory: bool) -> Preflight:
     from fleetwise.config.recipes import mark_recipe_values
     from fleetwise.config.validate import load_config
     from fleetwise.plan import make_plan

@@ -18,6 +18,7 @@ from rich.console import Console
 from fleetwise import rundir
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
+from fleetwise.launcher.auto import AutoOutcome
 from fleetwise.launcher.preflight import preflight
 from fleetwise.plan.planner import Plan
 from fleetwise.rundir import Summary
@@ -47,6 +48,7 @@ class Checked:
 
     cfg: RunConfig
     plan: Plan
+    auto: AutoOutcome | None = None  # strategy=auto: the search that chose the layout
 
 
 def check_points(points: list[list[str]]) -> tuple[list[Problem], dict[tuple[str, ...], Checked]]:
@@ -84,7 +86,7 @@ def check_points(points: list[list[str]]) -> tuple[list[Problem], dict[tuple[str
                     )
                 )
             if not pf.problems and not point_problems and not gpu:
-                checked[tuple(point)] = Checked(pf.cfg, pf.plan)
+                checked[tuple(point)] = Checked(pf.cfg, pf.plan, pf.auto)
     if tracked and not problems:
         from fleetwise.tracking.store import credentials_problem, tracking_uri
 
@@ -159,7 +161,13 @@ class Jobs:
         multirun = hc.mode is not None and hc.mode.name == "MULTIRUN"
         run_dir = Path(hc.runtime.output_dir) if (multirun or not cfg.run.dir) else Path(cfg.run.dir)
         code = run_job(
-            cfg, known.plan, run_dir.resolve(), task, Console(soft_wrap=True), env_interpolated(dcfg)
+            cfg,
+            known.plan,
+            run_dir.resolve(),
+            task,
+            Console(soft_wrap=True),
+            env_interpolated(dcfg),
+            auto=known.auto,
         )
         self.codes.append(code)
         if code != EXIT_OK and multirun:
@@ -214,12 +222,24 @@ def cluster_launch(cfg, job_env):
     return cfg.model_copy(update={"launch": launch})
 
 
-def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_paths=frozenset()) -> int:
-    """Run one job: launch the ranks, follow them, own its MLflow run, print the summary."""
+def run_job(
+    cfg,
+    plan,
+    run_dir: Path,
+    argv: list[str],
+    console: Console,
+    env_paths=frozenset(),
+    auto: AutoOutcome | None = None,
+) -> int:
+    """Run one job: launch the ranks, follow them, own its MLflow run, print the summary.
+    `auto`: the strategy=auto search that chose the layout (shown, saved and logged with the run)."""
     from rich.markup import escape
 
     from fleetwise.launcher.launch import RunDirBusy, clear_run_dir, lock_run_dir
-    from fleetwise.plan.render import describe_job
+    from fleetwise.plan.render import describe_job, print_search
+
+    if auto is not None and auto.result is not None:
+        print_search(console, auto.result, cfg.auto.top_k, auto.override_text)
 
     console.print(
         f"[bold]fleetwise train[/] · {describe_job(cfg, plan)} · run dir {run_dir}", highlight=False
@@ -232,16 +252,18 @@ def run_job(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_pat
     with lock:
         if cfg.run.overwrite and cfg.launch.node_rank == 0:
             clear_run_dir(run_dir)
-        return _run_locked(cfg, plan, run_dir, argv, console, env_paths)
+        return _run_locked(cfg, plan, run_dir, argv, console, env_paths, auto)
 
 
-def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_paths) -> int:
+def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_paths, auto=None) -> int:
     from rich.markup import escape
 
     from fleetwise.launcher.launch import launch_job
     from fleetwise.runtime.lifeline import Stopped, stop_signals
 
-    tracker = _Tracking(cfg, plan, run_dir, env_paths)
+    if auto is not None and cfg.launch.node_rank == 0:
+        rundir.write_auto_search(run_dir, auto.to_dict())
+    tracker = _Tracking(cfg, plan, run_dir, env_paths, auto)
     # Ctrl-C, SIGTERM (kill, SLURM, systemd) and SIGHUP (a closed terminal) all stop the ranks'
     # process group (launch_job) and mark the run KILLED; without this a SIGTERM'd launcher left
     # every rank running and the MLflow run RUNNING forever.
@@ -326,8 +348,9 @@ class _Tracking:
 
     POLL_EVERY_S = 1.0
 
-    def __init__(self, cfg, plan, run_dir: Path, env_paths=frozenset()):
+    def __init__(self, cfg, plan, run_dir: Path, env_paths=frozenset(), auto: AutoOutcome | None = None):
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
+        self.auto = auto
         self.env_paths = env_paths  # config paths read from the environment: kept out of the params
         self.tracker = None
         self.enabled = cfg.tracking.enabled and cfg.launch.node_rank == 0
@@ -361,6 +384,11 @@ class _Tracking:
         commit = git_commit()
         if commit:
             tags["fleetwise.git_commit"] = commit
+        artifacts = [Path(name) for name in rundir.RUN_ARTIFACTS]
+        if self.auto is not None:  # strategy=auto: the chosen layout and the candidates weighed
+            tags["fleetwise.strategy"] = "auto"
+            tags["fleetwise.auto_override"] = self.auto.override_text
+            artifacts.append(Path(rundir.AUTO_SEARCH_FILE))
         name = cfg.run.name or f"{cfg.recipe.replace('/', '-')}-{cfg.strategy.name}-{cfg.hardware.name}"
         from fleetwise.tracking.datasets import describe_data
 
@@ -370,7 +398,7 @@ class _Tracking:
             run_name=name,
             params=redact_params(flatten_config(cfg.model_dump(mode="json")), self.env_paths),
             tags=tags,
-            artifacts=[Path(name) for name in rundir.RUN_ARTIFACTS],
+            artifacts=artifacts,
             parent_run_id=parent_run_id_from_hydra(),
             system_metrics=cfg.tracking.system_metrics,
             datasets=[describe_data(cfg)],

@@ -25,7 +25,7 @@ Everything here is arithmetic on the validated config (no torch). Sources of the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from fleetwise.config.engine import dp_engine, optimizer_state_factor, reshard_after_forward
@@ -100,7 +100,7 @@ def assign_units(cfg: RunConfig, layout: Layout) -> list[list[Unit]]:
     """Units of each pipeline chunk (pp × virtual_stages chunks; one chunk without pipelining)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
-    units = model_units(cfg.model)
+    units = _units(cfg.model)
     chunks = layout.pp * s.virtual_stages if layout.pp > 1 else 1
     first, blocks, last = _ends(units)
     split = split_layers(len(blocks), chunks, s.layer_split if layout.pp > 1 else None)
@@ -114,6 +114,29 @@ def assign_units(cfg: RunConfig, layout: Layout) -> list[list[Unit]]:
             chunk = chunk + last
         out.append(chunk)
     return out
+
+
+# A layout search plans thousands of layouts of one model: its units (pure arithmetic on the model
+# config, a third of a plan's time for a 96-layer GPT) are built once per model. Units are frozen.
+# Equal units (a model's blocks, names aside) share a class key, so per-unit arithmetic is done
+# once per class: id(unit) -> key, for the cached units only (they stay alive in the cache).
+_UNITS_CACHE: dict[str, list[Unit]] = {}
+_UNIT_CLASS: dict[int, str] = {}
+
+
+def _units(model) -> list[Unit]:
+    key = model.model_dump_json()
+    if key not in _UNITS_CACHE:
+        if len(_UNITS_CACHE) > 64:
+            _UNITS_CACHE.clear()
+            _UNIT_CLASS.clear()
+        units = model_units(model)
+        classes: dict[str, str] = {}
+        for u in units:
+            sig = repr(replace(u, name=""))
+            _UNIT_CLASS[id(u)] = classes.setdefault(sig, sig)
+        _UNITS_CACHE[key] = units
+    return _UNITS_CACHE[key]
 
 
 def _ends(units: list[Unit]) -> tuple[list[Unit], list[Unit], list[Unit]]:
@@ -176,22 +199,31 @@ def _rank_memory(
     split_bytes, whole_bytes = _act_bytes(cfg.train.precision, engine)
     flight = chunks_in_flight(s.schedule, layout.pp, s.virtual_stages if pipelined else 1, n, rank)
     acts, transient = 0.0, 0.0
+    memo: dict[str, tuple[float, float]] = {}  # equal units (the blocks) are worked out once
     for i, c in enumerate(local):
         for u in chunks[c]:
-            a = u.saved(s.recompute)
-            per_sample = (
-                (a.split / mp) * split_bytes
-                + (a.sp / mp if s.sequence_parallel else a.sp) * whole_bytes
-                + a.whole * whole_bytes
-            )
-            acts += flight.get(i, 1) * b * per_sample
-            transient = max(transient, b * u.transient.elements(mp, s.sequence_parallel) * FP32)
-            if s.recompute != "none" and u.kind == "block":  # one block re-materialised in backward
-                full = u.saved("none")
-                transient = max(
-                    transient,
-                    b * (full.split / mp * split_bytes + full.sp * whole_bytes + full.whole * whole_bytes),
+            key = _UNIT_CLASS.get(id(u))
+            known = memo.get(key) if key is not None else None
+            if known is None:
+                a = u.saved(s.recompute)
+                per_sample = (
+                    (a.split / mp) * split_bytes
+                    + (a.sp / mp if s.sequence_parallel else a.sp) * whole_bytes
+                    + a.whole * whole_bytes
                 )
+                peak = b * u.transient.elements(mp, s.sequence_parallel) * FP32
+                if s.recompute != "none" and u.kind == "block":  # one block re-materialised in backward
+                    full = u.saved("none")
+                    peak = max(
+                        peak,
+                        b
+                        * (full.split / mp * split_bytes + full.sp * whole_bytes + full.whole * whole_bytes),
+                    )
+                known = (per_sample, peak)
+                if key is not None:
+                    memo[key] = known
+            acts += flight.get(i, 1) * b * known[0]
+            transient = max(transient, known[1])
     if pipelined:
         mem.pipeline_buffers = _pipeline_buffers(chunks, local, flight, n, b) * whole_bytes
     if accumulating and engine != "fsdp":
@@ -258,6 +290,50 @@ def _rank_units(chunks: list[list[Unit]], ranks: list[int], rank: int) -> list[U
     return [u for c, r in enumerate(ranks) if r == rank for u in chunks[c]]
 
 
+def worst_memory(cfg: RunConfig) -> float:
+    """Bytes the worst device needs (the plan's memory_bytes["total"]) without timing the step:
+    what a layout search asks first, to drop layouts that do not fit before planning them."""
+    s = cfg.strategy
+    assert isinstance(s, CollectiveStrategy)
+    layout = Layout.of(cfg)
+    n = cfg.train.accumulate_steps or 1
+    chunks = assign_units(cfg, layout)
+    v = s.virtual_stages if layout.pp > 1 else 1
+    ranks = chunk_ranks(s.schedule, layout.pp, v) if layout.pp > 1 else [0]
+    return max(
+        _rank_memory(cfg, layout, chunks, ranks, r, n)[0].total
+        for r in _memory_ranks(s, layout, chunks, ranks, n)
+    )
+
+
+def _memory_ranks(
+    s: CollectiveStrategy, layout: Layout, chunks: list[list[Unit]], ranks: list[int], n: int
+) -> list[int]:
+    """Pipeline ranks that can hold the most memory. Ranks whose chunks are all inner ones (neither
+    the first nor the last) with the same units differ only in the micro-batches they keep in flight,
+    and their memory grows with that count (activations per micro-batch; their receive buffers
+    add up to 2n whatever it is): of such a group only the rank with the most in flight is planned."""
+    v = s.virtual_stages if layout.pp > 1 else 1
+    last = len(chunks) - 1
+    keep: list[int] = []
+    groups: dict[tuple, list[tuple[tuple[int, ...], int]]] = {}
+    for r in range(layout.pp):
+        local = [c for c, rr in enumerate(ranks) if rr == r]
+        if 0 in local or last in local:
+            keep.append(r)
+            continue
+        flight = chunks_in_flight(s.schedule, layout.pp, v, n, r)
+        counts = tuple(flight.get(i, 1) for i in range(len(local)))
+        groups.setdefault(tuple(len(chunks[c]) for c in local), []).append((counts, r))
+    for members in groups.values():
+        top = max(members)
+        if all(all(a >= b for a, b in zip(top[0], m[0], strict=True)) for m in members):
+            keep.append(top[1])
+        else:  # no rank holds the most of every chunk: plan them all
+            keep += [r for _, r in members]
+    return keep
+
+
 def _collective_plan(cfg: RunConfig) -> Plan:
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
@@ -302,6 +378,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     update_scale = (2 + k) / 4 * hw.ranks_per_core * slow
     update_shard = layout.sharding if engine in ("fsdp", "zero1") else 1
     stage_time, host_time, elementwise_time, update_time, device_flops = [], [], [], [], []
+    gemm_memo: dict[str, float] = {}  # GEMM efficiency per class of equal units
     for r in range(layout.pp):
         units = _rank_units(chunks, ranks, r)
         # both recompute modes re-run every op of a block in backward (selective reads saved
@@ -312,7 +389,13 @@ def _collective_plan(cfg: RunConfig) -> Plan:
             flops = b * u.fwd_flops / layout.mp  # one micro-batch's forward on this rank
             if flops:
                 passes = 3 + (recompute_extra if u.kind == "block" else 0.0)
-                gemm += n * passes * flops / (peak * hw.gemm_fraction(flops / max(1, u.fwd_gemms)))
+                key = _UNIT_CLASS.get(id(u))
+                fraction = gemm_memo.get(key) if key is not None else None
+                if fraction is None:
+                    fraction = hw.gemm_fraction(flops / max(1, u.fwd_gemms))
+                    if key is not None:
+                        gemm_memo[key] = fraction
+                gemm += n * passes * flops / (peak * fraction)
                 done += n * passes * flops
         device_flops.append(done)
         redo_ops = sum(u.fwd_ops for u in redo)
@@ -346,12 +429,16 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         dim: (comm[dim] / bw[dim] + calls[dim] * hw.comm_latency_us * 1e-6) * hw.ranks_per_core
         for dim in comm
     }
-    # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with backward compute on GPUs
-    # (separate streams). On a CPU the same cores run both, so nothing is hidden.
+    # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with compute on GPUs (NCCL runs
+    # on its own stream), but only with the compute that runs while they are in flight. On a CPU
+    # the same cores run both, so nothing is hidden.
     overlappable = comm_time["dp"] + comm_time["sharding"]
-    hidden = min(overlappable, (2 / 3) * compute) if hw.device_type == "cuda" else 0.0
+    hidden = (
+        min(overlappable, _overlap_window(engine, layout, n, compute)) if hw.device_type == "cuda" else 0.0
+    )
     exposed = comm_time["mp"] + comm_time["pp"] + overlappable - hidden
-    step = pipelined_compute + exposed + update
+    offload = _offload_time(cfg, engine, per_rank[worst][1], layout.sharding, n)
+    step = pipelined_compute + exposed + update + offload
     mfu = flops_per_step / (step * layout.world_size * peak) if step > 0 else 0.0
 
     stages = []
@@ -408,10 +495,44 @@ def _collective_plan(cfg: RunConfig) -> Plan:
             **{f"comm_{k}": v for k, v in comm_time.items()},
             "comm_hidden": hidden,
             "update": update,
+            "offload": offload,
         },
         stages=stages,
         notes=notes,
     )
+
+
+def _overlap_window(engine: str, layout: Layout, n: int, compute: float) -> float:
+    """Compute time a step's data-parallel communication can hide behind, per engine.
+
+    - DDP / ZeRO-1 under gradient accumulation (`no_sync`): the buckets are all-reduced during the
+      last micro-batch's backward only, 2/3 of one micro-batch's compute (backward = 2 × forward).
+    - FSDP under a pipeline schedule gathers once before the first micro-batch's forward and
+      reduce-scatters after the last one's backward: one micro-batch's compute in all.
+    - FSDP without a pipeline gathers and reduce-scatters every unit in every micro-batch, prefetched
+      behind the unit before it: the whole compute.
+    `compute` is the step's compute on the slowest stage (all its micro-batches)."""
+    per_micro = compute / max(1, n)
+    if engine in ("ddp", "zero1"):
+        return (2 / 3) * per_micro
+    if engine == "fsdp" and layout.pp > 1:
+        return per_micro
+    return compute
+
+
+def _offload_time(cfg: RunConfig, engine: str, p: float, sharding: int, n: int) -> float:
+    """Offloaded FSDP (CPUOffloadPolicy): each rank's parameter shard crosses to the device for every
+    all-gather and its gradient shard back after every reduce-scatter (fp32, over the host link),
+    and the optimizer step runs on the host. Not overlapped: FSDP2 copies on the compute stream."""
+    s, hw = cfg.strategy, cfg.hardware
+    if not (s.offload and engine == "fsdp" and hw.device_type == "cuda"):
+        return 0.0
+    shard = p / sharding
+    pipelined = Layout.of(cfg).pp > 1
+    gathers = 1 if pipelined else (n if not reshard_after_forward(s.sharding_stage) else 2 * n)
+    scatters = 1 if pipelined else n
+    link = (FP32 * shard * (gathers + scatters)) / (hw.host_link_gbps * 1e9) if hw.host_link_gbps else 0.0
+    return link + shard * hw.offload_update_ns_per_param * 1e-9
 
 
 def _bandwidth(cfg: RunConfig, layout: Layout, dim: str) -> float:

@@ -137,3 +137,32 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
         console.print("[bold]cheapest remedies:[/]")
         for r in remedies:
             console.print(f"  {r.describe()}", highlight=False)
+
+
+def print_search(console: Console, result, top_k: int, override: str) -> None:
+    """strategy=auto: the top layouts (plan/search.py SearchResult) and the winner's override."""
+    console = (
+        Console(width=max(console.width, 140), stderr=console.stderr) if not console.is_terminal else console
+    )
+    console.print(
+        f"[bold]strategy=auto[/] · {result.legal} legal layouts checked, {len(result.ranked)} fit in "
+        f"{gib(result.budget_bytes)} per device (usable memory less headroom) · searched in "
+        f"{result.elapsed_s:.2f} s",
+        highlight=False,
+    )
+    t = Table(box=None, pad_edge=False)
+    for col in ("#", "layout", "memory/device", "step time", "MFU", "bubble", "vs #1"):
+        t.add_column(col, no_wrap=col != "vs #1")
+    for i, c in enumerate(result.ranked[:top_k], 1):
+        p = c.plan
+        t.add_row(
+            str(i),
+            escape(c.layout_text()),
+            gib(c.memory),
+            seconds(p.step_time_s),
+            f"{p.mfu:.1%}",
+            f"{p.bubble_fraction:.1%}",
+            escape(c.why),
+        )
+    console.print(t)
+    console.print(f"[bold green]winner[/]: {escape(override)}", highlight=False, soft_wrap=True)

@@ -1,0 +1,412 @@
+"""`strategy=auto`: search every legal collective layout with the planner and rank what fits.
+
+A candidate is a real config (a `HybridStrategy` and a micro-batch size put into the user's
+config), kept only when `config.validate.check` — the rules `validate` runs, through `Layout` —
+finds nothing wrong with it; there is no second list of what is legal here. It is then planned by
+`make_plan`, like any job.
+
+Search space: the four degrees (mp up to `auto.max_mp`, by default one node), the sharding stage,
+offload, sequence parallel, the pipeline schedule and virtual stages, the micro-batch size (the
+global batch stays the recipe's) and recompute. Keys the user set on the command line
+(`strategy.pp_degree=4`, `train.micro_batch_size=2`) stay fixed.
+
+Speed (a 1,024-GPU search must answer in seconds): the model's units are built once
+(planner._units); each subtree of degrees × stage × offload is first planned at its least memory
+(full recompute, micro-batch 1, 1F1B) and dropped whole when even that does not fit; inside it the
+micro-batch size grows only while memory still fits (memory grows with it), and only fitting
+layouts are timed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetwise.config.model import TransformerModel
+from fleetwise.config.problems import Problem
+from fleetwise.config.run import RunConfig
+from fleetwise.config.strategy import INTERLEAVED_SCHEDULES, HybridStrategy, Schedule
+from fleetwise.config.validate import check, resolve
+from fleetwise.plan.planner import Plan, make_plan, worst_memory
+
+GIB = 1024**3
+SCHEDULES: tuple[str, ...] = Schedule.__args__  # every schedule the config accepts
+RECOMPUTE = ("none", "selective", "full")
+# strategy keys the search sets; a user override of any of them fixes it
+SEARCHED = (
+    "dp_degree",
+    "mp_degree",
+    "pp_degree",
+    "sharding_degree",
+    "sharding_stage",
+    "offload",
+    "sequence_parallel",
+    "schedule",
+    "virtual_stages",
+    "recompute",
+)
+
+
+@dataclass
+class Candidate:
+    strategy: dict[str, Any]  # the searched strategy keys
+    micro_batch_size: int
+    plan: Plan
+    why: str = ""
+
+    @property
+    def memory(self) -> int:
+        return self.plan.memory_bytes["total"]
+
+    def overrides(self) -> list[str]:
+        """The overrides that reproduce this layout (with the user's other overrides)."""
+        out = ["strategy=hybrid"]
+        for key in SEARCHED:
+            value = self.strategy[key]
+            text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            out.append(f"strategy.{key}={text}")
+        out.append(f"train.micro_batch_size={self.micro_batch_size}")
+        return out
+
+    def layout_text(self) -> str:
+        s = self.strategy
+        parts = [
+            f"dp{s['dp_degree']}",
+            f"sh{s['sharding_degree']}",
+            f"mp{s['mp_degree']}",
+            f"pp{s['pp_degree']}",
+        ]
+        if s["sharding_stage"]:
+            parts.append(f"zero{s['sharding_stage']}" + ("+offload" if s["offload"] else ""))
+        if s["sequence_parallel"]:
+            parts.append("sp")
+        if s["pp_degree"] > 1:
+            parts.append(s["schedule"] + (f"×{s['virtual_stages']}" if s["virtual_stages"] > 1 else ""))
+        parts.append(f"mb{self.micro_batch_size}")
+        if s["recompute"] != "none":
+            parts.append(f"rc={s['recompute']}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "layout": self.layout_text(),
+            "overrides": " ".join(self.overrides()),
+            "memory_bytes": self.memory,
+            "step_time_s": p.step_time_s,
+            "mfu": p.mfu,
+            "bubble_fraction": p.bubble_fraction,
+            "why": self.why,
+        }
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]  # fitting layouts, best first
+    legal: int = 0  # layouts the rules accepted
+    planned: int = 0  # layouts timed
+    too_big: int = 0  # legal layouts (or whole subtrees) dropped for memory
+    smallest: Candidate | None = None  # the least memory found when nothing fits
+    budget_bytes: int = 0
+    elapsed_s: float = 0.0
+    fixed: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def winner(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _degree_tuples(world: int, max_mp: int, fixed: dict[str, Any]) -> Iterator[tuple[int, int, int, int]]:
+    """(dp, sharding, mp, pp) with product = world, honouring fixed degrees and max_mp."""
+
+    def allowed(name: str, value: int) -> bool:
+        want = fixed.get(name)
+        return want is None or want == "auto" or int(want) == value
+
+    for mp in _divisors(world):
+        if mp > max_mp or not allowed("mp_degree", mp):
+            continue
+        for pp in _divisors(world // mp):
+            if not allowed("pp_degree", pp):
+                continue
+            for sh in _divisors(world // (mp * pp)):
+                dp = world // (mp * pp * sh)
+                if allowed("sharding_degree", sh) and allowed("dp_degree", dp):
+                    yield dp, sh, mp, pp
+
+
+def _choices(name: str, options: list[Any], fixed: dict[str, Any]) -> list[Any]:
+    return [fixed[name]] if name in fixed else options
+
+
+# The planner gives these schedules the same step time as their partner (same bubble, same chunk
+# placement) and more memory (every micro-batch in flight): they never rank above it, so they are
+# searched only when the user fixes them.
+DOMINATED = {"GPipe": "1F1B", "looped_BFS": "interleaved_1F1B"}
+
+
+def _pipeline_options(cfg: RunConfig, pp: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [(fixed.get("schedule", "1F1B"), fixed.get("virtual_stages", 1))]
+    layers = getattr(cfg.model, "num_layers", pp)
+    out = []
+    schedules = (
+        [s for s in SCHEDULES if s not in DOMINATED] if "schedule" not in fixed else [fixed["schedule"]]
+    )
+    for sched in schedules:
+        if sched in INTERLEAVED_SCHEDULES:
+            vs = (
+                [v for v in range(2, layers // pp + 1) if (layers // pp) % v == 0] if layers >= 2 * pp else []
+            )
+        else:
+            vs = [1]
+        out += [(sched, v) for v in _choices("virtual_stages", vs, fixed)]
+    return out
+
+
+class _Progress:
+    """A progress bar on stderr, shown only once a search has taken more than two seconds."""
+
+    def __init__(self, total: int, show: bool):
+        self.total, self.show, self.start, self.bar = total, show, time.perf_counter(), None
+
+    def advance(self, done: int) -> None:
+        if not self.show:
+            return
+        if self.bar is None and time.perf_counter() - self.start > 2.0:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.bar = Progress(console=Console(stderr=True), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("searching layouts", total=self.total)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def search(
+    base: RunConfig,
+    fixed: dict[str, Any] | None = None,
+    *,
+    max_mp: int | None = None,
+    objective: str = "time",
+    headroom: float = 0.10,
+    progress: bool = False,
+    on_candidate: Callable[[Candidate], None] | None = None,
+) -> SearchResult:
+    """Every legal layout of `base`'s model, data, optimizer and hardware; those that fit in
+    (1 - headroom) of the usable device memory, ranked by step time (objective=time) or memory.
+    `fixed`: searched keys (SEARCHED, plus micro_batch_size) the user set."""
+    fixed = dict(fixed or {})
+    started = time.perf_counter()
+    hw = base.hardware
+    budget = int((hw.memory_per_device_bytes - hw.device_overhead_bytes) * (1 - headroom))
+    world = hw.world_size
+    max_mp = max_mp or hw.devices_per_node
+    if not isinstance(base.model, TransformerModel):
+        max_mp = 1  # tensor parallelism splits attention heads and MLPs only
+    gbs = base.train.global_batch_size
+    result = SearchResult(ranked=[], budget_bytes=budget, fixed=fixed)
+    smallest: tuple[float, dict[str, Any], int] | None = None
+    found: list[Candidate] = []
+
+    def legal(strategy: dict[str, Any], mb: int) -> RunConfig | None:
+        data = base.strategy.model_dump()
+        data.update(strategy, name="hybrid")
+        cand = base.model_copy(
+            update={
+                "strategy": HybridStrategy.model_construct(**data),
+                "train": base.train.model_copy(update={"micro_batch_size": mb, "accumulate_steps": None}),
+            }
+        )
+        if check(cand):
+            return None
+        return resolve(cand)
+
+    # Recompute trades time for memory: none is fastest, full uses least. At one micro-batch size
+    # only the first that fits is timed (for objective=memory: the leanest); the others of the same
+    # layout are slower (or bigger) in every respect and never rank above it.
+    order = list(RECOMPUTE) if objective == "time" else list(reversed(RECOMPUTE))
+
+    def _fastest_fitting(
+        degrees: dict[str, Any], sp: bool, sched: str, v: int, mb: int, modes: list[str]
+    ) -> list[str]:
+        """Time the first recompute mode of `modes` that fits. Returns the modes still worth
+        trying at a larger micro-batch (memory grows with it: a mode that did not fit here will
+        not fit there); empty when none fits."""
+        nonlocal smallest
+        skipped: list[str] = []  # illegal here (not too big): tried again at the next size
+        for i, recompute in enumerate(modes):
+            strategy = {
+                **degrees,
+                "sequence_parallel": sp,
+                "schedule": sched,
+                "virtual_stages": v,
+                "recompute": recompute,
+            }
+            cfg = legal(strategy, mb)
+            if cfg is None:
+                skipped.append(recompute)
+                continue
+            result.legal += 1
+            mem = worst_memory(cfg)
+            if smallest is None or mem < smallest[0]:
+                smallest = (mem, strategy, mb)
+            if mem > budget:
+                result.too_big += 1
+                if objective == "memory":
+                    return []  # the modes after the leanest need more
+                continue
+            cand = Candidate(dict(strategy), mb, make_plan(cfg))
+            result.planned += 1
+            found.append(cand)
+            if on_candidate:
+                on_candidate(cand)
+            return skipped + modes[i:]
+        return []
+
+    tuples = list(_degree_tuples(world, max_mp, fixed))
+    bar = _Progress(len(tuples), progress)
+    try:
+        for done, (dp, sh, mp, pp) in enumerate(tuples):
+            bar.advance(done)
+            ranks = dp * sh
+            if gbs % ranks:
+                continue
+            mbs_all = _choices("micro_batch_size", _divisors(gbs // ranks), fixed)
+            # under a pipeline FSDP keeps parameters gathered across micro-batches whatever the
+            # stage, so the planner gives stage 3 the plan of stage 2: only the simpler is searched
+            stages = ([1, 2, 3] if pp == 1 else [1, 2]) if sh > 1 else [None]
+            for stage in _choices("sharding_stage", stages, fixed):
+                offloads = (
+                    [False, True] if (sh > 1 and stage in (2, 3) and hw.device_type == "cuda") else [False]
+                )
+                for offload in _choices("offload", offloads, fixed):
+                    degrees = {
+                        "dp_degree": dp,
+                        "sharding_degree": sh,
+                        "mp_degree": mp,
+                        "pp_degree": pp,
+                        "sharding_stage": stage,
+                        "offload": offload,
+                    }
+                    # the subtree at its least memory: if that does not fit, nothing in it does
+                    lean = {
+                        **degrees,
+                        "sequence_parallel": fixed.get("sequence_parallel", mp > 1),
+                        "schedule": fixed.get("schedule", "1F1B"),
+                        "virtual_stages": fixed.get("virtual_stages", 1),
+                        "recompute": fixed.get("recompute", "full"),
+                    }
+                    if lean["schedule"] in INTERLEAVED_SCHEDULES and "virtual_stages" not in fixed:
+                        lean["schedule"] = "1F1B"
+                    cfg = legal(lean, min(mbs_all))
+                    if cfg is not None:
+                        mem = worst_memory(cfg)
+                        if smallest is None or mem < smallest[0]:
+                            smallest = (mem, lean, min(mbs_all))
+                        if mem > budget:
+                            result.too_big += 1
+                            continue
+                    # sequence parallel: the planner gives it the same time (its all-gather and
+                    # reduce-scatter move what the all-reduce moved, Korthikanti et al. 2022) and
+                    # less memory; without it only when it is not legal (seq_len % mp)
+                    sps = [True, False] if mp > 1 else [False]
+                    for sp in _choices("sequence_parallel", sps, fixed):
+                        fitted = False
+                        for sched, v in _pipeline_options(base, pp, fixed):
+                            modes = _choices("recompute", order, fixed)
+                            for mb in mbs_all:  # ascending: memory only grows with it
+                                modes = _fastest_fitting(degrees, sp, sched, v, mb, modes)
+                                if not modes:
+                                    break
+                                fitted = True
+                        if fitted:
+                            break
+    finally:
+        bar.close()
+
+    def key(c: Candidate):
+        # ties (layouts the model cannot tell apart) go to the simpler layout: fewer ranks in
+        # model parallelism, no offload, no recompute
+        simple = (
+            c.strategy["pp_degree"] * c.strategy["mp_degree"],
+            c.strategy["offload"],
+            RECOMPUTE.index(c.strategy["recompute"]),
+            c.strategy["virtual_stages"],
+        )
+        if objective == "memory":
+            return (c.memory, c.plan.step_time_s, simple)
+        return (round(c.plan.step_time_s, 12), c.memory, simple)
+
+    found.sort(key=key)
+    for c in found:
+        c.why = explain(c, found[0], objective)
+    result.ranked = found
+    if smallest is not None and not found:
+        mem, strategy, mb = smallest
+        cfg = legal(strategy, mb)
+        if cfg is not None:
+            result.smallest = Candidate(dict(strategy), mb, make_plan(cfg))
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def explain(c: Candidate, best: Candidate, objective: str) -> str:
+    """Why `c` wins, or what costs it the most against the winner."""
+    if c is best:
+        return "fastest that fits" if objective == "time" else "least memory"
+    if objective == "memory":
+        return f"+{(c.memory - best.memory) / GIB:.2f} GiB"
+    a, b = c.plan.time_s, best.plan.time_s
+    keys = [k for k in a if k != "comm_hidden"]
+    deltas = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in keys}
+    deltas["comm_hidden"] = -(a.get("comm_hidden", 0.0) - b.get("comm_hidden", 0.0))  # less hidden = slower
+    worst = max(deltas, key=lambda k: deltas[k])
+    slower = c.plan.step_time_s / best.plan.step_time_s - 1 if best.plan.step_time_s else 0.0
+    if slower <= 1e-9:
+        return f"ties #1 on time, {(c.memory - best.memory) / GIB:+.2f} GiB"
+    return f"+{slower:.0%}: {worst.replace('_', ' ')} {_sec(deltas[worst])}"
+
+
+def _sec(x: float) -> str:
+    return f"{x * 1e3:+.1f} ms" if abs(x) < 1 else f"{x:+.2f} s"
+
+
+def nothing_fits(result: SearchResult, headroom: float) -> Problem:
+    """Exit-2 problem when no legal layout fits: the least memory found and what would make it fit."""
+    from fleetwise.plan.render import gib
+
+    if result.smallest is None:
+        fixed = ", ".join(
+            f"strategy.{k}={v}" if k != "micro_batch_size" else f"train.{k}={v}"
+            for k, v in result.fixed.items()
+        )
+        return Problem(
+            "strategy",
+            "strategy=auto found no legal layout for this model and hardware"
+            + (f" with {fixed} fixed" if fixed else ""),
+            f"free the fixed keys ({fixed}), or change hardware.nodes / hardware.devices_per_node"
+            if fixed
+            else "change hardware.nodes / hardware.devices_per_node",
+        )
+    s = result.smallest
+    ratio = s.memory / result.budget_bytes if result.budget_bytes else float("inf")
+    fixed = f"; or free the fixed keys ({', '.join(sorted(result.fixed))})" if result.fixed else ""
+    return Problem(
+        "hardware.memory_per_device_gib",
+        f"no legal layout fits: the smallest needs {gib(s.memory)} per device ({s.layout_text()}) "
+        f"but {gib(result.budget_bytes)} are allowed (usable device memory less auto.headroom={headroom:g})",
+        f"use about {ratio:.1f}× the devices (hardware.nodes), or devices with {gib(s.memory / (1 - headroom))} "
+        f"usable memory, or a lower auto.headroom{fixed}",
+    )

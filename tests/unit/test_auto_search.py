@@ -1,0 +1,217 @@
+"""strategy=auto (plan/search.py, launcher/auto.py): legal layouts only, fixed keys, headroom,
+ranking, the winner's override reproduces it, nothing fits -> exit 2."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from conftest import compose
+
+from fleetwise.config.validate import check, resolve
+from fleetwise.launcher.auto import resolve_auto
+from fleetwise.plan import make_plan
+from fleetwise.plan.planner import worst_memory
+from fleetwise.plan.search import RECOMPUTE, SCHEDULES
+
+TINY4 = ["recipe=gpt/tiny", "hardware.devices_per_node=4"]
+
+
+def _cli(capsys, *argv):
+    from fleetwise import cli
+
+    code = cli.main(list(argv))
+    return code, capsys.readouterr()
+
+
+@pytest.fixture(scope="module")
+def tiny4():
+    return resolve_auto(["strategy=auto", *TINY4], progress=False)
+
+
+def test_every_candidate_is_a_config_validate_accepts(tiny4):
+    r = tiny4.result
+    assert r.ranked and r.legal >= len(r.ranked)
+    base = compose(*TINY4)[0]
+    for c in r.ranked:
+        cfg = base.model_copy(
+            update={
+                "strategy": _hybrid({**base.strategy.model_dump(), **c.strategy}),
+                "train": base.train.model_copy(
+                    update={"micro_batch_size": c.micro_batch_size, "accumulate_steps": None}
+                ),
+            }
+        )
+        assert check(cfg) == [], c.layout_text()
+    # and through Hydra, the way a user types it: the top five compose and validate unchanged
+    for c in r.ranked[:5]:
+        cfg, problems = compose(*TINY4, *c.overrides())
+        assert problems == [], (c.overrides(), problems)
+        assert make_plan(cfg).step_time_s == pytest.approx(c.plan.step_time_s)
+
+
+def _hybrid(data):
+    from fleetwise.config.strategy import HybridStrategy
+
+    return HybridStrategy.model_validate({**data, "name": "hybrid"})
+
+
+def test_the_winner_is_the_fastest_of_a_brute_force_search(tiny4):
+    """The pruning (dominated schedules, recompute, sequence parallel, micro-batch growth) never
+    drops a layout faster than the one chosen: every legal combination of gpt/tiny on 4 ranks."""
+    base = compose(*TINY4)[0]
+    budget = tiny4.result.budget_bytes
+    best = None
+    degrees = [
+        (dp, sh, mp, pp)
+        for dp, sh, mp, pp in itertools.product((1, 2, 4), repeat=4)
+        if dp * sh * mp * pp == 4
+    ]
+    for (dp, sh, mp, pp), stage, sp, sched, v, rc, mb in itertools.product(
+        degrees, (None, 1, 2, 3), (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2, 4, 8)
+    ):
+        data = {
+            **base.strategy.model_dump(),
+            "dp_degree": dp,
+            "sharding_degree": sh,
+            "mp_degree": mp,
+            "pp_degree": pp,
+            "sharding_stage": stage,
+            "sequence_parallel": sp,
+            "schedule": sched,
+            "virtual_stages": v,
+            "recompute": rc,
+        }
+        cfg = base.model_copy(
+            update={
+                "strategy": _hybrid(data),
+                "train": base.train.model_copy(update={"micro_batch_size": mb, "accumulate_steps": None}),
+            }
+        )
+        if check(cfg):
+            continue
+        cfg = resolve(cfg)
+        plan = make_plan(cfg)
+        if plan.memory_bytes["total"] <= budget and (best is None or plan.step_time_s < best):
+            best = plan.step_time_s
+    assert tiny4.result.winner.plan.step_time_s == pytest.approx(best, rel=1e-9)
+
+
+def test_fixed_keys_stay_fixed():
+    out = resolve_auto(
+        ["strategy=auto", *TINY4, "strategy.pp_degree=2", "train.micro_batch_size=2"], progress=False
+    )
+    assert out.result.ranked
+    assert {c.strategy["pp_degree"] for c in out.result.ranked} == {2}
+    assert {c.micro_batch_size for c in out.result.ranked} == {2}
+    assert "strategy.pp_degree=2" in out.layout_overrides
+    assert out.result.fixed == {"pp_degree": 2, "micro_batch_size": 2}
+    # auto.max_mp bounds tensor parallelism
+    capped = resolve_auto(["strategy=auto", *TINY4, "auto.max_mp=1"], progress=False)
+    assert {c.strategy["mp_degree"] for c in capped.result.ranked} == {1}
+
+
+def test_headroom_leaves_memory_free():
+    # gpt/tiny's layouts need ~3-8 MiB per rank: a 10 MiB device separates them
+    small = [*TINY4, "hardware.memory_per_device_gib=0.0098"]
+    loose = resolve_auto(["strategy=auto", *small, "auto.headroom=0"], progress=False).result
+    tight = resolve_auto(["strategy=auto", *small, "auto.headroom=0.5"], progress=False).result
+    assert tight.budget_bytes == pytest.approx(loose.budget_bytes / 2, rel=1e-6)
+    assert all(c.memory <= tight.budget_bytes for c in tight.ranked)
+    assert 0 < len(tight.ranked) < len(loose.ranked)
+    assert max(c.memory for c in loose.ranked) > tight.budget_bytes
+
+
+def test_ranking_by_time_and_by_memory(tiny4):
+    times = [c.plan.step_time_s for c in tiny4.result.ranked]
+    assert times == sorted(times)
+    assert tiny4.result.ranked[0].why == "fastest that fits"
+    assert tiny4.result.ranked[1].why.startswith(("+", "ties"))
+    lean = resolve_auto(["strategy=auto", *TINY4, "auto.objective=memory"], progress=False).result
+    mems = [c.memory for c in lean.ranked]
+    assert mems == sorted(mems)
+    assert mems[0] <= min(c.memory for c in tiny4.result.ranked)
+
+
+def test_worst_memory_is_the_plans_memory_for_every_pipeline_schedule():
+    base = compose("recipe=gpt/tiny", "hardware.devices_per_node=4")[0]
+    for sched, v in [
+        ("1F1B", 1),
+        ("GPipe", 1),
+        ("interleaved_1F1B", 2),
+        ("ZBV_zero_bubble", 2),
+        ("looped_BFS", 2),
+    ]:
+        for pp in (2, 4):
+            data = {**base.strategy.model_dump(), "pp_degree": pp, "dp_degree": 4 // pp, "schedule": sched}
+            data["virtual_stages"] = v if pp * v <= 4 else 1
+            if data["virtual_stages"] == 1 and v > 1:
+                continue
+            cfg = base.model_copy(
+                update={
+                    "strategy": _hybrid(data),
+                    "train": base.train.model_copy(update={"micro_batch_size": 1, "accumulate_steps": None}),
+                }
+            )
+            assert check(cfg) == [], (sched, pp)
+            cfg = resolve(cfg)
+            assert worst_memory(cfg) == pytest.approx(make_plan(cfg).memory_bytes["total"], abs=1), (
+                sched,
+                pp,
+            )
+
+
+def test_plan_prints_the_table_and_validate_accepts_the_printed_override(capsys):
+    code, out = _cli(capsys, "plan", "strategy=auto", "recipe=gpt/gpt3_1.3b", "--json")
+    assert code == 0, out.err
+    doc = json.loads(out.out)
+    auto = doc["auto"]
+    assert auto["override"].startswith("strategy=hybrid ")
+    assert 1 <= len(auto["candidates"]) <= 10 and auto["fitting"] >= len(auto["candidates"])
+    assert auto["candidates"][0]["overrides"] == auto["override"]
+    assert doc["fits"] and doc["world_size"] == 8
+    # the printed override, unchanged, reproduces the winner's plan
+    code, again = _cli(capsys, "plan", "recipe=gpt/gpt3_1.3b", *auto["override"].split(), "--json")
+    assert code == 0
+    assert json.loads(again.out)["step_time_s"] == pytest.approx(doc["step_time_s"])
+    code, checked = _cli(capsys, "validate", "recipe=gpt/gpt3_1.3b", *auto["override"].split(), "--json")
+    assert code == 0 and json.loads(checked.out)["valid"] is True
+    code, table = _cli(capsys, "plan", "strategy=auto", "recipe=gpt/gpt3_1.3b", "auto.top_k=3")
+    assert code == 0
+    assert "winner: strategy=hybrid" in table.out and "vs #1" in table.out
+    rows = [line for line in table.out.splitlines() if line[:2].strip() in ("1", "2", "3", "4")]
+    assert [r.split()[0] for r in rows[:3]] == ["1", "2", "3"] and not any(r.startswith("4 ") for r in rows)
+
+
+def test_nothing_fits_exits_2_naming_the_smallest_memory_and_a_remedy(capsys):
+    code, out = _cli(
+        capsys, "plan", "strategy=auto", *TINY4, "hardware.memory_per_device_gib=0.001", "--json"
+    )
+    assert code == 2
+    (err,) = json.loads(out.out)["errors"]
+    assert err["loc"] == "hardware.memory_per_device_gib"
+    assert "no legal layout fits: the smallest needs" in err["msg"] and "MiB per device" in err["msg"]
+    assert "hardware.nodes" in err["hint"]
+    code, out = _cli(capsys, "train", "strategy=auto", *TINY4, "hardware.memory_per_device_gib=0.001")
+    assert code == 2 and "no legal layout fits" in out.err
+
+
+def test_an_impossible_fixed_key_is_a_config_problem(capsys):
+    code, out = _cli(capsys, "validate", "strategy=auto", *TINY4, "strategy.pp_degree=3", "--json")
+    assert code == 2
+    (err,) = json.loads(out.out)["errors"]
+    assert "no legal layout" in err["msg"] and "pp_degree" in err["hint"]
+
+
+def test_memory_ranks_keep_the_ends_and_the_inner_rank_with_most_in_flight():
+    from fleetwise.config.layout import Layout
+    from fleetwise.plan.pipeline import chunk_ranks
+    from fleetwise.plan.planner import _memory_ranks, assign_units
+
+    cfg = compose("recipe=gpt/tiny", "hardware.devices_per_node=4", "strategy=pp", "strategy.pp_degree=4")[0]
+    layout = Layout.of(cfg)
+    chunks = assign_units(cfg, layout)
+    # 1F1B: rank r keeps min(n, 4 - r) micro-batches; rank 1 holds more than rank 2 (same units)
+    kept = _memory_ranks(cfg.strategy, layout, chunks, chunk_ranks("1F1B", 4, 1), cfg.train.accumulate_steps)
+    assert sorted(kept) == [0, 1, 3]
