@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetwise.config.model import TransformerModel
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import INTERLEAVED_SCHEDULES, HybridStrategy, Schedule
 from fleetwise.config.validate import check, resolve
+from fleetwise.families import family_of
 from fleetwise.plan.planner import Plan, make_plan, worst_memory
 
 GIB = 1024**3
@@ -213,8 +213,8 @@ def search(
     budget = int((hw.memory_per_device_bytes - hw.device_overhead_bytes) * (1 - headroom))
     world = hw.world_size
     max_mp = max_mp or hw.devices_per_node
-    if not isinstance(base.model, TransformerModel):
-        max_mp = 1  # tensor parallelism splits attention heads and MLPs only
+    if family_of(base.model).tensor_parallel is None:
+        max_mp = 1  # the family has no tensor-parallel plan
     gbs = base.train.global_batch_size
     result = SearchResult(ranked=[], budget_bytes=budget, fixed=fixed)
     smallest: tuple[float, dict[str, Any], int] | None = None
