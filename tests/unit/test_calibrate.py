@@ -26,6 +26,7 @@ MEASURED = dict(
     update_ns_per_param=1.0,
     dtensor_op_us=400.0,
     fsdp_us_per_tensor=300.0,
+    pipeline_action_us=100.0,
     co_run_slowdown=1.5,
     conv_call_us=200.0,
     checkpoint_op_us=20.0,
@@ -189,6 +190,36 @@ def test_fsdp_host_work_is_per_unit_pass_and_a_regather_costs_only_its_collectiv
     # micro-batch, its latency (200 µs) and half the parameters' bytes over 1.5 GB/s
     regather = n * (len(units) * 200e-6 + 0.5 * 4 * z2.params / 1.5e9)
     assert z3.time_s["comm_sharding"] - z2.time_s["comm_sharding"] == pytest.approx(regather)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual", "actions"),
+    [("1F1B", 1, 2), ("interleaved_1F1B", 2, 2), ("interleaved_zero_bubble", 2, 3)],
+)
+def test_pipeline_schedule_actions_pay_their_host_cost(local_profile, schedule, virtual, actions):
+    """Every schedule action (a micro-batch through one local stage: forward, backward, and the
+    split weight-gradient pass of zero-bubble schedules) pays the profile's 100 µs (measured on
+    co-running stages: no co-run slowdown on top); without a pipeline there are none."""
+
+    def plan(*overrides):
+        cfg, problems = compose(
+            "recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=2", "strategy=pp",
+            "strategy.pp_degree=2", f"strategy.schedule={schedule}", f"strategy.virtual_stages={virtual}",
+            *overrides,
+        )
+        assert problems == []
+        return make_plan(cfg)
+
+    charged, free = plan(), plan("hardware.pipeline_action_us=0")
+    n = charged.batch["accumulate_steps"]
+    extra = charged.time_s["host_ops"] - free.time_s["host_ops"]
+    assert extra == pytest.approx(n * virtual * actions * 100e-6)
+    dp, _ = compose("recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=2", "strategy=dp")
+    dp_free, _ = compose(
+        "recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=2", "strategy=dp",
+        "hardware.pipeline_action_us=0",
+    )
+    assert make_plan(dp).time_s["host_ops"] == pytest.approx(make_plan(dp_free).time_s["host_ops"])
 
 
 def test_co_running_ranks_and_convolutions_are_charged(local_profile):

@@ -111,6 +111,14 @@ class HardwareConfig(Section):
         "unit's all-gather and reduce-scatter) and parameter tensor, microseconds (calibrate measures "
         "it on CPUs; 0: not charged).",
     )
+    pipeline_action_us: float = Field(
+        0.0,
+        ge=0,
+        description="Host time torch.distributed.pipelining spends per schedule action (one "
+        "micro-batch's forward, backward or weight-gradient pass of one stage, with its send/receive) "
+        "beyond the stage's compute and the P2P latency, microseconds (calibrate measures it on CPUs; "
+        "0: not charged).",
+    )
     co_run_slowdown: float = Field(
         1.0,
         ge=1,

@@ -59,6 +59,7 @@ HOST_COSTS = (
     "selective_checkpoint_op_us",
     "dtensor_op_us",
     "fsdp_us_per_tensor",
+    "pipeline_action_us",
     "co_run_slowdown",
 )
 LATENCY_BYTES = 4
@@ -88,6 +89,7 @@ class Calibration:
     update_ns_per_param: float = 0.0
     dtensor_op_us: float = 0.0
     fsdp_us_per_tensor: float = 0.0
+    pipeline_action_us: float = 0.0
     co_run_slowdown: float = 1.0
     conv_call_us: float = 0.0
     checkpoint_op_us: float = 0.0
@@ -362,6 +364,39 @@ def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16,
     return max(0.0, t_sharded - t_plain - collectives * latency_s) / layers / tensors * 1e6
 
 
+def pipeline_action_us(latency_s: float, microbatches: int = 8, width: int = 16, reps: int = 10) -> float:
+    """Host time per schedule action of torch.distributed.pipelining (a micro-batch's forward or
+    backward on one stage, with its send or receive), beyond the stage's own compute and the P2P
+    latency. Run on every rank: the ranks are the stages of a 1F1B pipeline of one tiny layer each,
+    whose compute is negligible, so a step's time is almost all per-action overhead. A 1F1B step
+    lasts (n + pp - 1) forward+backward slots, the planner's n actions / (1 - bubble)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    part = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+    stage = PipelineStage(part, rank, world, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lambda out, _: out.sum())
+    x, target = torch.randn(2 * microbatches, width), torch.zeros(2 * microbatches, width)
+
+    def step():
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=target, losses=[])
+        else:
+            schedule.step()
+        dist.barrier()
+
+    micro = x[:2]
+    t_local = _timed(lambda: part(micro).sum().backward(), reps * microbatches, typical=True)
+    t_step = _timed(step, reps, typical=True)
+    slots = 2 * (microbatches + world - 1)  # forward and backward slots on the critical path
+    return max(0.0, t_step / slots - t_local / 2 - latency_s) * 1e6
+
+
 def _slowest(seconds: float) -> float:
     """The largest of every rank's value: a collective step lasts as long as its slowest rank."""
     import torch.distributed as dist
@@ -429,6 +464,7 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
         results["dtensor_op_us"] = _slowest(dtensor_op_us(mesh, results[LATENCY_BYTES]))
         results["fsdp_us_per_tensor"] = _slowest(fsdp_us_per_tensor(mesh, results[LATENCY_BYTES]))
         results["co_run_slowdown"] = co_run_slowdown()
+        results["pipeline_action_us"] = _slowest(pipeline_action_us(results[LATENCY_BYTES]))
     if rank == 0:
         Path(out_file).write_text(repr(results))
     dist.destroy_process_group()

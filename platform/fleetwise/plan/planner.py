@@ -377,6 +377,11 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     k = optimizer_state_factor(cfg.optim.name, cfg.optim.momentum)
     update_scale = (2 + k) / 4 * hw.ranks_per_core * slow
     update_shard = layout.sharding if engine in ("fsdp", "zero1") else 1
+    # torch.distributed.pipelining's host work per schedule action (a micro-batch's pass through one
+    # local stage with its send/receive): forward and backward, and zero-bubble schedules split the
+    # backward into input- and weight-gradient actions. Measured on co-running stages, like DTensor's.
+    pp_actions = (3 if "zero_bubble" in s.schedule else 2) if layout.pp > 1 else 0
+    action_s = hw.pipeline_action_us * 1e-6 * hw.ranks_per_core
     stage_time, host_time, elementwise_time, update_time, device_flops = [], [], [], [], []
     gemm_memo: dict[str, float] = {}  # GEMM efficiency per class of equal units
     for r in range(layout.pp):
@@ -410,6 +415,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                 + redo_ops * checkpoint_s
                 + convs * slow * hw.conv_call_us * 1e-6 * hw.ranks_per_core
                 + tensors * fsdp_s
+                + pp_actions * sum(1 for rr in ranks if rr == r) * action_s
             )
         )
         elementwise_time.append(n * b * elements * elem_s)
