@@ -22,6 +22,7 @@ def test_train_strategy_auto_runs_the_winner_and_logs_the_choice(tmp_path):
         "train.steps=3",
         "tracking.system_metrics=false",
         "tracking.log_model=false",
+        "+tracking.tags.team=nlp",  # a user's own tag reaches the run
         f"run.dir={run_dir}",
         cwd=tmp_path,
         env={"MLFLOW_TRACKING_URI": f"sqlite:///{db}"},
@@ -50,4 +51,5 @@ def test_train_strategy_auto_runs_the_winner_and_logs_the_choice(tmp_path):
     (run,) = client.search_runs([client.get_experiment_by_name("fleetwise").experiment_id])
     assert run.data.tags["fleetwise.auto_override"] == override
     assert run.data.tags["fleetwise.strategy"] == "auto"
+    assert run.data.tags["team"] == "nlp"
     assert "auto_search.json" in [a.path for a in client.list_artifacts(run.info.run_id)]

@@ -32,7 +32,7 @@ CASES = [
     (("hardware.devices_per_node=0",), "hardware.devices_per_node"),
     (("hardware.nodes=0",), "hardware.nodes"),
     # --- tensor parallel
-    (("strategy=mp",), "strategy.mp_degree"),  # mp=8 does not divide 4 heads
+    (("strategy=mp", "strategy.mp_degree=8"), "strategy.mp_degree"),  # mp=8 does not divide 4 heads
     (
         (
             "strategy=mp",
@@ -150,7 +150,7 @@ CASES = [
     (("recipe=resnet/tiny", "data=image_folder", "data.path=/nonexistent"), "data.path"),
     (("data.source=csv",), "data.source"),
     # --- optimizer
-    (("optim.warmup_steps=100",), "optim.warmup_steps"),
+    (("optim.warmup_steps=-1",), "optim.warmup_steps"),
     (("optim.betas=[0.9,1.5]",), "optim.betas"),
     (("optim.name=lion",), "optim.name"),
     (("optim.lr=0",), "optim.lr"),
@@ -301,14 +301,22 @@ def test_all_problems_are_reported_together():
         [
             "strategy.dp_degree=3",
             "train.precision=bf16",
-            "optim.warmup_steps=999",
+            "optim.betas=[0.9,1.5]",
             "train.stepz=1",
             "model.hidden_size=66",
         ]
     )
-    assert {"strategy", "train.precision", "optim.warmup_steps", "train.stepz", "model.hidden_size"} <= {
+    assert {"strategy", "train.precision", "optim.betas", "train.stepz", "model.hidden_size"} <= {
         p.loc for p in problems
     }
+
+
+def test_a_layer_split_hint_keeps_its_spaces_and_a_pastable_override():
+    from conftest import compose
+
+    _, problems = compose("strategy=hybrid", "strategy.pp_degree=8", "model.num_layers=12")
+    (p,) = [p for p in problems if p.loc == "strategy.pp_degree"]
+    assert p.hint == "choose a stage count dividing 12, or set strategy.layer_split=[2,2,2,2,1,1,1,1]"
 
 
 def test_unknown_key_suggests_the_close_one():

@@ -78,7 +78,7 @@ def layout_problems(cfg: RunConfig, pp: int) -> list[Problem]:
 
 
 def problems(cfg: RunConfig) -> list[Problem]:
-    return list(_bounds(cfg)) + list(_names(cfg)) + list(_server_address(cfg))
+    return list(_bounds(cfg)) + list(_names(cfg)) + list(_tags(cfg)) + list(_server_address(cfg))
 
 
 def _bounds(cfg: RunConfig) -> Iterator[Problem]:
@@ -125,6 +125,26 @@ def _names(cfg: RunConfig) -> Iterator[Problem]:
                 f"{path}={name[:60]!r}{'…' if len(name) > 60 else ''} {why}",
                 f"set {path} to a short plain name",
             )
+
+
+# MLflow's tag rules: key characters and lengths (mlflow/utils/validation.py)
+_TAG_KEY = re.compile(r"^[\w\-. /]+$")
+MAX_TAG_KEY_CHARS = 250
+MAX_TAG_VALUE_CHARS = 8000
+
+
+def _tags(cfg: RunConfig) -> Iterator[Problem]:
+    for key, value in cfg.tracking.tags.items():
+        path = f"tracking.tags.{key}"
+        why = None
+        if key.startswith(("fleetwise.", "mlflow.")):
+            why = "uses a reserved prefix (fleetwise. and mlflow. tags are set by fleetwise and MLflow)"
+        elif len(key) > MAX_TAG_KEY_CHARS or not _TAG_KEY.match(key) or ".." in key.split("/"):
+            why = f"is not a key MLflow takes (letters, digits, _ - . / and spaces, at most {MAX_TAG_KEY_CHARS})"
+        elif len(value) > MAX_TAG_VALUE_CHARS:
+            why = f"has a value of {len(value)} characters, MLflow takes at most {MAX_TAG_VALUE_CHARS}"
+        if why:
+            yield Problem(path, f"tag {key[:60]!r} {why}", "rename the tag, e.g. +tracking.tags.team=nlp")
 
 
 def _server_address(cfg: RunConfig) -> Iterator[Problem]:

@@ -106,6 +106,13 @@ class CheckpointConfig(Section):
     )
 
 
+def _scalar_text(value: object) -> str:
+    if isinstance(value, dict | list):
+        # a dotted key (+tracking.tags.a.b=x) composes into a nested group, which MLflow can't tag
+        raise ValueError("a tag takes one value; use a key without dots, e.g. +tracking.tags.team=nlp")
+    return str(value)
+
+
 class TrackingConfig(Section):
     enabled: bool = Field(True, description="Log the run to MLflow from rank 0.")
     experiment: str = Field("fleetwise", description="MLflow experiment name.")
@@ -119,6 +126,11 @@ class TrackingConfig(Section):
     )
     register_as: str | None = Field(
         None, description="Register the logged model under this name in the MLflow Model Registry."
+    )
+    tags: dict[str, Annotated[str, BeforeValidator(_scalar_text)]] = Field(
+        default_factory=dict,
+        description="Your own tags on the MLflow run (`+tracking.tags.team=nlp`); keys starting with "
+        "fleetwise. or mlflow. are reserved.",
     )
     model_max_bytes: int = Field(
         2 << 30,

@@ -18,7 +18,10 @@ from pydantic import Field
 
 from fleetwise.config.base import Section
 
-Degree = Annotated[int, Field(ge=1)] | Literal["auto"]
+# A degree is a number, `auto` (the one degree that takes what the others leave of the world size)
+# or `max` (the largest degree this model, hardware and the other degrees allow: validation tries
+# them from the largest down with the same rules; see config/validate.py `fill_max`).
+Degree = Annotated[int, Field(ge=1)] | Literal["auto", "max"]
 
 DEGREE_NAMES = ("sharding_degree", "dp_degree", "mp_degree", "pp_degree")
 

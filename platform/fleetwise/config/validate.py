@@ -9,6 +9,7 @@ the derived values (an `auto` degree, `train.accumulate_steps`) so workers see c
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -18,7 +19,7 @@ from fleetwise.config.layout import Layout
 from fleetwise.config.problems import ConfigError, Problem, did_you_mean
 from fleetwise.config.rules import RULES, Context, num_microbatches
 from fleetwise.config.run import RunConfig
-from fleetwise.config.strategy import PSStrategy
+from fleetwise.config.strategy import DEGREE_NAMES, PSStrategy
 
 # ---------------------------------------------------------------------------------------------
 # Pass 1: pydantic
@@ -87,7 +88,8 @@ def _pydantic_problems(err: ValidationError, data: dict[str, Any]) -> list[Probl
                 Problem(
                     path,
                     f"unknown key '{loc[-1]}'.{did_you_mean(str(loc[-1]), known)}",
-                    f"remove it; valid keys here: {', '.join(known)}" if known else "remove it",
+                    (f"remove it; valid keys here: {', '.join(known)}" if known else "remove it")
+                    + " (`+key=value` adds keys only under tracking.tags)",
                 )
             )
         elif first["type"] == "missing":
@@ -107,8 +109,10 @@ def _pydantic_problems(err: ValidationError, data: dict[str, Any]) -> list[Probl
 
 def _type_hint(path: str, errs: list[dict[str, Any]]) -> str:
     if path.startswith("strategy.") and path.endswith("_degree"):
-        return f"set {path} to a positive integer or 'auto'"
+        return f"set {path} to a positive integer, 'auto' or 'max'"
     for e in errs:
+        if e["type"] == "value_error":  # our validators say what to do in their message
+            return f"set {path} as the message says"
         if e["type"] == "literal_error":
             return f"set {path} to one of {e['ctx']['expected']}"
         if e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
@@ -127,9 +131,39 @@ def parse(data: dict[str, Any]) -> tuple[RunConfig | None, list[Problem]]:
 # Entry points
 
 
+def _divisors_down(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def fill_max(cfg: RunConfig) -> RunConfig:
+    """Replace each `max` degree (mp first, then pp) by the largest divisor of what the numbered
+    degrees leave of the world size that adds no problem to the config: the rules decide (heads
+    that an mp degree must divide, layers a pipeline needs, micro-batches per stage...), never a
+    second copy of them. A family without tensor parallelism or pipelining gets 1."""
+    s = cfg.strategy
+    if isinstance(s, PSStrategy) or "max" not in (s.degree(n) for n in DEGREE_NAMES):
+        return cfg
+    names = [n for n in ("mp_degree", "pp_degree", "sharding_degree", "dp_degree") if s.degree(n) == "max"]
+
+    def with_degrees(**degrees: Any) -> RunConfig:
+        return cfg.model_copy(update={"strategy": cfg.strategy.model_copy(update=degrees)})
+
+    chosen = {n: 1 for n in names}
+    for name in names:
+        fixed = math.prod(int(v) for n in DEGREE_NAMES if isinstance(v := s.degree(n), int))
+        left = cfg.hardware.world_size // fixed // math.prod(v for n, v in chosen.items() if n != name)
+        baseline = {p.loc for p in check(with_degrees(**{**chosen, name: 1}))}
+        for d in _divisors_down(max(1, left)):
+            if d == 1 or {p.loc for p in check(with_degrees(**{**chosen, name: d}))} <= baseline:
+                chosen[name] = d
+                break
+    return with_degrees(**chosen)
+
+
 def check(cfg: RunConfig, *, launching: bool = False) -> list[Problem]:
     from fleetwise.config import limits
 
+    cfg = fill_max(cfg)
     bounded = limits.problems(cfg)  # first: an absurd value must not reach a rule that hangs on it
     if bounded:
         return bounded
@@ -146,7 +180,8 @@ def check(cfg: RunConfig, *, launching: bool = False) -> list[Problem]:
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """Fill derived values: the `auto` degree and train.accumulate_steps. cfg must be valid."""
+    """Fill derived values: `max` and `auto` degrees and train.accumulate_steps. cfg must be valid."""
+    cfg = fill_max(cfg)
     layout = None
     update: dict[str, Any] = {}
     if not isinstance(cfg.strategy, PSStrategy):

@@ -376,6 +376,7 @@ class _Tracking:
 
         cfg = self.cfg
         tags = {
+            **cfg.tracking.tags,  # the user's own (reserved prefixes refused by validation)
             "fleetwise.recipe": cfg.recipe,
             "fleetwise.strategy": cfg.strategy.name,
             "fleetwise.hardware": cfg.hardware.name,

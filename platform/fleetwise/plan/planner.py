@@ -468,6 +468,11 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     if s.offload and hw.device_type == "cpu":
         notes.append("offload keeps state in host memory, which on a CPU device is the same memory")
     notes += family.plan_notes(cfg.model)
+    if cfg.optim.warmup_steps > t.steps:
+        notes.append(
+            f"optim.warmup_steps={cfg.optim.warmup_steps} > train.steps={t.steps}: the warm-up is cut "
+            f"short and the learning rate only reaches {t.steps}/{cfg.optim.warmup_steps} of optim.lr"
+        )
     return Plan(
         world_size=layout.world_size,
         mesh=layout.as_dict(),

@@ -103,7 +103,8 @@ def pipeline_split(ctx: Context) -> Iterator[Problem]:
         yield Problem(
             "strategy.pp_degree",
             f"{units} layers do not split evenly into pp_degree({pp}) × virtual_stages({v}) = {stages} stages",
-            f"choose a stage count dividing {units}, or set strategy.layer_split={split}".replace(" ", ""),
+            # the override must be one shell word: the list without spaces, the sentence with them
+            f"choose a stage count dividing {units}, or set strategy.layer_split=[{','.join(map(str, split))}]",
         )
 
 
