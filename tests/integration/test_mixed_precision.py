@@ -72,7 +72,8 @@ def test_resnet_batchnorm_under_fsdp_bf16(tmp_path):
     }.items():
         run_dir = tmp_path / name
         r = run_cli(
-            "train", "recipe=resnet/tiny", *layout, "hardware.devices_per_node=2", "train.precision=bf16",
+            "train", "recipe=resnet/tiny", "data=synthetic", *layout, "hardware.devices_per_node=2",
+            "train.precision=bf16",
             "hardware.has_bf16=true", "train.steps=2", "checkpoint.enabled=false", "tracking.enabled=false",
             f"run.dir={run_dir}", cwd=tmp_path,
         )  # fmt: skip

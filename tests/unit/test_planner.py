@@ -161,13 +161,14 @@ def test_pipeline_receive_buffers_by_hand():
 
 
 def test_input_batch_and_gradient_accumulation_transient_of_tiny_resnet():
-    _, one = plan_of("recipe=resnet/tiny", "hardware.devices_per_node=1")
-    _, eight = plan_of("recipe=resnet/tiny")
+    batch = ("train.global_batch_size=16", "train.micro_batch_size=2")  # not the recipe's: pinned here
+    _, one = plan_of("recipe=resnet/tiny", "hardware.devices_per_node=1", *batch)
+    _, eight = plan_of("recipe=resnet/tiny", *batch)
     per_sample = 4 * 3 * 32 * 32 + 8  # fp32 image, int64 label
     assert one.memory_bytes["inputs"] == 16 * per_sample  # the whole step's batch, 8 micro-batches
     assert eight.memory_bytes["inputs"] == 2 * per_sample  # one micro-batch per rank
     # on a GPU the batch waits in host memory and one micro-batch at a time is on the device
-    _, gpu = plan_of("recipe=resnet/tiny", "hardware=a100", "hardware.devices_per_node=1")
+    _, gpu = plan_of("recipe=resnet/tiny", "hardware=a100", "hardware.devices_per_node=1", *batch)
     assert gpu.memory_bytes["inputs"] == 2 * per_sample
     # accumulating 8 micro-batches: the largest weight's fresh gradient (layer 4's 3x3 conv, 64x64x9)
     # is alive next to its .grad; without accumulation it is the .grad itself. It replaces the

@@ -16,8 +16,11 @@ from fleetwise.config.strategy import StrategyConfig
 
 
 class DataConfig(Section):
-    source: Literal["synthetic", "token_file", "image_folder", "image_array"] = Field(
-        "synthetic", description="synthetic (seeded, layout-independent) or a file reader."
+    source: Literal["synthetic", "bundled", "token_file", "image_folder", "image_array"] = Field(
+        "synthetic",
+        description="synthetic (seeded, layout-independent), bundled (real data every installation "
+        "has: the standard library's text as byte tokens for GPT/ERNIE, scikit-learn's 8x8 digits "
+        "for ResNet) or a file reader.",
     )
     path: str | None = Field(
         None, description="token_file: .bin of token ids (+ .json meta); image_*: folder or .npz."

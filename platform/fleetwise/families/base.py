@@ -79,3 +79,5 @@ class Family:
     sparse_row_width: Callable[[Any], int] = _zero
     parameter_shapes: Callable[[Any], list[tuple[str, tuple[int, ...]]]] | None = None
     convolutional: bool = False  # 16-bit GPU runs use channels_last
+    # the loss of a model that has learned nothing (uniform guesses): what a run's loss is shown against
+    chance_loss: Callable[[Any], float] | None = None

@@ -3,6 +3,7 @@ The family the parameter server trains: its embedding tables can live on servers
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Annotated, Literal
 
@@ -141,7 +142,6 @@ def units(m: CTRModel) -> list[Unit]:
     ]
 
 
-
 def input_bytes(m: CTRModel) -> int:
     return 8 * len(m.sparse_tables) + 4 * m.num_dense_features + 4  # int64 ids, fp32 dense and label
 
@@ -184,4 +184,5 @@ FAMILY = Family(
     sparse_tables=lambda m: m.sparse_tables,
     sparse_row_width=lambda m: m.embedding_dim + 1,  # embedding + first-order weight
     parameter_shapes=parameter_shapes,
+    chance_loss=lambda m: math.log(2),
 )

@@ -3,6 +3,7 @@ token types, an MLM head."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Literal
 
@@ -88,7 +89,6 @@ def masked_per_sample(m: ERNIEModel) -> int:
     return max(1, round(m.seq_len * m.mask_prob))
 
 
-
 def input_bytes(m: ERNIEModel) -> int:
     return 3 * 8 * m.seq_len  # int64 token ids, token types and labels
 
@@ -99,7 +99,12 @@ def plan_notes(m: ERNIEModel) -> list[str]:
 
 
 def data_profile(m: ERNIEModel, d) -> dict:
-    return {**token_data_profile(m, d), "masking": m.masking, "mask_prob": m.mask_prob, "max_span_words": m.max_span_words}
+    return {
+        **token_data_profile(m, d),
+        "masking": m.masking,
+        "mask_prob": m.mask_prob,
+        "max_span_words": m.max_span_words,
+    }
 
 
 def spec(_: ERNIEModel) -> ModelSpec:
@@ -140,4 +145,5 @@ FAMILY = Family(
     data_sources=TOKEN_SOURCES,
     data_profile=data_profile,
     tensor_parallel=check_tensor_parallel,
+    chance_loss=lambda m: math.log(m.vocab_size),
 )

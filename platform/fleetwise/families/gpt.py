@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from fleetwise.families.base import Family, ModelSpec
@@ -58,7 +59,6 @@ def units(m: GPTModel) -> list[Unit]:
     return [emb] + [transformer_block(m) for _ in range(m.num_layers)] + [head]
 
 
-
 def input_bytes(m: GPTModel) -> int:
     return 2 * 8 * m.seq_len  # int64 token ids and labels
 
@@ -86,4 +86,5 @@ FAMILY = Family(
     data_sources=TOKEN_SOURCES,
     data_profile=token_data_profile,
     tensor_parallel=check_tensor_parallel,
+    chance_loss=lambda m: math.log(m.vocab_size),
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Annotated, Literal
 
@@ -166,7 +167,6 @@ def units(m: ResNetModel) -> list[Unit]:
     return units
 
 
-
 def input_bytes(m: ResNetModel) -> int:
     return 4 * m.in_channels * m.image_size**2 + 8  # fp32 image, int64 label
 
@@ -184,6 +184,10 @@ def spec(_: ResNetModel) -> ModelSpec:
 def source(m: ResNetModel, d):
     from fleetwise.data.images import ImageArray, ImageFolder, SyntheticImages
 
+    if d.source == "bundled":
+        from fleetwise.data.bundled import BundledDigits
+
+        return BundledDigits(m.image_size, m.in_channels)
     if d.source == "image_array":
         return ImageArray(d.path)
     if d.source == "image_folder":
@@ -200,11 +204,12 @@ FAMILY = Family(
     source=source,
     check=check,
     limits=limits,
-    data_sources=("image_folder", "image_array"),
+    data_sources=("bundled", "image_folder", "image_array"),
     data_profile=data_profile,
     no_tensor_parallel=(
         "convolutions are not split by fleetwise",
         "set strategy.mp_degree=1 and use dp or sharding",
     ),
     convolutional=True,
+    chance_loss=lambda m: math.log(m.num_classes),
 )

@@ -19,7 +19,7 @@ from fleetwise.plan.units import Acts, Unit
 # has the same parameters under every mp_degree (checkpoints reshard; parity tests compare exactly).
 VOCAB_MULTIPLE = 64
 
-TOKEN_SOURCES = ("token_file",)
+TOKEN_SOURCES = ("bundled", "token_file")
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -94,6 +94,11 @@ def token_source(m: TransformerModel, d, vocab_size: int):
     space id of the file's tokenizer (None for synthetic text), which word-level masking needs."""
     from fleetwise.data.tokens import SyntheticTokens, TokenFile
 
+    if d.source == "bundled":
+        from fleetwise.data.bundled import BundledText
+
+        base = BundledText(m.seq_len)
+        return base, base.space_id
     if d.source == "token_file":
         base = TokenFile(d.path, m.seq_len)
         return base, base.space_id
@@ -141,4 +146,3 @@ def transformer_block(m: TransformerModel) -> Unit:
         largest_whole=h,
         fwd_elementwise=2 * (s * h + 2 * s) + 2 * s * h + s * f,  # 2 LN (+ mean, rstd), 2 adds, GELU
     )
-

@@ -21,7 +21,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.launcher.auto import AutoOutcome
 from fleetwise.launcher.preflight import preflight
 from fleetwise.plan.planner import Plan
-from fleetwise.rundir import Summary
+from fleetwise.rundir import Metric, Summary
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 MULTIRUN_FLAGS = ("-m", "--multirun")
@@ -480,6 +480,23 @@ class _Tracking:
         self.tracker.notify(f"model logged ({what}{note}{reg}): {logged['model_uri']}")
 
 
+def _against_chance(cfg, records, final: float) -> str:
+    """The final loss beside the first step's and the loss of a model that learned nothing, so a
+    run that learns shows it ("3.31, first 5.52; chance 5.55: -40%")."""
+    from fleetwise.families import family_of
+
+    text = f"{final:.4f}"
+    losses = [r[Metric.LOSS] for r in records if Metric.LOSS in r]
+    chance = family_of(cfg.model).chance_loss
+    if losses:
+        text += f" (first step {losses[0]:.4f}"
+        if chance is not None:
+            c = chance(cfg.model)
+            text += f"; chance {c:.4f}: {final / c - 1:+.0%}"
+        text += ")"
+    return text
+
+
 def print_summary(console: Console, cfg, plan, result) -> dict[str, float]:
     """The numbers of the run, warm-up steps excluded from throughput, beside the plan's."""
     from rich.table import Table
@@ -498,7 +515,7 @@ def print_summary(console: Console, cfg, plan, result) -> dict[str, float]:
     )
     t.add_column(style="bold cyan")
     t.add_column()
-    t.add_row("final loss", f"{s[Summary.FINAL_LOSS]:.4f}")
+    t.add_row("final loss", _against_chance(cfg, result.records, s[Summary.FINAL_LOSS]))
     rate = f"{s[Summary.SAMPLES_PER_S]:,.1f} samples/s"
     if Summary.TOKENS_PER_S in s:
         rate += f" · {s[Summary.TOKENS_PER_S]:,.0f} tokens/s"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,17 @@ def describe_data(cfg) -> DatasetInfo:
         h.update(json.dumps(spec, sort_keys=True).encode())
         profile = {"seed": d.seed, "num_samples": d.num_samples}
         name = f"synthetic-{m.family}-seed{d.seed}"
+        source_type, source = (
+            "code",
+            json.dumps({"tags": {"fleetwise.data.generator": spec["generator"]}, **spec}),
+        )
+    elif d.source == "bundled":
+        # the standard library's text (this Python's version) or scikit-learn's digits
+        text = getattr(m, "vocab_size", None) is not None  # token models read text, ResNet the digits
+        corpus = f"python{sys.version_info[0]}.{sys.version_info[1]}-stdlib-text" if text else "digits"
+        spec = {"generator": f"fleetwise.bundled.{corpus}", "family": m.family}
+        h.update(json.dumps(spec, sort_keys=True).encode())
+        name = f"bundled-{corpus}"
         source_type, source = (
             "code",
             json.dumps({"tags": {"fleetwise.data.generator": spec["generator"]}, **spec}),

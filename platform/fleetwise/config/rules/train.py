@@ -93,6 +93,9 @@ def data_source(ctx: Context) -> Iterator[Problem]:
             "use data.source=synthetic or a reader for this model family",
         )
         return
+    if d.source == "bundled":
+        yield from _bundled_fits(m)
+        return
     if not d.path:
         yield Problem("data.path", f"data.source={d.source} needs a path", "set data.path=/path/to/data")
         return
@@ -110,4 +113,22 @@ def optimizer_schedule(ctx: Context) -> Iterator[Problem]:
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         yield Problem(
             "optim.betas", f"betas={list(o.betas)} must lie in [0, 1)", "e.g. optim.betas=[0.9,0.95]"
+        )
+
+
+def _bundled_fits(m) -> Iterator[Problem]:
+    """The bundled sets' shapes: byte tokens need 256 ids, the digits 10 classes."""
+    vocab = getattr(m, "vocab_size", None)
+    if vocab is not None and vocab < 256:
+        yield Problem(
+            "model.vocab_size",
+            f"data.source=bundled is byte-level text (ids 0-255) but vocab_size={vocab}",
+            "set model.vocab_size=256 or more",
+        )
+    classes = getattr(m, "num_classes", None)
+    if classes is not None and classes < 10:
+        yield Problem(
+            "model.num_classes",
+            f"data.source=bundled is the 10 handwritten digits but num_classes={classes}",
+            "set model.num_classes=10",
         )

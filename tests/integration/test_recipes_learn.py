@@ -1,0 +1,34 @@
+"""The tiny recipes visibly learn in their default step count: the final loss is at least 30%
+below the loss of a model that learned nothing (ln of the vocabulary or the classes), and the
+summary says so. ERNIE and ResNet read real bundled data (the standard library's text, scikit-
+learn's digits); GPT's synthetic text has a learnable successor map."""
+
+import math
+
+import pytest
+from conftest import read_metrics, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("recipe", "chance"),
+    [("gpt/tiny", math.log(256)), ("ernie/tiny", math.log(256)), ("resnet/tiny", math.log(10))],
+)
+def test_a_tiny_recipe_learns_by_default(tmp_path, recipe, chance):
+    run_dir = tmp_path / "run"
+    r = run_cli(
+        "train",
+        f"recipe={recipe}",
+        "hardware.devices_per_node=2",
+        "tracking.enabled=false",
+        f"run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=400,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    losses = [m["train/loss"] for m in read_metrics(run_dir)]
+    assert len(losses) == 30
+    assert losses[0] > 0.95 * chance  # it starts from nothing ...
+    assert losses[-1] < 0.7 * chance, losses  # ... and ends well below chance
+    assert f"chance {chance:.4f}: -" in r.stdout
