@@ -91,7 +91,11 @@ def session_processes(session: int) -> list[int]:
 def launch(run_dir: Path, *overrides: str, slow: str = "") -> Launch:
     """`fleetwise train strategy=ps …` in a session of its own (every process it starts can be
     found afterwards); trainer 1 sleeps per step when `slow` says so."""
-    overrides = ("recipe=ctr/tiny", "checkpoint.enabled=true", "tracking.enabled=false", *overrides)
+    # the batch these tolerances were measured with (one micro-batch per trainer), not the recipe's
+    overrides = (
+        "recipe=ctr/tiny", "train.micro_batch_size=32", "checkpoint.enabled=true", "tracking.enabled=false",
+        *overrides,
+    )  # fmt: skip
     cfg, problems = compose(*overrides)
     assert cfg is not None, problems
     p = subprocess.Popen(
@@ -141,7 +145,11 @@ def sync_slowed(tmp_path_factory) -> Launch:
 def test_sync_round_robin_sliced_equals_single_process_and_rows_follow_the_rules(sync_slowed):
     run, cfg = sync_slowed, sync_slowed.cfg
     steps = cfg.train.steps
-    assert_equals_single_process(run, steps, atol=2e-6)
+    # 30 Adagrad steps on clicks whose planted teacher is strong enough to learn in 30 steps: the
+    # embeddings move further than the other ps runs' (8 and 3 steps, 2e-6) and the servers' and
+    # the reference's different summation orders add up to 2.8e-6 (about 25 float32 ulps of a
+    # value near 1), measured
+    assert_equals_single_process(run, steps, atol=4e-6)
 
     # dispatch and slicing: each server holds exactly the blocks the placement gives it
     place = placement(cfg)
@@ -202,6 +210,7 @@ def test_fleetwise_train_sync_hash_name_adamw_clipped_equals_single_process(tmp_
     # through the real command: `fleetwise train` launches the ranks and calls runtime.ps.run
     overrides = [
         "recipe=ctr/tiny",
+        "train.micro_batch_size=32",
         "train.steps=8",
         "strategy.dispatch=hash_name",
         "strategy.slice_min_elements=64",

@@ -1,7 +1,8 @@
 """The tiny recipes visibly learn in their default step count: the final loss is at least 30%
 below the loss of a model that learned nothing (ln of the vocabulary or the classes), and the
 summary says so. ERNIE and ResNet read real bundled data (the standard library's text, scikit-
-learn's digits); GPT's synthetic text has a learnable successor map."""
+learn's digits); GPT's synthetic text has a learnable successor map, and CTR's synthetic clicks a
+planted teacher (ctr/tiny runs on the parameter server: 2 servers, 2 trainers)."""
 
 import math
 
@@ -13,14 +14,20 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize(
     ("recipe", "chance"),
-    [("gpt/tiny", math.log(256)), ("ernie/tiny", math.log(256)), ("resnet/tiny", math.log(10))],
+    [
+        ("gpt/tiny", math.log(256)),
+        ("ernie/tiny", math.log(256)),
+        ("resnet/tiny", math.log(10)),
+        ("ctr/tiny", math.log(2)),
+    ],
 )
 def test_a_tiny_recipe_learns_by_default(tmp_path, recipe, chance):
     run_dir = tmp_path / "run"
+    ranks = () if recipe.startswith("ctr") else ("hardware.devices_per_node=2",)
     r = run_cli(
         "train",
         f"recipe={recipe}",
-        "hardware.devices_per_node=2",
+        *ranks,
         "tracking.enabled=false",
         f"run.dir={run_dir}",
         cwd=tmp_path,

@@ -10,7 +10,8 @@ micro-batches sees exactly the same samples, in any order, with no generator sta
   beginning of the table.
 - dense: standard normal features.
 - label: Bernoulli(sigmoid(teacher)) where the hidden teacher is a per-(field, id) weight plus a
-  linear function of the dense features; the model can learn it, so the loss falls.
+  linear function of the dense features (scaled so that a model learns most of it in the tiny
+  recipe's 30 steps: its loss falls about 40% below ln 2).
 
 Batches of a run (`step` counts from 0): the global batch of step k is sample indices
 [k·G, (k+1)·G) modulo data.num_samples; trainer (or data-parallel rank) t of T takes the
@@ -105,7 +106,7 @@ class SyntheticClicks:
             else np.zeros((len(indices), 0))
         )
         teacher = sum(self.teacher_weight(f, ids[:, f]) for f in range(fields)) / math.sqrt(max(fields, 1))
-        logit = 1.5 * teacher + dense @ self._dense_w - 0.5
+        logit = 1.5 * teacher + 6.0 * (dense @ self._dense_w) - 0.5
         labels = (_uniform(self.seed, self._LABEL, indices) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
         return {
             "sparse_ids": torch.from_numpy(ids.astype(np.int64)),
