@@ -26,8 +26,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The demo: a tiny GPT on a 4D layout (pipeline 2 × ZeRO-2 sharding 2 × tensor parallel 2 = 8 ranks),
-# each rank a CPU process, gloo collectives, ~1 minute.
-DEMO ?= recipe=gpt/tiny strategy=hybrid strategy.pp_degree=2 strategy.sharding_degree=2 \
+# each rank a CPU process, gloo collectives, ~1 minute, learning to write Python: its data is the
+# standard library's own source text (data=bundled, no download).
+DEMO ?= recipe=gpt/tiny data=bundled strategy=hybrid strategy.pp_degree=2 strategy.sharding_degree=2 \
         strategy.sharding_stage=2 strategy.mp_degree=2 train.steps=30
 
 demo: $(STAMP)

@@ -146,6 +146,22 @@ def test_a_failed_run_carries_its_error_as_tag_and_error_txt(store, tmp_path):
     assert len(store.get_metric_history(run_id, "train/loss")) == 3  # finish() shipped what was left
 
 
+def test_a_failed_run_resumed_to_the_end_loses_its_error_tag(store, tmp_path):
+    run_dir = make_run_dir(tmp_path, "run-failed-resumed")
+    first = tracker(run_dir)
+    run_id = first.start()
+    write_steps(run_dir, range(1, 4))
+    first.finish("FAILED", error="rank 1 failed at step 3: RuntimeError: boom")
+    assert "fleetwise.error" in store.get_run(run_id).data.tags
+
+    second = tracker(run_dir)
+    assert second.start() == run_id  # the resume continues the same run
+    write_steps(run_dir, range(4, 8))
+    second.finish("FINISHED")
+    run = store.get_run(run_id)
+    assert run.info.status == "FINISHED" and "fleetwise.error" not in run.data.tags
+
+
 def test_malformed_lines_are_skipped_and_a_refused_line_never_blocks_the_spool(store, tmp_path, monkeypatch):
     run_dir = make_run_dir(tmp_path, "run-bad-lines")
     messages = Messages()

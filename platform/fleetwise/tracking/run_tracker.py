@@ -485,6 +485,12 @@ class RunTracker:
                 self._save()
             if final.get("error"):
                 self._client.set_tag(state.run_id, "fleetwise.error", error_tag(final["error"]))
+            elif (
+                final["status"] == "FINISHED"
+                and "fleetwise.error" in self._client.get_run(state.run_id).data.tags
+            ):
+                # a failed attempt that a resume carried to the end: its error no longer describes the run
+                self._client.delete_tag(state.run_id, "fleetwise.error")
             self._upload_artifacts()
             self._client.set_terminated(state.run_id, final["status"], end_time=final["end_time_ms"])
         except Exception as exc:
