@@ -67,7 +67,7 @@ class JobReturn:  # what Hydra hands to on_job_end
         self.status = type("Status", (), {"name": "FAILED" if failed else "COMPLETED"})()
 
 
-def test_a_multirun_gets_a_parent_run_with_its_children_and_their_comparison(store, tmp_path):
+def test_a_multirun_gets_a_parent_run_with_its_children_and_their_comparison(store, tmp_path, capsys):
     sweep_dir = tmp_path / "multirun" / "2026-01-02" / "03-04-05"
     config = hydra_like(sweep_dir, "sweeps")
     callback = MlflowSweepCallback()
@@ -79,6 +79,9 @@ def test_a_multirun_gets_a_parent_run_with_its_children_and_their_comparison(sto
     for _ in kids:
         callback.on_job_end(config, job_return=JobReturn(failed=False))
     callback.on_multirun_end(config)
+    said = capsys.readouterr().out  # the sweep names its parent run and where the comparison went
+    assert f"sweep FINISHED: 2 runs under the MLflow parent run {parent_id}" in said
+    assert str(sweep_dir / "compare.md") in said
 
     parent = store.get_run(parent_id)
     assert parent.info.status == "FINISHED"

@@ -163,7 +163,13 @@ class MlflowSweepCallback(Callback):
         if failed:
             mlflow_client.set_tag(run_id, "fleetwise.sweep_failed", str(failed))
         mlflow_client.set_terminated(run_id, status)
+        where = f"; comparison in {sweep_dir / COMPARE_MD} and {sweep_dir / COMPARE_PNG}" if rows else ""
+        _say(f"sweep {status}: {len(rows)} runs under the MLflow parent run {run_id}{where}")
         return status
+
+
+def _say(message: str) -> None:
+    print(f"fleetwise: {message}", flush=True)
 
 
 def _warn(message: str) -> None:
