@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,24 @@ def test_compare_prints_a_table_and_writes_a_png(store, tmp_path, capsys):
     # tokens/s of the summary: mean over steps 2..5 of the fake job's perf/tokens_per_s
     mean = sum(value("perf/tokens_per_s", s) for s in range(2, 6)) / 4
     assert f"{mean / 1000:.3g}k tokens/s" in printed
+
+
+def test_compare_names_run_ids_the_differing_param_newest_first_and_takes_id_prefixes(
+    store, tmp_path, capsys
+):
+    ids = []
+    for i, strategy in enumerate(["dp", "sharding"]):
+        ids.append(child(tmp_path / "runs", i, strategy, "cmp2"))
+        time.sleep(0.01)  # distinct start times (milliseconds) to order by
+    assert main(["compare", "--experiment", "cmp2", "--out", str(tmp_path / "c.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "run id" in line)
+    assert "strategy.name" in header  # the param the two runs differ in has a column
+    rows = [line for line in lines if ids[0][:8] in line or ids[1][:8] in line]
+    assert [ids[1][:8] in rows[0], ids[0][:8] in rows[1]] == [True, True]  # newest first
+    # the 8 characters the table shows are enough to name a run
+    assert main(["compare", ids[0][:8], ids[1][:8], "--out", str(tmp_path / "d.png")]) == 0
+    assert "2 runs" in capsys.readouterr().out
 
 
 def test_compare_with_nothing_to_compare_says_what_to_do(store, capsys):

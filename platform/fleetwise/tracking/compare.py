@@ -29,6 +29,7 @@ class RunRow:
     peak_bytes: float | None
     predicted_bytes: float | None
     final_loss: float | None
+    params: dict[str, str] | None = None  # the run's logged config, for the "differs" column
 
     @property
     def label(self) -> str:
@@ -56,18 +57,55 @@ def row_from_run(run: Any) -> RunRow:
         predicted_bytes=_first(m, Summary.PREDICTED_BYTES, Metric.PREDICTED_BYTES),
         # run.data.metrics holds each metric at its largest step: the loss at the last step.
         final_loss=_first(m, Summary.FINAL_LOSS, Metric.LOSS),
+        params=dict(run.data.params),
     )
+
+
+# params that differ between any two runs by construction, never what a comparison is about
+_INCIDENTAL = ("run.", "launch.rdzv", "tracking.", "checkpoint.resume")
+
+
+def differing(rows: list[RunRow], limit: int = 3) -> list[str]:
+    """The config keys whose values differ between the rows (at most `limit`, sorted): what a
+    comparison of runs is about (two rows both named gpt-tiny-sharding-cpu differ in something)."""
+    if len(rows) < 2:
+        return []
+    keys = sorted({k for r in rows for k in (r.params or {})})
+    out = [
+        k
+        for k in keys
+        if not k.startswith(_INCIDENTAL) and len({(r.params or {}).get(k) for r in rows}) > 1
+    ]
+    return out[:limit]
+
+
+def resolve_run_id(mlflow_client: Any, run_id: str) -> Any:
+    """A run by its id or an unambiguous prefix of it (the 8 characters the table shows)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow_client.get_run(run_id)
+    except MlflowException:
+        if len(run_id) >= 32:
+            raise
+    exps = [e.experiment_id for e in mlflow_client.search_experiments()]
+    found = [r for r in mlflow_client.search_runs(exps, max_results=5000) if r.info.run_id.startswith(run_id)]
+    if len(found) != 1:
+        what = "no run" if not found else f"{len(found)} runs"
+        raise ValueError(f"{what} with an id starting {run_id!r}; give more of the id")
+    return found[0]
 
 
 def find_runs(
     mlflow_client: Any, *, experiment: str | None = None, run_ids: list[str] | None = None, limit: int = 20
 ) -> list[Any]:
     """The runs to compare: the given ids (a sweep parent stands for its children), or the newest
-    `limit` runs of an experiment, sweep parents left out. Oldest first, so sweeps read in order."""
+    `limit` runs of an experiment, sweep parents left out, newest first (a sweep's children stay in
+    the order they ran)."""
     if run_ids:
         runs = []
         for run_id in run_ids:
-            run = mlflow_client.get_run(run_id)
+            run = resolve_run_id(mlflow_client, run_id)
             children = child_runs(mlflow_client, run) if _is_parent(run) else []
             runs.extend(children or [run])
         return runs
@@ -77,7 +115,7 @@ def find_runs(
     found = mlflow_client.search_runs(
         [exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=limit * 2
     )
-    return [r for r in found if not _is_parent(r)][:limit][::-1]
+    return [r for r in found if not _is_parent(r)][:limit]
 
 
 def child_runs(mlflow_client: Any, parent: Any) -> list[Any]:
@@ -115,9 +153,12 @@ def fmt_rate(row: RunRow) -> str:
     return f"{text} {row.unit}"
 
 
-def _cells(row: RunRow) -> list[str]:
+def _cells(row: RunRow, keys: list[str]) -> list[str]:
+    params = row.params or {}
     return [
+        row.run_id[:8],
         row.name,
+        *(params.get(k, "-") for k in keys),
         row.strategy,
         row.world_size,
         row.status,
@@ -130,6 +171,7 @@ def _cells(row: RunRow) -> list[str]:
 
 
 HEADERS = [
+    "run id",
     "run",
     "strategy",
     "world size",
@@ -146,16 +188,24 @@ def rich_table(rows: list[RunRow], title: str | None = None):
     from rich.table import Table
 
     table = Table(title=title)
-    for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="left" if i < 4 else "right")
+    keys = differing(rows)
+    headers = _headers(keys)
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i < 5 + len(keys) else "right")
     for row in rows:
-        table.add_row(*_cells(row))
+        table.add_row(*_cells(row, keys))
     return table
 
 
+def _headers(keys: list[str]) -> list[str]:
+    return HEADERS[:2] + keys + HEADERS[2:]
+
+
 def markdown_table(rows: list[RunRow]) -> str:
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    keys = differing(rows)
+    headers = _headers(keys)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(_cells(row, keys)) + " |" for row in rows]
     lines.append("")
     lines += [f"- {row.name}: run id `{row.run_id}`" for row in rows]
     return "\n".join(lines) + "\n"
