@@ -16,9 +16,7 @@ from pathlib import Path
 
 from fleetwise.cli import main
 
-RECIPES = sorted(
-    p.relative_to("recipes").with_suffix("").as_posix() for p in Path("recipes").rglob("*.yaml")
-)
+RECIPES = sorted(p.relative_to("recipes").with_suffix("").as_posix() for p in Path("recipes").rglob("*.yaml"))
 TWO = "hardware.devices_per_node=2"
 EXTRA = {
     "gpt/tiny": [
@@ -28,7 +26,11 @@ EXTRA = {
     ],
     "ernie/tiny": [["strategy=mp", TWO], ["strategy=pp", TWO], ["model.mask_prob=0.001", "model.seq_len=16"]],
     "resnet/tiny": [["strategy=pp", TWO], ["strategy=mp"], ["model.image_size=16", "model.layers=[1,1]"]],
-    "ctr/tiny": [["strategy=ps", "strategy.recompute=full"], ["strategy=pp"], ["model.sparse_tables.1.name=user_id"]],
+    "ctr/tiny": [
+        ["strategy=ps", "strategy.recompute=full"],
+        ["strategy=pp"],
+        ["model.sparse_tables.1.name=user_id"],
+    ],
     "gpt/gpt3_1.3b": [["strategy=hybrid", "hardware=a100"], ["model.num_attention_heads=7"]],
 }
 

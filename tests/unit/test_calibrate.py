@@ -203,8 +203,13 @@ def test_pipeline_schedule_actions_pay_their_host_cost(local_profile, schedule, 
 
     def plan(*overrides):
         cfg, problems = compose(
-            "recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=2", "strategy=pp",
-            "strategy.pp_degree=2", f"strategy.schedule={schedule}", f"strategy.virtual_stages={virtual}",
+            "recipe=gpt/tiny",
+            "hardware=local",
+            "hardware.devices_per_node=2",
+            "strategy=pp",
+            "strategy.pp_degree=2",
+            f"strategy.schedule={schedule}",
+            f"strategy.virtual_stages={virtual}",
             *overrides,
         )
         assert problems == []
@@ -216,7 +221,10 @@ def test_pipeline_schedule_actions_pay_their_host_cost(local_profile, schedule, 
     assert extra == pytest.approx(n * virtual * actions * 100e-6)
     dp, _ = compose("recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=2", "strategy=dp")
     dp_free, _ = compose(
-        "recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=2", "strategy=dp",
+        "recipe=gpt/tiny",
+        "hardware=local",
+        "hardware.devices_per_node=2",
+        "strategy=dp",
         "hardware.pipeline_action_us=0",
     )
     assert make_plan(dp).time_s["host_ops"] == pytest.approx(make_plan(dp_free).time_s["host_ops"])

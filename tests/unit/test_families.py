@@ -69,12 +69,22 @@ def _dispatches(path) -> list[str]:
     """isinstance(x, <a family schema>) and `x.family ==/in "<name>"` tests in one file."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "isinstance"
+            and len(node.args) == 2
+        ):
             named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
             named |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
             if named & SCHEMAS:
-                out.append(f"{path.relative_to(PACKAGE)}:{node.lineno} isinstance on {sorted(named & SCHEMAS)}")
-        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "family":
+                out.append(
+                    f"{path.relative_to(PACKAGE)}:{node.lineno} isinstance on {sorted(named & SCHEMAS)}"
+                )
+        if (
+            isinstance(node, ast.Compare)
+            and isinstance(node.left, ast.Attribute)
+            and node.left.attr == "family"
+        ):
             out.append(f"{path.relative_to(PACKAGE)}:{node.lineno} compares .family")
     return out
 
@@ -102,7 +112,7 @@ def test_the_dispatch_check_sees_a_planted_dispatch(tmp_path):
 # A fifth family in one module: schema, planner units, rank-side builder and source. Nothing else
 # in fleetwise changes; the test registers it, then validates, plans and builds it in a fresh
 # interpreter (the `model` union is built once per process, from the registry).
-TOY_FAMILY = '''
+TOY_FAMILY = """
 from typing import Literal
 
 from pydantic import Field
@@ -158,7 +168,7 @@ class Source:
 
 register(Family(name="toy", schema=ToyModel, units=units, input_bytes=lambda m: 4 * m.width + 4,
                 spec=spec, source=Source))
-'''
+"""
 
 TOY_DRIVER = """
 import json, numpy as np, torch

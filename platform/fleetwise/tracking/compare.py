@@ -72,9 +72,7 @@ def differing(rows: list[RunRow], limit: int = 3) -> list[str]:
         return []
     keys = sorted({k for r in rows for k in (r.params or {})})
     out = [
-        k
-        for k in keys
-        if not k.startswith(_INCIDENTAL) and len({(r.params or {}).get(k) for r in rows}) > 1
+        k for k in keys if not k.startswith(_INCIDENTAL) and len({(r.params or {}).get(k) for r in rows}) > 1
     ]
     return out[:limit]
 
