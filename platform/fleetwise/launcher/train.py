@@ -244,6 +244,16 @@ def run_job(
     console.print(
         f"[bold]fleetwise train[/] · {describe_job(cfg, plan)} · run dir {run_dir}", highlight=False
     )
+    if not plan.fits and cfg.plan.memory_check == "warn":
+        from fleetwise.launcher.preflight import memory_problem
+        from fleetwise.plan.remedies import remedies
+
+        problem = memory_problem(plan, remedies(cfg))
+        console.print(
+            f"[bold yellow]⚠ the plan does not fit in memory[/] (plan.memory_check=warn: launching anyway): "
+            f"{escape(problem.msg)}",
+            highlight=False,
+        )
     try:  # one job per run directory at a time, for the whole life of the job
         lock = lock_run_dir(run_dir, cfg.launch.node_rank)
     except RunDirBusy as exc:
