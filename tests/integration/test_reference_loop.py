@@ -85,3 +85,16 @@ def test_one_process_equals_a_plain_pytorch_loop(tmp_path):
     assert min(norms) > CLIP  # clipping really acts in every step, so a missing clip would show
     worst = max((got_params[k] - params[k]).abs().max().item() for k in params)
     assert worst < 1e-6, worst
+
+    # throughput and MFU from the run's own step times, computed here: GLOBAL samples of 32 tokens
+    # per step; FLOPs per step by the usual dense-transformer count (Narayanan et al. 2021: 6 per
+    # parameter per token for forward + backward, plus attention's 12·layers·hidden·seq per token),
+    # over the cpu profile's 0.19 TFLOP/s peak of the one device
+    n_params = sum(p.numel() for k, p in params.items() if "pos" not in k)
+    tokens = GLOBAL * 32
+    flops = 6 * n_params * tokens + 12 * 4 * 64 * 32 * tokens
+    for m in metrics:
+        t = m["perf/step_time_s"]
+        assert m["perf/samples_per_s"] == pytest.approx(GLOBAL / t, rel=1e-9)
+        assert m["perf/tokens_per_s"] == pytest.approx(tokens / t, rel=1e-9)
+        assert m["perf/mfu"] == pytest.approx(flops / t / 0.19e12, rel=0.1)
