@@ -215,3 +215,30 @@ def test_memory_ranks_keep_the_ends_and_the_inner_rank_with_most_in_flight():
     # 1F1B: rank r keeps min(n, 4 - r) micro-batches; rank 1 holds more than rank 2 (same units)
     kept = _memory_ranks(cfg.strategy, layout, chunks, chunk_ranks("1F1B", 4, 1), cfg.train.accumulate_steps)
     assert sorted(kept) == [0, 1, 3]
+
+
+def test_pruning_by_problem_location_drops_no_legal_layout(monkeypatch):
+    """Subtrees whose lean probe fails at a key they hold fixed (ZeRO-1 under tensor parallelism,
+    ZBV with virtual_stages != 2, an uneven pipeline split) are skipped whole; the search must
+    rank exactly the same candidates as without that pruning (8 layers: several virtual-stage
+    counts, so the ZBV and interleaving rules are exercised)."""
+    import fleetwise.plan.search as search
+
+    # seq_len 30: sequence parallelism is illegal at mp 4 (not at mp 2), so the lean probe of an mp-4
+    # subtree fails at a key the subtree varies
+    argv = [
+        "strategy=auto",
+        "recipe=gpt/tiny",
+        "model.num_layers=8",
+        "model.seq_len=30",
+        "hardware.devices_per_node=4",
+    ]
+
+    def ranked():
+        r = resolve_auto(argv, progress=False).result
+        return [(c.layout_text(), c.plan.step_time_s, c.memory) for c in r.ranked]
+
+    pruned = ranked()
+    monkeypatch.setattr(search, "_held", lambda problems, keys: False)
+    assert pruned == ranked()
+    assert len(pruned) > 10

@@ -50,10 +50,16 @@ MAX_EXPERIMENT_CHARS, MAX_RUN_NAME_CHARS = 500, 250
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
+_PATHS = {path: tuple(path.split(".")) for path in MAX}
+
+
 def _get(cfg: RunConfig, path: str):
+    # through the models' __dict__: a key this section does not have (a strategy without
+    # virtual_stages) is a miss, not an AttributeError raised through pydantic (the auto search
+    # runs these bounds for every candidate)
     node = cfg
-    for part in path.split("."):
-        node = getattr(node, part, None)
+    for part in _PATHS.get(path) or path.split("."):
+        node = getattr(node, "__dict__", {}).get(part)
         if node is None:
             return None
     return node

@@ -141,6 +141,22 @@ def _degree_tuples(world: int, max_mp: int, fixed: dict[str, Any]) -> Iterator[t
                     yield dp, sh, mp, pp
 
 
+# Pruning by where the rules locate a problem: a problem at a key that a subtree of the search
+# holds fixed is not cured by the keys it varies below (the rules locate each problem at the key
+# whose value is wrong; a pipeline split that fails at one virtual stage per rank fails at more).
+# The candidates kept are still each checked whole; tests/unit/test_auto_search.py holds the
+# pruned search equal to a brute-force one.
+SUBTREE_KEYS = frozenset(
+    f"strategy.{k}"
+    for k in ("dp_degree", "sharding_degree", "mp_degree", "pp_degree", "sharding_stage", "offload")
+)
+PIPELINE_KEYS = frozenset({"strategy.schedule", "strategy.virtual_stages"})
+
+
+def _held(problems: list[Problem], keys: frozenset[str]) -> bool:
+    return any(p.loc in keys for p in problems)
+
+
 def _choices(name: str, options: list[Any], fixed: dict[str, Any]) -> list[Any]:
     return [fixed[name]] if name in fixed else options
 
@@ -221,6 +237,10 @@ def search(
     found: list[Candidate] = []
 
     def legal(strategy: dict[str, Any], mb: int) -> RunConfig | None:
+        cfg, _ = checked(strategy, mb)
+        return cfg
+
+    def checked(strategy: dict[str, Any], mb: int) -> tuple[RunConfig | None, list[Problem]]:
         data = base.strategy.model_dump()
         data.update(strategy, name="hybrid")
         cand = base.model_copy(
@@ -229,9 +249,8 @@ def search(
                 "train": base.train.model_copy(update={"micro_batch_size": mb, "accumulate_steps": None}),
             }
         )
-        if check(cand):
-            return None
-        return resolve(cand)
+        problems = check(cand)
+        return (None, problems) if problems else (resolve(cand), [])
 
     # Recompute trades time for memory: none is fastest, full uses least. At one micro-batch size
     # only the first that fits is timed (for objective=memory: the leanest); the others of the same
@@ -310,7 +329,9 @@ def search(
                     }
                     if lean["schedule"] in INTERLEAVED_SCHEDULES and "virtual_stages" not in fixed:
                         lean["schedule"] = "1F1B"
-                    cfg = legal(lean, min(mbs_all))
+                    cfg, problems = checked(lean, min(mbs_all))
+                    if _held(problems, SUBTREE_KEYS):
+                        continue  # no sequence parallel, schedule, recompute or micro-batch cures it
                     if cfg is not None:
                         mem = worst_memory(cfg)
                         if smallest is None or mem < smallest[0]:
@@ -325,6 +346,9 @@ def search(
                     for sp in _choices("sequence_parallel", sps, fixed):
                         fitted = False
                         for sched, v in _pipeline_options(base, pp, fixed):
+                            probe = {**lean, "sequence_parallel": sp, "schedule": sched, "virtual_stages": v}
+                            if _held(checked(probe, min(mbs_all))[1], PIPELINE_KEYS):
+                                continue  # e.g. ZBV with virtual_stages != 2, at every micro-batch size
                             modes = _choices("recompute", order, fixed)
                             for mb in mbs_all:  # ascending: memory only grows with it
                                 modes = _fastest_fitting(degrees, sp, sched, v, mb, modes)
