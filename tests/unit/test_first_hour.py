@@ -1,5 +1,7 @@
 """A newcomer's first hour: a short smoke run of a real recipe needs no extra override."""
 
+import re
+
 import pytest
 from conftest import compose, run_cli
 
@@ -40,3 +42,151 @@ def test_user_tags_are_accepted_and_bad_ones_are_named():
         update={"tracking": cfg.tracking.model_copy(update={"tags": {"mlflow.user": "x"}})}
     )
     assert [p.loc for p in limits.problems(reserved)] == ["tracking.tags.mlflow.user"]
+
+
+def _plan_json(capsys, *overrides: str) -> dict:
+    import json
+
+    from fleetwise import cli
+
+    capsys.readouterr()
+    assert cli.main(["plan", *overrides, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_memory_breakdown_adds_up_to_the_total_at_its_peak(capsys):
+    """GPT-3 13B under plain DDP peaks in the optimizer step (AdamW's temporaries), not in backward:
+    the parts shown are the ones live then, and they add up to the total."""
+    plan = _plan_json(capsys, "recipe=gpt/gpt3_13b", "strategy=dp", "hardware=a100")
+    mem, peak = plan["memory_bytes"], plan["memory_peak"]
+    assert {"params", "grads", "optimizer", "activations", "total", "step_temporaries"} <= set(mem)
+    assert peak["phase"] == "optimizer step"
+    assert sum(peak["parts"].values()) == pytest.approx(mem["total"], abs=8)
+    assert (
+        peak["parts"]["step_temporaries"]
+        == mem["step_temporaries"]
+        == pytest.approx(4 * plan["params"], rel=1e-6)
+    )
+    # in backward the activations are live instead, and that sum is smaller
+    backward = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["inputs"]
+    assert backward < mem["total"]
+    from fleetwise import cli
+
+    assert cli.main(["plan", "recipe=gpt/gpt3_13b", "strategy=dp", "hardware=a100"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "+ optimizer-step temporaries 48.8 GiB (peak: optimizer step)" in out
+    for tiny in (["recipe=gpt/tiny"], ["recipe=ctr/tiny", "strategy=ps"], ["recipe=gpt/tiny", "strategy=pp"]):
+        plan = _plan_json(capsys, *tiny)
+        assert sum(plan["memory_peak"]["parts"].values()) == pytest.approx(
+            plan["memory_bytes"]["total"], abs=8
+        )
+
+
+REMEDY_CASES = [
+    # peak in the optimizer step: recompute saves nothing; ZeRO does
+    ["recipe=gpt/gpt3_13b", "strategy=dp", "hardware=a100"],
+    # activations dominate: smaller micro-batches, alone or with another move
+    ["recipe=gpt/gpt3_1.3b", "hardware=a100", "strategy=dp", "train.micro_batch_size=32", "hardware.nodes=2"],
+    # the recipe's own hybrid layout, pipeline without recompute
+    ["recipe=gpt/gpt3_175b", "strategy.pp_degree=8", "strategy.recompute=none"],
+]
+
+
+@pytest.mark.parametrize("overrides", REMEDY_CASES, ids=["13b-dp", "1.3b-mb32", "175b-pp8"])
+def test_every_remedy_is_valid_helps_and_plans_as_promised(capsys, overrides):
+    """Each printed remedy, added to the command line, validates and plans to the memory it names;
+    each saves at least 5% of the memory; fitting ones come first, fastest planned step first."""
+    plan = _plan_json(capsys, *overrides)
+    assert plan["fits"] is False
+    remedies = plan["remedies"]
+    assert remedies and remedies[0]["fits"]
+    fitting = [r for r in remedies if r["fits"]]
+    assert remedies[: len(fitting)] == fitting
+    assert [r["step_time_s"] for r in fitting] == sorted(r["step_time_s"] for r in fitting)
+    for r in remedies:
+        assert r["total_bytes"] <= 0.95 * plan["memory_bytes"]["total"], r
+        fixed = _plan_json(capsys, *overrides, *r["overrides"].split())
+        assert fixed["memory_bytes"]["total"] == r["total_bytes"] and fixed["fits"] == r["fits"], r
+
+
+def test_remedies_include_smaller_micro_batches_and_combinations_and_no_no_ops(capsys):
+    texts = [r["overrides"] for r in _plan_json(capsys, *REMEDY_CASES[0])["remedies"]]
+    assert not any("recompute" in t for t in texts)  # 268.6 of 269 GiB: a no-op, not offered
+    texts = [r["overrides"] for r in _plan_json(capsys, *REMEDY_CASES[1])["remedies"]]
+    assert "train.micro_batch_size=8" in texts  # the largest micro-batch that fits alone
+    assert not any(t.endswith("train.micro_batch_size=4") for t in texts)  # only slower than 8
+    combined = [t for t in texts if "train.micro_batch_size=16" in t and "strategy" in t]
+    assert combined  # 16 alone does not fit; with sharding or tensor parallelism it does
+
+
+def test_validate_lists_the_memory_problem_beside_the_others(capsys):
+    """gpt2_small on the cpu profile has two problems: bf16 (the recipe's) and memory. Both are listed
+    at once, the memory one planned as given; with precision fixed only memory is left."""
+    import json
+
+    from fleetwise import cli
+
+    capsys.readouterr()
+    assert cli.main(["validate", "recipe=gpt/gpt2_small", "hardware=cpu", "--json"]) == 2
+    errors = json.loads(capsys.readouterr().out)["errors"]
+    assert [e["loc"] for e in errors] == ["train.precision", "hardware.memory_per_device_gib"]
+    assert "planned as given, train.precision unchanged" in errors[1]["msg"]
+    assert "cheapest remedies: strategy=" in errors[1]["hint"]
+    # a structural problem (the layout is unknown) leaves memory unplanned rather than guessed
+    assert (
+        cli.main(["validate", "recipe=gpt/gpt2_small", "hardware=cpu", "strategy.dp_degree=3", "--json"]) == 2
+    )
+    locs = [e["loc"] for e in json.loads(capsys.readouterr().out)["errors"]]
+    assert "hardware.memory_per_device_gib" not in locs and "train.precision" in locs
+    assert (
+        cli.main(["validate", "recipe=gpt/gpt2_small", "hardware=cpu", "train.precision=fp32", "--json"]) == 2
+    )
+    errors = json.loads(capsys.readouterr().out)["errors"]
+    assert [e["loc"] for e in errors] == ["hardware.memory_per_device_gib"]
+
+
+def test_planned_and_assumed_figures_are_labelled(capsys):
+    from fleetwise import cli
+
+    capsys.readouterr()
+    assert cli.main(["plan", "recipe=gpt/gpt3_1.3b"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"MFU \d+\.\d% \(planned\)", out) and " planned (compute" in out
+    assert "follow the a100 profile's assumed GEMM efficiency curve" in out
+    assert cli.main(["plan", "recipe=gpt/tiny"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(planned)" in out and "assumed" not in out  # the cpu profile holds measured costs
+
+
+def test_plan_and_validate_take_a_sweep(capsys):
+    """`plan -m` / `validate -m`: one row per point (`--json`: a list), the same plan as the point alone."""
+    import json
+
+    from fleetwise import cli
+
+    capsys.readouterr()
+    assert cli.main(["plan", "-m", "recipe=gpt/tiny", "strategy=dp,sharding,pp", "--json"]) == 0
+    points = json.loads(capsys.readouterr().out)
+    assert [p["overrides"] for p in points] == [
+        ["recipe=gpt/tiny", f"strategy={s}"] for s in ("dp", "sharding", "pp")
+    ]
+    for p in points:
+        assert p == {"overrides": p["overrides"], **_plan_json(capsys, *p["overrides"])}
+    assert [p["mesh"]["sharding"] for p in points] == [1, 8, 1] and points[2]["mesh"]["pp"] > 1
+    assert cli.main(["plan", "-m", "recipe=gpt/tiny", "strategy=dp,sharding,pp"]) == 0
+    rows = [
+        line.split()[0]
+        for line in capsys.readouterr().out.splitlines()
+        if line.strip().startswith("strategy=")
+    ]
+    assert rows == ["strategy=dp", "strategy=sharding", "strategy=pp"]
+    # one invalid point: exit 2, the point and its problem named, the valid one still planned
+    code = cli.main(
+        ["validate", "--multirun", "recipe=gpt/gpt3_13b", "hardware=a100", "strategy=dp,sharding"]
+    )
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "strategy=dp:" in captured.err and "hardware.memory_per_device_gib" in captured.err
+    assert "strategy=sharding" in captured.out and "✓" in captured.out
+    assert cli.main(["validate", "-m", "recipe=gpt/tiny", "strategy=dp,sharding", "--json"]) == 0
+    assert [p["valid"] for p in json.loads(capsys.readouterr().out)] == [True, True]
