@@ -190,3 +190,25 @@ def test_plan_and_validate_take_a_sweep(capsys):
     assert "strategy=sharding" in captured.out and "✓" in captured.out
     assert cli.main(["validate", "-m", "recipe=gpt/tiny", "strategy=dp,sharding", "--json"]) == 0
     assert [p["valid"] for p in json.loads(capsys.readouterr().out)] == [True, True]
+
+
+DEMO = (
+    "recipe=gpt/tiny data=bundled strategy=hybrid strategy.pp_degree=2 strategy.sharding_degree=2 "
+    "strategy.sharding_stage=2 strategy.mp_degree=2 train.steps=30"
+).split()
+
+
+def test_the_demo_on_a_calibrated_two_core_profile_says_which_device_count_it_needs(tmp_path, monkeypatch):
+    """`fleetwise calibrate` on 2 cores writes devices_per_node: 2; the 8-rank demo with
+    hardware=local then names the exact override, which makes it valid."""
+    from test_calibrate import MEASURED
+
+    from fleetwise.launcher.calibrate import Calibration, profile_yaml
+
+    (tmp_path / "hardware").mkdir()
+    (tmp_path / "hardware" / "local.yaml").write_text(profile_yaml(Calibration(**MEASURED)))
+    monkeypatch.setenv("FLEETWISE_CONFIG_DIR", str(tmp_path))
+    _, problems = compose(*DEMO, "hardware=local")
+    (p,) = problems
+    assert "hardware.devices_per_node=8 with hardware.nodes=1" in p.hint
+    assert compose(*DEMO, "hardware=local", "hardware.devices_per_node=8")[1] == []
