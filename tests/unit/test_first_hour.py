@@ -212,3 +212,26 @@ def test_the_demo_on_a_calibrated_two_core_profile_says_which_device_count_it_ne
     (p,) = problems
     assert "hardware.devices_per_node=8 with hardware.nodes=1" in p.hint
     assert compose(*DEMO, "hardware=local", "hardware.devices_per_node=8")[1] == []
+
+
+def test_a_traceback_is_folded_unless_rank_0_is_the_cause(tmp_path):
+    from fleetwise.launcher.failure import TracebackFold, failure_report
+
+    cfg, _ = compose("recipe=gpt/tiny")
+    log = [
+        "2026-11-24 05:00:00,000 rank0 step 1/4 | loss 5.5",
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "trainer.py", line 190, in _all_finite',
+        "[rank0]: RuntimeError: [/__w/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2730.",
+        "2026-11-24 05:00:01,000 rank0 a log record after it is still shown",
+    ]
+    fold = TracebackFold()
+    shown = [line for line in log if fold.feed(line) is not None]
+    assert shown == [log[0], log[4]] and fold.held == log[1:4]
+    lines = failure_report(cfg, tmp_path, ["recipe=gpt/tiny"], "rank 1 failed: ValueError: bad", fold)
+    assert lines[1].startswith("  rank 0 stopped as a consequence: RuntimeError: Connection closed by peer")
+    assert "checkpoint.enabled=true checkpoint.interval=N" in lines[-1]  # nothing to resume from
+    lines = failure_report(cfg, tmp_path, ["recipe=gpt/tiny"], "rank 0 failed: RuntimeError: boom", fold)
+    from rich.markup import escape
+
+    assert lines[1:4] == [escape(line) for line in log[1:4]]  # its own traceback, whole
