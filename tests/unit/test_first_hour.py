@@ -192,10 +192,16 @@ def test_plan_and_validate_take_a_sweep(capsys):
     assert [p["valid"] for p in json.loads(capsys.readouterr().out)] == [True, True]
 
 
-DEMO = (
-    "recipe=gpt/tiny data=bundled strategy=hybrid strategy.pp_degree=2 strategy.sharding_degree=2 "
-    "strategy.sharding_stage=2 strategy.mp_degree=2 train.steps=30"
-).split()
+DEMO = [
+    "recipe=gpt/tiny",
+    "data=bundled",
+    "strategy=hybrid",
+    "strategy.pp_degree=2",
+    "strategy.sharding_degree=2",
+    "strategy.sharding_stage=2",
+    "strategy.mp_degree=2",
+    "train.steps=30",
+]
 
 
 def test_the_demo_on_a_calibrated_two_core_profile_says_which_device_count_it_needs(tmp_path, monkeypatch):
