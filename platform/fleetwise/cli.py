@@ -545,6 +545,13 @@ def cmd_calibrate(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def cmd_tokenize(argv: list[str]) -> int:
+    """`fleetwise tokenize TEXT… --out FILE.bin`: a byte-level token file for data=token_file."""
+    from fleetwise.data.tokenize_text import main as tokenize
+
+    return tokenize(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
     "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
@@ -558,6 +565,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
         cmd_checkpoint,
         "checkpoint export RUN_DIR [--log-model]: one consolidated state dict (and an MLflow model)",
     ),
+    "tokenize": (cmd_tokenize, "text files -> a byte-level token file for data=token_file (vocab 257)"),
     "ui": (tracking.cmd_ui, "browse tracked runs in the MLflow UI (127.0.0.1:5000 by default)"),
     "compare": (tracking.cmd_compare, "table + PNG of runs: throughput, MFU, peak vs predicted memory"),
     "sync": (tracking.cmd_sync, "deliver metrics that did not reach MLflow (server down during a run)"),

@@ -241,3 +241,19 @@ def test_a_traceback_is_folded_unless_rank_0_is_the_cause(tmp_path):
     from rich.markup import escape
 
     assert lines[1:4] == [escape(line) for line in log[1:4]]  # its own traceback, whole
+
+
+def test_fleetwise_tokenize_writes_a_token_file_the_job_accepts(tmp_path, capsys):
+    """The README's tokenizer is a command of the installed package (the wheel carries it)."""
+    import numpy as np
+
+    from fleetwise import cli
+
+    text = tmp_path / "a.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    out = tmp_path / "data" / "a.bin"
+    assert cli.main(["tokenize", str(text), "--out", str(out)]) == 0
+    tokens = np.fromfile(out, dtype="<u2")
+    assert tokens.tolist() == list(text.read_bytes())
+    assert compose("recipe=gpt/tiny", "data=token_file", f"data.path={out}", "model.vocab_size=257")[1] == []
+    assert cli.main(["tokenize", str(tmp_path / "missing.txt"), "--out", str(out)]) == 2
