@@ -257,3 +257,22 @@ def test_fleetwise_tokenize_writes_a_token_file_the_job_accepts(tmp_path, capsys
     assert tokens.tolist() == list(text.read_bytes())
     assert compose("recipe=gpt/tiny", "data=token_file", f"data.path={out}", "model.vocab_size=257")[1] == []
     assert cli.main(["tokenize", str(tmp_path / "missing.txt"), "--out", str(out)]) == 2
+
+
+def test_the_readme_demo_block_is_rewritten_in_place():
+    """scripts/readme_demo.py (make readme-demo) replaces only the marked block and its date line."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("readme_demo", REPO / "scripts" / "readme_demo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    readme = (REPO / "README.md").read_text()
+    assert readme.count(mod.BEGIN) == 1 and readme.count(mod.END) == 1
+    new = mod.rewrite(
+        readme, "summary (1 steps)\nMLflow run abcdef12…", "(`make demo` on a test box, 2000-01-01):"
+    )
+    assert f"(`make demo` on a test box, 2000-01-01):\n\n{mod.BEGIN}\n```\nsummary (1 steps)\n" in new
+    head, tail = readme.split(mod.BEGIN)[0], readme.split(mod.END)[1]
+    assert new.endswith(tail) and mod.STAMP.sub("", new.split(mod.BEGIN)[0]) == mod.STAMP.sub("", head)
