@@ -15,7 +15,7 @@ PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test check test-under-load lint bench clean
+.PHONY: install demo readme-demo test check test-under-load lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ DEMO ?= recipe=gpt/tiny data=bundled strategy=hybrid strategy.pp_degree=2 strate
 demo: $(STAMP)
 	$(VENV)/bin/fleetwise plan $(DEMO)
 	$(VENV)/bin/fleetwise train $(DEMO)
+
+# Run the demo in a temporary directory and paste its summary into README.md (scripts/readme_demo.py).
+readme-demo: $(STAMP)
+	$(PY) scripts/readme_demo.py $(DEMO)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

@@ -42,7 +42,82 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--cfg", "-c", choices=["job", "hydra", "all"], help="print the composed config and exit")
     p.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations")
     p.add_argument("--help", "-h", action="store_true", help="show groups, options and examples")
+    p.add_argument(
+        "--multirun",
+        "-m",
+        action="store_true",
+        help="a sweep (key=a,b): one row per point, as train -m runs them",
+    )
     return p
+
+
+def _sweep(args) -> tuple[list[list[str]], list[str]] | int:
+    """The points of `-m` (each a full override list) and, per point, the overrides that vary."""
+    from fleetwise.launcher.train import sweep_points
+
+    try:
+        points = sweep_points(args.overrides)
+    except Exception as exc:  # noqa: BLE001 - bad sweep syntax is a config problem
+        problem = Problem(
+            "<overrides>", f"cannot parse the sweep: {exc}", "write key=a,b (see Hydra's sweep syntax)"
+        )
+        return _report_invalid([problem], as_json=args.json)
+    varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1] if points else []
+    return points, [" ".join(p[i] for i in varying) or " ".join(p) for p in points]
+
+
+def _sweep_report(args, validate_only: bool) -> int:
+    """`validate -m` / `plan -m`: every point checked and planned like a single config; one row each
+    (`--json`: a list, each entry what the single command prints plus `overrides`); exit 2 if any
+    point is invalid."""
+    swept = _sweep(args)
+    if isinstance(swept, int):
+        return swept
+    points, labels = swept
+    rows = []
+    for point, label in zip(points, labels, strict=True):
+        pf = preflight(point, enforce_memory=validate_only)
+        rows.append((point, label, pf))
+    invalid = any(pf.problems for _, _, pf in rows)
+    if args.json:
+        out = []
+        for point, _, pf in rows:
+            if pf.problems:
+                entry = {"valid": False, "errors": [p.to_dict() for p in pf.problems]}
+            elif validate_only:
+                entry = {"valid": True, "errors": []}
+            else:
+                entry = {**pf.plan.to_dict(), "remedies": [r.to_dict() for r in pf.remedies]}
+            out.append({"overrides": point, **entry})
+        print(json.dumps(strict_json(out), indent=2, allow_nan=False))
+        return EXIT_INVALID if invalid else EXIT_OK
+    from fleetwise.plan.render import gib, print_problems, seconds
+
+    console = Console()
+    console = Console(width=max(console.width, 140)) if not console.is_terminal else console
+    table = Table(title=f"{'validate' if validate_only else 'plan'} -m: {len(rows)} points", box=None)
+    for col in ("point", "valid", "mesh pp/dp/sh/mp", "memory/device", "fits", "planned step", "planned MFU"):
+        table.add_column(col, no_wrap=col != "point")
+    for _, label, pf in rows:
+        if pf.plan is None:
+            table.add_row(label, "[red]✗[/]", "", "", "", "", "")
+            continue
+        m, plan = pf.plan.mesh, pf.plan
+        table.add_row(
+            label,
+            "[red]✗[/]" if pf.problems else "[green]✓[/]",
+            f"{m['pp']}/{m['dp']}/{m['sharding']}/{m['mp']}",
+            f"{gib(plan.memory_bytes['total'])} of {gib(plan.usable_memory_bytes or plan.device_memory_bytes)}",
+            "yes" if plan.fits else "[red]no[/]",
+            seconds(plan.step_time_s),
+            f"{plan.mfu:.1%}",
+        )
+    console.print(table)
+    for _, label, pf in rows:
+        if pf.problems:
+            Console(stderr=True).print(f"[bold]{label}[/]:", highlight=False)
+            print_problems(Console(stderr=True), pf.problems)
+    return EXIT_INVALID if invalid else EXIT_OK
 
 
 def _print_cfg(overrides: list[str], which: str, resolve: bool) -> int:
@@ -132,6 +207,8 @@ def cmd_validate(argv: list[str]) -> int:
         return print_help("validate")
     if args.cfg:
         return _print_cfg(args.overrides, args.cfg, args.resolve)
+    if args.multirun:
+        return _sweep_report(args, validate_only=True)
     pf = preflight(args.overrides)
     if pf.problems:
         return _report_invalid(pf.problems, args.json)
@@ -162,6 +239,8 @@ def cmd_plan(argv: list[str]) -> int:
         return print_help("plan")
     if args.cfg:
         return _print_cfg(args.overrides, args.cfg, args.resolve)
+    if args.multirun:
+        return _sweep_report(args, validate_only=False)
     pf = preflight(args.overrides, enforce_memory=False)
     if pf.problems:
         return _report_invalid(pf.problems, args.json)
@@ -466,6 +545,13 @@ def cmd_calibrate(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def cmd_tokenize(argv: list[str]) -> int:
+    """`fleetwise tokenize TEXT… --out FILE.bin`: a byte-level token file for data=token_file."""
+    from fleetwise.data.tokenize_text import main as tokenize
+
+    return tokenize(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
     "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
@@ -479,6 +565,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
         cmd_checkpoint,
         "checkpoint export RUN_DIR [--log-model]: one consolidated state dict (and an MLflow model)",
     ),
+    "tokenize": (cmd_tokenize, "text files -> a byte-level token file for data=token_file (vocab 257)"),
     "ui": (tracking.cmd_ui, "browse tracked runs in the MLflow UI (127.0.0.1:5000 by default)"),
     "compare": (tracking.cmd_compare, "table + PNG of runs: throughput, MFU, peak vs predicted memory"),
     "sync": (tracking.cmd_sync, "deliver metrics that did not reach MLflow (server down during a run)"),

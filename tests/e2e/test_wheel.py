@@ -31,6 +31,7 @@ def test_wheel_contains_conf_and_recipes_but_no_platform_package(wheel):
     assert "fleetwise/conf/config.yaml" in names
     assert "fleetwise/conf/strategy/hybrid.yaml" in names
     assert "fleetwise/conf/recipe/gpt/gpt3_1.3b.yaml" in names
+    assert "fleetwise/data/tokenize_text.py" in names  # `fleetwise tokenize`, which the README uses
     assert not any(n.startswith("platform/") for n in names)
 
 

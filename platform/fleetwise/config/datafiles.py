@@ -1,6 +1,6 @@
 """Checks of data files made before any process starts: a missing or malformed file is a config error.
 
-File formats (written by `scripts/tokenize_text.py` or by users):
+File formats (written by `fleetwise tokenize` or by users):
 - token_file: `<name>.bin`, a flat little-endian array of token ids, plus `<name>.json`
   {"dtype": "uint16", "vocab_size": 256, "num_tokens": N}.
 - image_array: `.npz` with `images` (N, H, W, C) uint8 and `labels` (N,) integers.
@@ -44,7 +44,7 @@ def check_data_file(source: str, path: Path, model: ModelConfig) -> Iterator[Pro
 
 def _check_tokens(path: Path, model: TransformerModel) -> Iterator[Problem]:
     meta_path = token_meta_path(path)
-    fix = "write token files with scripts/tokenize_text.py"
+    fix = "write token files with `fleetwise tokenize TEXT… --out FILE.bin`"
     try:
         meta = json.loads(meta_path.read_text())
         dtype, vocab = meta["dtype"], int(meta["vocab_size"])

@@ -147,7 +147,8 @@ class Layout:
                         f"strategy.{name}",
                         f"cannot derive {name}: {_fmt_degrees(degrees)} must equal {ws}, "
                         f"but {world_size} is not divisible by {fixed}",
-                        f"choose degrees whose product divides {world_size}, or change hardware.devices_per_node",
+                        f"choose degrees whose product divides {world_size}, or give the job a multiple of "
+                        f"{fixed} devices (e.g. hardware.devices_per_node={fixed} with hardware.nodes=1)",
                     )
                 ]
             degrees[name] = world_size // fixed

@@ -26,6 +26,7 @@ from rich.console import Console
 from fleetwise import rundir
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
+from fleetwise.launcher.failure import TracebackFold
 from fleetwise.plan.planner import Plan
 from fleetwise.rundir import Metric
 from fleetwise.runtime.lifeline import die_with_parent
@@ -40,6 +41,7 @@ class JobResult:
     run_dir: Path
     error: str | None
     records: list[dict]
+    fold: TracebackFold | None = None  # rank 0's traceback, held back from the console
 
 
 # What a job writes into its run directory (run.overwrite=true clears exactly these).
@@ -321,6 +323,7 @@ def launch_job(
     if cfg.launch.nnodes == "1" and "GLOO_SOCKET_IFNAME" not in env and Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # one node: the ranks' gloo mesh on loopback, off the network
     rank0_log = Follower(rundir.rank_log(run_dir, 0))
+    fold = TracebackFold()  # a traceback stays in the log; the failure report leads with the cause
     metrics = Follower(rundir.metrics_path(run_dir))
     records: list[dict] = []
     with rundir.launcher_log(run_dir).open("ab") as launcher_log:
@@ -345,7 +348,8 @@ def launch_job(
                 while True:
                     done = proc.poll() is not None
                     for line in rank0_log.lines():
-                        console.print(line, highlight=False, markup=False, soft_wrap=True)
+                        if (shown := fold.feed(line)) is not None:
+                            console.print(shown, highlight=False, markup=False, soft_wrap=True)
                     for line in metrics.lines():
                         record = metrics_record(line)
                         if record is not None:
@@ -365,7 +369,7 @@ def launch_job(
             if proc.poll() is None:
                 _stop(proc)
     error = None if proc.returncode == 0 else root_cause(run_dir, proc.returncode)
-    return JobResult(proc.returncode, run_dir, error, latest_per_step(records))
+    return JobResult(proc.returncode, run_dir, error, latest_per_step(records), fold)
 
 
 def metrics_record(line: str) -> dict | None:

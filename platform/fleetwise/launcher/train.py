@@ -301,6 +301,15 @@ def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console, env
             reason = exc.reason if isinstance(exc, Stopped) else "interrupted by the user (Ctrl-C)"
             tracker.finish("KILLED", reason, {})
             raise
+    if result.returncode != 0 and result.error:  # the cause first, before the summary and MLflow
+        from fleetwise.launcher.failure import TracebackFold, failure_report
+
+        err_console = Console(stderr=True, soft_wrap=True)
+        for line in failure_report(cfg, run_dir, argv, result.error, result.fold or TracebackFold()):
+            err_console.print(line, highlight=False)
+    elif result.fold is not None and result.fold.held:  # a traceback in a job that still succeeded
+        for line in result.fold.held:
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     summary = print_summary(console, cfg, plan, result)
     status = "FINISHED" if result.returncode == 0 else "FAILED"
     run_id = tracker.finish(status, result.error, summary)

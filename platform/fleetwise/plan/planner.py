@@ -48,10 +48,18 @@ class Memory:
     activations: float = 0.0
     inputs: float = 0.0  # the step's batch this rank holds (all its micro-batches)
     pipeline_buffers: float = 0.0  # torch.distributed.pipelining's receive buffers (the whole job)
+    comm_buffers: float = 0.0  # gloo's working copy of a DDP gradient bucket (at the backward peak)
+    step_temporaries: float = 0.0  # the optimizer step's own temporaries (foreach AdamW: one per param)
     total: float = 0.0
+    # what is live at the peak: the phase and its parts, which add up to `total` (plan.memory_peak)
+    peak: dict[str, Any] = field(default_factory=dict)
 
     def as_ints(self) -> dict[str, int]:
-        return {k: int(round(v)) for k, v in asdict(self).items()}
+        return {k: int(round(v)) for k, v in asdict(self).items() if k != "peak"}
+
+    def peak_ints(self) -> dict[str, Any]:
+        parts = self.peak.get("parts", {})
+        return {"phase": self.peak.get("phase", ""), "parts": {k: int(round(v)) for k, v in parts.items()}}
 
 
 @dataclass
@@ -80,6 +88,9 @@ class Plan:
     stages: list[dict[str, Any]] = field(default_factory=list)
     ps: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    # the worst device's peak: {"phase": "forward/backward" | "end of backward" | "optimizer step" |
+    # "the fullest server" | "a trainer", "parts": {name: bytes}}, the parts adding up to memory_bytes["total"]
+    memory_peak: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -243,22 +254,52 @@ def _rank_memory(
     # gloo's all-reduce of a DDP bucket works on a copy of it (measured: +4 B per parameter at the
     # backward peak); NCCL reduces the bucket in place
     comm_copy = FP32 * p if engine in ("ddp", "zero1") and cfg.hardware.backend == "gloo" else 0.0
-    fwd_bwd = (
-        mem.params
-        + mem.optimizer
-        + grads_live
-        + mem.activations
-        + mem.inputs
-        + mem.pipeline_buffers
-        + comm_copy
-    )
+    mem.comm_buffers = comm_copy
+    phases = [
+        (
+            "forward/backward",
+            {
+                "params": mem.params,
+                "grads": grads_live,
+                "optimizer": mem.optimizer,
+                "activations": mem.activations,
+                "inputs": mem.inputs,
+                "pipeline_buffers": mem.pipeline_buffers,
+                "comm_buffers": comm_copy,
+            },
+        )
+    ]
     if not accumulating and engine not in ("ddp", "zero1"):
-        fwd_bwd = max(fwd_bwd, mem.params + mem.optimizer + mem.grads + transient + mem.inputs)
+        phases.append(
+            (
+                "end of backward",
+                {
+                    "params": mem.params,
+                    "grads": mem.grads,
+                    "optimizer": mem.optimizer,
+                    "activations": transient,
+                    "inputs": mem.inputs,
+                },
+            )
+        )
     step_params = resting if engine == "fsdp" else mem.params
     step_grads = (0.0 if offloaded else FP32 * p / sh) if engine == "fsdp" else mem.grads
-    step_temp = (FP32 * p / (sh if engine != "ddp" else 1)) if k == 2 else 0.0
-    opt_step = step_params + step_grads + mem.optimizer + step_temp + mem.pipeline_buffers
-    mem.total = max(fwd_bwd, opt_step)
+    mem.step_temporaries = (FP32 * p / (sh if engine != "ddp" else 1)) if k == 2 else 0.0
+    phases.append(
+        (
+            "optimizer step",
+            {
+                "params": step_params,
+                "grads": step_grads,
+                "optimizer": mem.optimizer,
+                "step_temporaries": mem.step_temporaries,
+                "pipeline_buffers": mem.pipeline_buffers,
+            },
+        )
+    )
+    phase, parts = max(phases, key=lambda ph: sum(ph[1].values()))  # the first of equal peaks
+    mem.total = sum(parts.values())
+    mem.peak = {"phase": phase, "parts": {k: v for k, v in parts.items() if v}}
     return mem, p
 
 
@@ -484,6 +525,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
             "num_microbatches": n,
         },
         memory_bytes=mem.as_ints(),
+        memory_peak=mem.peak_ints(),
         device_memory_bytes=device_mem,
         fits=mem.total <= device_mem - hw.device_overhead_bytes,
         device_overhead_bytes=hw.device_overhead_bytes,
@@ -692,6 +734,11 @@ def _ps_plan(cfg: RunConfig) -> Plan:
         inputs=inputs,
         total=worst,
     )
+    if server_bytes >= trainer_bytes:
+        mem.peak = {"phase": "the fullest server", "parts": {"server_shard": server_bytes}}
+    else:
+        parts = {"params": mem.params, "grads": mem.grads, "activations": mem.activations, "inputs": inputs}
+        mem.peak = {"phase": "a trainer", "parts": parts}
     return Plan(
         world_size=world,
         mesh={"pp": 1, "dp": s.num_trainers, "sharding": 1, "mp": 1},
@@ -703,6 +750,7 @@ def _ps_plan(cfg: RunConfig) -> Plan:
             "num_microbatches": n,
         },
         memory_bytes=mem.as_ints(),
+        memory_peak=mem.peak_ints(),
         device_memory_bytes=hw.memory_per_device_bytes,
         fits=worst <= hw.memory_per_device_bytes - hw.device_overhead_bytes,
         device_overhead_bytes=hw.device_overhead_bytes,

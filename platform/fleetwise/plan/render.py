@@ -34,6 +34,30 @@ def seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
+PART_LABELS = {
+    "params": "params",
+    "grads": "grads",
+    "optimizer": "optimizer",
+    "activations": "activations",
+    "inputs": "inputs",
+    "pipeline_buffers": "pipeline buffers",
+    "comm_buffers": "gloo bucket copies",
+    "step_temporaries": "optimizer-step temporaries",
+    "server_shard": "server shard (params + optimizer state)",
+}
+
+
+def memory_parts(plan: Plan) -> str:
+    """What the worst device holds at its peak, as parts that add up to the total, and the phase:
+    'params 73.3 GiB + … + optimizer-step temporaries 48.8 GiB (peak: optimizer step)'."""
+    peak = plan.memory_peak or {}
+    parts = peak.get("parts") or {
+        k: v for k, v in plan.memory_bytes.items() if k in PART_LABELS and v and k != "total"
+    }
+    text = " + ".join(f"{PART_LABELS.get(k, k)} {gib(v)}" for k, v in parts.items())
+    return f"{text} (peak: {peak['phase']})" if peak.get("phase") else text
+
+
 def print_problems(console: Console, problems: list[Problem]) -> None:
     noun = "problem" if len(problems) == 1 else "problems"
     console.print(f"[bold red]✗ invalid config: {len(problems)} {noun}[/]")
@@ -91,12 +115,24 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
         else ""
     )
     t.add_row("memory/device", f"{gib(mem['total'])} of {gib(plan.device_memory_bytes)}{usable} · {verdict}")
-    t.add_row(
-        "",
-        f"params {gib(mem['params'])} · grads {gib(mem['grads'])} · optimizer {gib(mem['optimizer'])}"
-        f" · activations {gib(mem['activations'])} · inputs {gib(mem['inputs'])}"
-        + (f" · pipeline buffers {gib(mem['pipeline_buffers'])}" if mem["pipeline_buffers"] else ""),
-    )
+    t.add_row("", f"= {memory_parts(plan)}")
+    at_peak = (plan.memory_peak or {}).get("parts", {})
+    elsewhere = {
+        k: mem[k]
+        for k in ("activations", "inputs", "pipeline_buffers", "comm_buffers")
+        if mem.get(k) and at_peak and at_peak.get(k) != mem[k]
+    }
+    if plan.ps is not None:
+        t.add_row(
+            "", f"a trainer holds {gib(plan.ps['trainer_bytes'])} (params, grads, pulled rows, activations)"
+        )
+    elif elsewhere:
+        t.add_row(
+            "",
+            "at other times: "
+            + " · ".join(f"{PART_LABELS[k]} {gib(v)}" for k, v in elsewhere.items())
+            + " (forward/backward)",
+        )
     if len(plan.stages) > 1:
         worst = max(plan.stages, key=lambda s: s["memory_total_bytes"])
         t.add_row(
@@ -125,11 +161,18 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
     if comm:
         t.add_row("comm/step", comm + " (bytes sent per device)")
     parts = " · ".join(f"{k} {seconds(v)}" for k, v in plan.time_s.items() if v)
-    t.add_row("step time", f"{seconds(plan.step_time_s)} ({parts})")
+    t.add_row("step time", f"{seconds(plan.step_time_s)} planned ({parts})")
     rate = f"{plan.samples_per_s:,.1f} samples/s"
     if plan.tokens_per_s:
         rate += f" · {plan.tokens_per_s:,.0f} tokens/s"
-    t.add_row("throughput", f"{rate} · MFU {plan.mfu:.1%}")
+    t.add_row("throughput", f"{rate} · MFU {plan.mfu:.1%} (planned)")
+    if cfg.hardware.device_type == "cuda":
+        t.add_row(
+            "assumed",
+            f"step time and MFU follow the {cfg.hardware.name} profile's assumed GEMM efficiency curve and "
+            "per-op costs (published figures, not measured on your GPUs: `fleetwise calibrate` on one "
+            "writes measured ones)",
+        )
     for note in plan.notes:
         t.add_row("note", note)
     console.print(t)
@@ -151,7 +194,7 @@ def print_search(console: Console, result, top_k: int, override: str) -> None:
         highlight=False,
     )
     t = Table(box=None, pad_edge=False)
-    for col in ("#", "layout", "memory/device", "step time", "MFU", "bubble", "vs #1"):
+    for col in ("#", "layout", "memory/device", "planned step", "planned MFU", "bubble", "vs #1"):
         t.add_column(col, no_wrap=col != "vs #1")
     for i, c in enumerate(result.ranked[:top_k], 1):
         p = c.plan

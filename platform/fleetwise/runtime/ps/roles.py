@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -112,7 +113,12 @@ def init_rpc(cfg: RunConfig, role: Role) -> float:
         _transports=["uv"],
     )
     t0 = time.perf_counter()
-    rpc.init_rpc(role.name, rank=role.rank, world_size=role.world_size, rpc_backend_options=options)
+    with warnings.catch_warnings():
+        # torch's own init_rpc gathers its device maps through a gloo group and trips its own
+        # deprecation notice (torch 2.13, distributed_c10d._get_object_coll_device): nothing a user
+        # of fleetwise can act on, printed by every process of every ps job
+        warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup")
+        rpc.init_rpc(role.name, rank=role.rank, world_size=role.world_size, rpc_backend_options=options)
     return time.perf_counter() - t0
 
 

@@ -1,0 +1,66 @@
+"""`fleetwise.load_model(path)`: a trained model back as a plain `nn.Module`, in one line.
+
+    import fleetwise
+    model = fleetwise.load_model("outputs/2026-11-24/05-30-00-123456")   # or a checkpoint directory
+
+`path` is a run directory (its final weights, `model/`, or its newest complete checkpoint, whichever
+was written last) or one checkpoint directory. The model is rebuilt from the run's `config.yaml`
+(the same family code the ranks ran), its weights consolidated from the DCP shards through the
+verified reader that `fleetwise checkpoint export` uses (checksums, allow-listed metadata), and
+returned on the CPU in eval mode, whatever layout trained it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fleetwise import rundir
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def weights_of(path: Path) -> tuple[Path, Path]:
+    """(DCP directory holding the weights, directory holding the config.yaml) of a run or checkpoint."""
+    from fleetwise.runtime.checkpoint_files import complete_checkpoints
+
+    path = Path(path)
+    if (path / ".metadata").exists():  # a checkpoint (its config is inside) or a run's model/
+        config_home = path if (path / rundir.CONFIG_FILE).exists() else path.parent
+        return path, config_home
+    if not (path / rundir.CONFIG_FILE).exists():
+        raise FileNotFoundError(
+            f"{path} is neither a fleetwise run directory nor a checkpoint (no config.yaml)"
+        )
+    candidates = complete_checkpoints(path)[-1:]
+    final = path / rundir.MODEL_DIR
+    if (final / ".metadata").exists():
+        candidates.append(final)
+    if not candidates:
+        raise FileNotFoundError(
+            f"{path} holds no trained weights: no complete checkpoint and no {rundir.MODEL_DIR}/ "
+            "(train with checkpoint.enabled=true, or tracking.log_model=true; strategy=ps jobs keep "
+            "their parameters in the servers' shards under ps/)"
+        )
+    newest = max(candidates, key=lambda p: (p / ".metadata").stat().st_mtime)
+    return newest, path
+
+
+def load_model(path: str | Path) -> nn.Module:
+    """The model a fleetwise run trained: rebuilt from its config, the final weights (or the newest
+    checkpoint's) loaded, on the CPU, in eval mode. Raises FileNotFoundError when there are none."""
+    import tempfile
+
+    import torch
+
+    from fleetwise.runtime.checkpoint import export
+    from fleetwise.runtime.modeling import build_model
+
+    weights, config_home = weights_of(Path(path))
+    cfg = rundir.read_config(config_home)
+    model = build_model(cfg)
+    with tempfile.TemporaryDirectory(prefix="fleetwise-load-") as tmp:
+        state = torch.load(export(weights, Path(tmp) / "model.pt"), weights_only=True, map_location="cpu")
+    model.load_state_dict(state)
+    return model.eval()
