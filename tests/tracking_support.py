@@ -54,9 +54,29 @@ def make_run_dir(root: Path, name: str) -> Path:
 
 
 def free_port() -> int:
+    """A port that was free a moment ago, for a server the test starts: another process may take
+    it before the server binds, so starters retry with a new one (`in_use`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_HELD: list[socket.socket] = []
+
+
+def refused_port() -> int:
+    """A port where nothing answers for the rest of the session: bound here and never listening, so
+    a connection is refused and no other process can take it (a port found free and released could
+    be taken by a real server before the test connects)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    return s.getsockname()[1]
+
+
+def in_use(log_text: str) -> bool:
+    """Whether a server's log says its port was taken (a bind race lost to another process)."""
+    return "Address already in use" in log_text or "EADDRINUSE" in log_text or "[Errno 98]" in log_text
 
 
 class Messages(list):

@@ -54,6 +54,7 @@ class Metric:
     LR = "train/lr"
     GRAD_NORM = "train/grad_norm"
     SKIPPED_STEPS = "train/skipped_steps"
+    LOSS_SCALE = "train/loss_scale"  # fp16 only: GradScaler's scale after the step
     STEP_TIME = "perf/step_time_s"
     SAMPLES_PER_S = "perf/samples_per_s"
     TOKENS_PER_S = "perf/tokens_per_s"

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tracking_support import answers, free_port
+from tracking_support import answers, free_port, in_use
 
 from fleetwise.tracking.commands import ui_env
 
@@ -41,25 +41,56 @@ def server(tmp_path_factory):
         f"admin_username = {USER}\nadmin_password = {PASSWORD}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
     )
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     env = {**ui_env(), "MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "ci-only"}
-    cmd = [sys.executable, "-m", "mlflow", "server", "--app-name", "basic-auth", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"]
-    cmd += ["--artifacts-destination", str(root / "artifacts")]
-    with open(root / "server.log", "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = None
     try:
-        began = time.monotonic()
-        while not answers(url + "/health"):  # /health is open; everything else needs credentials
-            if proc.poll() is not None or time.monotonic() - began > 180:
-                pytest.fail("basic-auth server did not start:\n" + (root / "server.log").read_text()[-3000:])
-            time.sleep(0.25)
+        for _ in range(3):  # a port found free may be taken before the server binds it: take another
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--app-name",
+                "basic-auth",
+                "--host",
+                "127.0.0.1",
+            ]
+            cmd += [
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{root / 'mlflow.db'}",
+            ]
+            cmd += ["--artifacts-destination", str(root / "artifacts")]
+            log_path = root / f"server-{port}.log"
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            began = time.monotonic()
+            while not answers(url + "/health"):  # /health is open; everything else needs credentials
+                if proc.poll() is not None or time.monotonic() - began > 180:
+                    break
+                time.sleep(0.25)
+            else:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(20)
+            if not in_use(log_path.read_text(errors="replace")):
+                pytest.fail("basic-auth server did not start:\n" + log_path.read_text()[-3000:])
+        else:
+            pytest.fail("basic-auth server: every port tried was taken")
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(20)
 
 
 def train(tmp_path: Path, url: str, user: str | None, password: str | None, *extra: str):

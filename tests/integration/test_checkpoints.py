@@ -129,7 +129,11 @@ def test_a_4d_checkpoint_resumes_under_another_layout(hybrid_checkpoint, target)
     a, b = losses(src), losses(dst)
     assert [b[s] for s in (4, 5, 6)] == pytest.approx([a[s] for s in (4, 5, 6)], abs=2e-6)
     pa, pb = final_params(src), final_params(dst)
-    assert max((pa[k] - pb[k]).abs().max().item() for k in pa) < 5e-6
+    worst = max((pa[k] - pb[k]).abs().max().item() for k in pa)
+    print(
+        f"{target}: max |loss diff| {max(abs(a[s] - b[s]) for s in (4, 5, 6)):.2e}, max |param diff| {worst:.2e}"
+    )
+    assert worst < 5e-6
 
 
 @pytest.mark.parametrize("mode", ["raise", "exit", "sigkill"])
@@ -205,8 +209,10 @@ def test_a_hanging_rank_becomes_an_error_after_the_collective_timeout(tmp_path):
         "launch.collective_timeout_s=5",
         check=False,
     )
-    assert r.returncode != 0 and "Timed out" in r.stderr
-    assert time.perf_counter() - t < 90
+    assert r.returncode != 0 and "Timed out" in r.stderr  # the collective timeout ended it
+    # a hang guard only (without the timeout the job would run into run_cli's 600 s): start-up and
+    # two steps take ~20 s idle and several times that under load
+    assert time.perf_counter() - t < 300
 
 
 def test_non_finite_gradients_abort_or_skip_naming_the_parameter(tmp_path):
@@ -229,19 +235,26 @@ def test_non_finite_gradients_abort_or_skip_naming_the_parameter(tmp_path):
 def test_elastic_range_starts_with_the_nodes_present(tmp_path):
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # planned for 2 nodes of 2; only one node shows up: data parallelism shrinks from 4 to 2
-    r = train(
-        tmp_path,
-        tmp_path / "elastic",
-        "hardware.nodes=2",
-        "hardware.devices_per_node=2",
-        "launch.nnodes=1:2",
-        f"launch.rdzv_endpoint=127.0.0.1:{port}",
-        "launch.rdzv_last_call_s=1",
-        "train.steps=3",
-    )
+    for attempt in range(3):  # the port was free when found; another process may take it first
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        run_dir = tmp_path / f"elastic{attempt}"
+        # planned for 2 nodes of 2; only one node shows up: data parallelism shrinks from 4 to 2
+        r = train(
+            tmp_path,
+            run_dir,
+            "hardware.nodes=2",
+            "hardware.devices_per_node=2",
+            "launch.nnodes=1:2",
+            f"launch.rdzv_endpoint=127.0.0.1:{port}",
+            "launch.rdzv_last_call_s=1",
+            "train.steps=3",
+            check=False,
+        )
+        logs = "".join(f.read_text(errors="replace") for f in run_dir.glob("logs/*.log"))
+        if r.returncode == 0 or "Address already in use" not in r.stdout + r.stderr + logs:
+            break
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "data parallel degree is now 2" in r.stdout
-    assert len(read_metrics(tmp_path / "elastic")) == 3
+    assert len(read_metrics(run_dir)) == 3

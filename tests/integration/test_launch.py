@@ -4,6 +4,7 @@ ranks without leaving processes behind, spans two "nodes" on loopback, runs Hydr
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,12 +27,16 @@ def leftover_processes(marker: str) -> list[str]:
 
 def test_bad_config_exits_2_and_starts_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    t = time.perf_counter()
-    r = run_cli("train", *TINY, "strategy.dp_degree=3", f"run.dir={run_dir}", cwd=tmp_path)
+    r = run_cli(
+        "train", *TINY, "strategy.dp_degree=3", f"run.dir={run_dir}", cwd=tmp_path,
+        env={"PYTHONPROFILEIMPORTTIME": "1"},
+    )  # fmt: skip
     assert r.returncode == 2
     assert "dp_degree(3)" in r.stderr and "Traceback" not in r.stderr
     assert not run_dir.exists() and not (tmp_path / "outputs").exists()
-    assert time.perf_counter() - t < 10  # validation only: no torch, no torchrun
+    # validation only: torch (~2 s) is never imported, nor torchrun started -- asserted on the imports,
+    # not on a wall-clock bound that load on the machine decides
+    assert not re.search(r"\|\s+torch$", r.stderr, re.M)
 
 
 def test_gpu_profile_without_gpu_fails_fast(tmp_path):
@@ -61,8 +66,16 @@ def test_failing_rank_fails_the_job_with_its_error_and_no_orphans(tmp_path, mode
     assert "training failed" in r.stderr and "rank 1" in r.stderr and expect in r.stderr, r.stderr
     assert len(read_metrics(run_dir)) == 1  # step 1 finished before the fault
     assert (run_dir / "logs" / "rank_1.log").exists()
-    time.sleep(1)
+    # the processes are gone by now or shortly (a loaded machine reaps slowly): wait, then assert
+    deadline = time.monotonic() + 60
+    while leftover_processes(str(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert leftover_processes(str(run_dir)) == []
+
+
+def port_taken(output: str) -> bool:
+    """A lost race for a port found free: someone else bound it first (EADDRINUSE)."""
+    return "Address already in use" in output or "EADDRINUSE" in output or "[Errno 98]" in output
 
 
 def _free_port() -> int:
@@ -77,32 +90,38 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
     single = tmp_path / "single"
     r = run_cli("train", *TINY, "hardware.devices_per_node=4", f"run.dir={single}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    multi = tmp_path / "multi"
-    port = _free_port()
     exe = Path(sys.executable).parent / "fleetwise"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = "0.5"
-    nodes = [
-        subprocess.Popen(
-            [
-                str(exe),
-                "train",
-                *(a for a in TINY if not a.startswith("tracking.")),
-                "hardware.nodes=2",
-                "hardware.devices_per_node=2",
-                f"launch.node_rank={rank}",
-                f"launch.rdzv_endpoint=127.0.0.1:{port}",
-                f"run.dir={multi}",
-            ],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outs = [p.communicate(timeout=300) for p in nodes]
+    for attempt in range(3):  # the port was free when found; another process may take it first
+        port = _free_port()
+        work = tmp_path / f"attempt{attempt}"  # a fresh run directory and MLflow store per attempt
+        work.mkdir()
+        multi = work / "multi"
+        nodes = [
+            subprocess.Popen(
+                [
+                    str(exe),
+                    "train",
+                    *(a for a in TINY if not a.startswith("tracking.")),
+                    "hardware.nodes=2",
+                    "hardware.devices_per_node=2",
+                    f"launch.node_rank={rank}",
+                    f"launch.rdzv_endpoint=127.0.0.1:{port}",
+                    f"run.dir={multi}",
+                ],
+                cwd=work,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+        outs = [p.communicate(timeout=300) for p in nodes]
+        logs = "".join(f.read_text(errors="replace") for f in multi.glob("logs/*.log"))
+        if not any(port_taken(out + err) for out, err in outs) and not port_taken(logs):
+            break
     assert [p.returncode for p in nodes] == [0, 0], outs
     assert sorted(f.name for f in (multi / "logs").glob("rank_*.log")) == [f"rank_{i}.log" for i in range(4)]
     a, b = read_metrics(single), read_metrics(multi)
@@ -110,7 +129,7 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
 
     from mlflow import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("fleetwise").experiment_id])
     keys = set(run.data.metrics)
     for node in ("node_0", "node_1"):

@@ -24,12 +24,10 @@ SGD = (
     "optim.weight_decay=0.01",
     "optim.warmup_steps=1",
 )
-# Tolerances observed on this machine (see the closing note of the runtime issue).
+# Tolerances observed on this machine (README, "Every layout is tested"): SGD layouts measured up to
+# 3.6e-7 (losses) and 1.2e-7 (parameters), ResNet dp2/pp2 included; AdamW on 8 ranks up to ~1e-5.
 SGD_TOL = {"loss": 2e-6, "param": 2e-6}
 ADAMW_TOL = {"loss": 1e-5, "param": 2e-5}
-# BatchNorm divides by per-micro-batch standard deviations, which amplifies reduction-order noise in
-# the BN parameters themselves (losses still agree to 1e-7).
-RESNET_TOL = {"loss": 1e-6, "param": 1e-4}
 
 
 def run(tmp_path, name, *overrides, procs: int):
@@ -119,6 +117,17 @@ GPT_LAYOUTS = {
         ("strategy=pp", "strategy.pp_degree=2", "strategy.dp_degree=2", "strategy.layer_split=[3,1]"),
         4,
     ),
+    # HSDP: FSDP2 on the 2-D (dp, sharding) mesh, replicate across dp and shard across sharding;
+    # gradients not averaged over the replicate dim (plain FSDP on sharding) fail here
+    "hsdp_dp2_sh2_stage3": (
+        (
+            "strategy=hybrid",
+            "strategy.dp_degree=2",
+            "strategy.sharding_degree=2",
+            "strategy.sharding_stage=3",
+        ),
+        4,
+    ),
     "hybrid_pp2_sh2_mp2": (
         (
             "strategy=hybrid",
@@ -172,7 +181,8 @@ def test_ernie_tensor_and_data_parallel_equal_single_process(tmp_path):
 
 # BatchNorm normalises over each micro-batch in every layout, so the math is identical; it divides by
 # the batch's standard deviation, so micro-batches of 2 images at 1x1 resolution would amplify
-# reduction-order noise without bound -- give it 8 images at 2x2. Running averages are not compared.
+# reduction-order noise without bound -- give it 8 images at 2x2 (then the SGD bound holds: measured
+# 2.4e-7 losses, 1.2e-7 parameters; it was 1e-4 before). Running averages are not compared.
 RESNET = (
     "data=synthetic",  # pinned: the recipe's default data may change, the parity question does not
     "optim.lr=0.05",
@@ -190,7 +200,7 @@ def test_resnet_data_and_pipeline_parallel_equal_single_process(tmp_path):
 
     for name, overrides, procs in [("dp2", ("strategy=dp",), 2), ("pp2", ("strategy=pp",), 2)]:
         loss, params, args = run(tmp_path, name, "recipe=resnet/tiny", *overrides, *RESNET, procs=procs)
-        assert_same((ref[0], weights(ref[1]), ref[2]), (loss, weights(params), args), RESNET_TOL)
+        assert_same((ref[0], weights(ref[1]), ref[2]), (loss, weights(params), args), SGD_TOL)
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):

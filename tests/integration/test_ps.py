@@ -7,7 +7,7 @@ Four launches, assertions grouped per launch (each ~10-20 s on 2 cores):
   memory equals the plan; metrics, logs, loopback sockets, no orphans.
 - sync, hash_name, AdamW with clipping, sparse SGD, Wide&Deep: equals
   single-process training; the launcher's summary reads the metrics.
-- async with trainer 1 slowed: the loss falls and the job outpaces the sync launch above.
+- async with trainer 1 slowed: the loss falls and trainer 0 does not wait for trainer 1 (sync: it does).
 - sync with trainer 1 killed mid-push: the servers keep the last complete step, nothing partial.
 """
 
@@ -30,7 +30,7 @@ from fleetwise.data.ctr import SyntheticClicks, step_indices
 from fleetwise.models.ctr import CTRNet
 from fleetwise.plan.planner import make_plan
 from fleetwise.plan.ps import placement
-from fleetwise.runtime.ps.reference import load_shards, train_single_process
+from fleetwise.runtime.ps.reference import load_shards
 
 pytestmark = pytest.mark.slow
 
@@ -118,14 +118,23 @@ def launch(run_dir: Path, *overrides: str, slow: str = "") -> Launch:
 
 
 def assert_equals_single_process(run: Launch, steps: int, atol: float) -> float:
+    """The servers' shards equal the plain PyTorch loop written in the tests (tests/ps_plain_loop.py:
+    torch.optim, closed-form LR schedule, clip_grad_norm_), which shares no training code with the
+    ps trainer; so do the job's logged learning rates and gradient norms."""
+    from ps_plain_loop import plain_ps_loop
+
     state, shards = load_shards(run.cfg, run.run_dir)
     assert [sh["applied"] for sh in shards] == [steps] * len(shards)
-    ref, _ = train_single_process(run.cfg, steps)
+    ref, _, norms, lrs = plain_ps_loop(run.cfg, steps)
     worst = 0.0
     for name, p in ref.named_parameters():
         diff = float((state[name] - p.detach()).abs().max())
         worst = max(worst, diff)
         assert diff <= atol, f"{name}: max |ps - single| = {diff:.3g} > {atol}"
+    logged = run.metrics[:steps]  # a job that failed may not have logged its last complete steps
+    assert [m["train/lr"] for m in logged] == pytest.approx(lrs[: len(logged)], rel=1e-9)
+    assert [m["train/grad_norm"] for m in logged] == pytest.approx(norms[: len(logged)], rel=1e-5)
+    print(f"ps vs plain loop: max |param diff| {worst:.2e}")
     return worst
 
 
@@ -145,10 +154,10 @@ def sync_slowed(tmp_path_factory) -> Launch:
 def test_sync_round_robin_sliced_equals_single_process_and_rows_follow_the_rules(sync_slowed):
     run, cfg = sync_slowed, sync_slowed.cfg
     steps = cfg.train.steps
-    # 30 Adagrad steps on clicks whose planted teacher is strong enough to learn in 30 steps: the
-    # embeddings move further than the other ps runs' (8 and 3 steps, 2e-6) and the servers' and
-    # the reference's different summation orders add up to 2.8e-6 (about 25 float32 ulps of a
-    # value near 1), measured
+    # 16 Adagrad steps on clicks whose planted teacher is strong enough to learn fast: the
+    # embeddings move further than the other ps runs' and the servers' and the plain loop's
+    # different summation orders add up to 1.7e-6 (measured; 2.8e-6 in a 30-step run: ~25 float32
+    # ulps of a value near 1)
     assert_equals_single_process(run, steps, atol=4e-6)
 
     # dispatch and slicing: each server holds exactly the blocks the placement gives it
@@ -237,7 +246,7 @@ def test_fleetwise_train_sync_hash_name_adamw_clipped_equals_single_process(tmp_
     assert "final loss" in out  # the launcher's summary read our metrics
     assert max(m["train/grad_norm"] for m in run.metrics) > 0.1  # clipping acted
     assert run.metrics[0]["train/lr"] < run.metrics[1]["train/lr"]  # warm-up, then cosine
-    assert_equals_single_process(run, 8, atol=2e-6)
+    assert_equals_single_process(run, 8, atol=5e-7)  # measured 1.5e-8
     place = placement(run.cfg)
     _, shards = load_shards(run.cfg, run.run_dir)
     for sh in shards:
@@ -245,29 +254,42 @@ def test_fleetwise_train_sync_hash_name_adamw_clipped_equals_single_process(tmp_
     assert run.summary["server_bytes"] == make_plan(run.cfg).ps["server_bytes_per_server"]
     m = run.metrics[-1]
     assert m["memory/predicted_bytes"] == make_plan(run.cfg).memory_bytes["total"]
-    assert m["memory/server_bytes_max"] <= m["memory/peak_bytes_max"] < 1.5 * m["memory/predicted_bytes"]
+    # the fullest process's live tensor bytes vs the plan's worst device: measured 1.13 (the bound
+    # was 1.5 with no stated reason)
+    print("ps peak / predicted", m["memory/peak_bytes_max"] / m["memory/predicted_bytes"])
+    assert m["memory/server_bytes_max"] <= m["memory/peak_bytes_max"] < 1.25 * m["memory/predicted_bytes"]
 
 
-def test_async_trains_and_outpaces_sync_when_a_trainer_is_slow(tmp_path, sync_slowed):
+def test_async_trains_and_the_fast_trainer_does_not_wait_for_the_slow_one(tmp_path, sync_slowed):
+    """Progress independence, measured side by side inside each run (so background load, which
+    slows both trainers alike, does not decide it): in sync mode trainer 0 waits for trainer 1's
+    push every step, so its loop takes at least trainer 1's sleeps; in async mode it does not, so
+    it finishes well before the slowed trainer 1. (Before: async had to beat sync's throughput by
+    1.2-1.5x across two launches, which load on the machine could decide.)"""
+    sleep_s = 0.25  # trainer 1's per-step sleep in the async run
     run = launch(
         tmp_path / "async",
         "train.steps=16",
         "strategy.slice_min_elements=64",
         "strategy.mode=async",
         TABLES,
-        slow=SLOW,
+        slow=f"1:{sleep_s}",
     )
     assert run.returncode == 0, run.logs()
     losses = [m["train/loss"] for m in run.metrics]
     assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.03, losses
-    a, s = run.summary, sync_slowed.summary
-    # The fast trainer is not held back: its own rate beats the sync one (where both go at the
-    # slow trainer's pace), and so does the job's total rate.
-    assert a["trainers"][0]["samples_per_s"] > 1.5 * s["trainers"][0]["samples_per_s"], (
-        a["trainers"],
-        s["trainers"],
+    steps = run.cfg.train.steps
+    # sync: trainer 0 is held back by trainer 1's sleeps (a lower bound: load only adds to it)
+    s0, s1 = (t["train_time_s"] for t in sync_slowed.summary["trainers"])
+    slow_sync = float(SLOW.split(":")[1]) * steps
+    assert s0 > 0.8 * slow_sync, (s0, s1, slow_sync)
+    # async: trainer 0 does the same work without the sleeps and no waiting; it ends at least half
+    # of trainer 1's total sleep earlier than trainer 1 (with waiting it would end with it)
+    a0, a1 = (t["train_time_s"] for t in run.summary["trainers"])
+    print(
+        f"sync trainer times {s0:.2f} {s1:.2f} s; async {a0:.2f} {a1:.2f} s; async sleeps {sleep_s * steps:.1f} s"
     )
-    assert a["samples_per_s"] > 1.2 * s["samples_per_s"]
+    assert a1 - a0 > 0.5 * sleep_s * steps, (a0, a1)
     assert max(m["ps/staleness"] for m in run.metrics) > 0  # updates really interleaved
 
 
@@ -284,5 +306,5 @@ def test_a_trainer_killed_mid_push_leaves_the_last_complete_step(tmp_path):
     # Trainer 1's step-4 gradients reached server 0 only: neither server applied step 4.
     assert [sh["applied"] for sh in shards] == [3, 3]
     assert all(sh["reason"].startswith("signal") for sh in shards)
-    assert_equals_single_process(run, 3, atol=2e-6)
+    assert_equals_single_process(run, 3, atol=2e-6)  # measured 8e-7 (Adagrad)
     assert "fault hook" in (run.run_dir / "logs" / "rank_1.log").read_text()

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tracking_support import METRICS, Messages, free_port, make_run_dir, value, write_steps
+from tracking_support import METRICS, Messages, make_run_dir, refused_port, value, wait_until, write_steps
 
 from fleetwise.tracking import run_tracker
 from fleetwise.tracking.run_tracker import RunTracker, flatten_config, read_records, summarize, sync_run_dir
@@ -73,7 +73,9 @@ def test_a_run_gets_params_tags_artifacts_every_step_and_its_summary(store, tmp_
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('ss": 0.5}\n')
     assert t.poll() == 1
-    time.sleep(0.5)  # let the system-metrics sampler (0.1 s here) take a few samples
+    # the system-metrics sampler (0.1 s here) has logged a sample; on a loaded machine that may take
+    # seconds, so wait for it rather than sleep a fixed time
+    assert wait_until(lambda: any(k.startswith("system/cpu") for k in store.get_run(run_id).data.metrics), 60)
     t.add_artifacts([run_dir / "logs" / "rank_0.log"])
     summary = summarize(read_records(run_dir), warmup_steps=2)
     t.finish("FINISHED", summary=summary)
@@ -210,7 +212,7 @@ def test_records_without_step_or_time_are_numbered_by_line_across_batches(store,
 
 
 def test_a_dead_server_costs_seconds_is_reported_once_and_keeps_the_spool(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{refused_port()}")
     run_dir = make_run_dir(tmp_path, "run-dead")
     messages = Messages()
     t = tracker(run_dir, messages)
@@ -219,7 +221,8 @@ def test_a_dead_server_costs_seconds_is_reported_once_and_keeps_the_spool(tmp_pa
     write_steps(run_dir, range(1, 6))
     assert [t.poll() for _ in range(5)] == [0] * 5  # never raises; backs off
     t.finish("FINISHED", summary={"summary/final_loss": 1.0})
-    assert time.monotonic() - began < 15
+    # seconds, not MLflow's own retries (minutes per call): generous for a loaded machine
+    assert time.monotonic() - began < 60
     assert len(messages.about("unreachable")) == 1, messages
     assert "fleetwise sync" in messages[-1] and t.warning == messages[-1]
     state = load_state(run_dir)
@@ -279,7 +282,7 @@ def test_a_disabled_tracker_does_nothing(tmp_path):
 
 
 def test_backoff_doubles_and_caps(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{refused_port()}")
     t = tracker(make_run_dir(tmp_path, "run-backoff"))
     t.start()
     delays = []

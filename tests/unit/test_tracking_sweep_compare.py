@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from tracking_support import Messages, free_port, make_run_dir, value, write_steps
+from tracking_support import Messages, make_run_dir, refused_port, value, write_steps
 
 from fleetwise.cli import main
 from fleetwise.tracking.commands import ui_command
@@ -118,7 +118,7 @@ def test_a_sweep_stopped_by_a_failing_job_still_ends_its_parent(store, tmp_path)
 
 
 def test_an_unreachable_server_does_not_break_a_sweep(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{refused_port()}")
     sweep_dir = tmp_path / "multirun" / "x" / "y"
     callback = MlflowSweepCallback()
     callback.on_multirun_start(hydra_like(sweep_dir, "e"))

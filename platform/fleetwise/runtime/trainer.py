@@ -155,7 +155,10 @@ class Trainer:
                     clip_(self.params, self.cfg.optim.grad_clip, norm)
                 self.optimizers.step(self.scaler)
                 if self.scaler:
+                    before = self.scaler.get_scale()
                     self.scaler.update()
+                    if self.scaler.get_scale() < before:  # it found inf/NaN: skipped the step, backed off
+                        self.skipped += 1
             self.optimizers.zero_grad()
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
@@ -264,6 +267,8 @@ class Trainer:
             metrics.pop(Metric.TOKENS_PER_S)
         if self.env.device.type != "cuda":  # no caching allocator: nothing reserved beyond tensors
             metrics.pop(Metric.RESERVED_BYTES_MAX)
+        if self.scaler is not None:
+            metrics[Metric.LOSS_SCALE] = self.scaler.get_scale()
         return metrics
 
     # ------------------------------------------------------------------------------------------------
