@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-def _netns_module():
+def netns_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("netns_hosts", REPO / "scripts" / "netns_hosts.py")
@@ -89,7 +89,7 @@ def netns_hosts():
     """make(n) -> scripts/netns_hosts.Hosts: n network namespaces as hosts (10.77.0.1, .2, ... on
     eth0), deleted at teardown with every process inside them; the test is skipped, saying why,
     only where namespaces cannot be created (not root, no iproute2)."""
-    mod = _netns_module()
+    mod = netns_module()
     made = []
 
     def make(n: int):
