@@ -73,3 +73,34 @@ def pytest_collection_modifyitems(config, items):
         parts = Path(str(item.fspath)).parts
         if "integration" in parts or "e2e" in parts:
             item.add_marker(pytest.mark.slow)
+
+
+def netns_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("netns_hosts", REPO / "scripts" / "netns_hosts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def netns_hosts():
+    """make(n) -> scripts/netns_hosts.Hosts: n network namespaces as hosts (10.77.0.1, .2, ... on
+    eth0), deleted at teardown with every process inside them; the test is skipped, saying why,
+    only where namespaces cannot be created (not root, no iproute2)."""
+    mod = netns_module()
+    made = []
+
+    def make(n: int):
+        hosts = mod.Hosts(n)
+        try:
+            hosts.__enter__()
+        except mod.NetnsUnavailable as err:
+            pytest.skip(f"network namespaces cannot be created here: {err}")
+        made.append(hosts)
+        return hosts
+
+    yield make
+    for hosts in made:
+        hosts.close()

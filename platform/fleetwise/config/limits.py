@@ -160,6 +160,14 @@ def _server_address(cfg: RunConfig) -> Iterator[Problem]:
     s = cfg.strategy
     if not isinstance(s, PSStrategy):
         return
+    if cfg.launch.nnodes != "1" and not s.allow_remote_servers and not _loopback_endpoint(cfg):
+        yield Problem(
+            "strategy.allow_remote_servers",
+            f"strategy=ps across launch.nnodes={cfg.launch.nnodes} nodes: trainers reach servers on "
+            "other nodes over the network, and the servers' RPC unpickles what it receives",
+            "on a trusted, private network set strategy.allow_remote_servers=true (the RPC then "
+            "listens on the interface of the route to launch.rdzv_endpoint)",
+        )
     addr = s.server_address.strip()
     try:
         ip = ipaddress.ip_address(addr)
@@ -189,6 +197,15 @@ def _server_address(cfg: RunConfig) -> Iterator[Problem]:
             "keep 127.0.0.1 for one node; across nodes on a trusted private network set "
             "strategy.allow_remote_servers=true",
         )
+
+
+def _loopback_endpoint(cfg: RunConfig) -> bool:
+    """Every node of the job on this machine (the rendezvous on a loopback address)."""
+    host = cfg.launch.rdzv_endpoint.rpartition(":")[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 _HOSTNAME = re.compile(

@@ -27,6 +27,7 @@ from fleetwise import rundir
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
 from fleetwise.launcher.failure import TracebackFold
+from fleetwise.launcher.hostnet import NodeNet, describe, interface_env, node_network, torchrun_args
 from fleetwise.plan.planner import Plan
 from fleetwise.rundir import Metric
 from fleetwise.runtime.lifeline import die_with_parent
@@ -212,7 +213,9 @@ def _mem_available() -> int | None:
     return None
 
 
-def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
+def torchrun_command(cfg: RunConfig, run_dir: Path, net: NodeNet | None = None) -> list[str]:
+    """The torchrun command of this node; `net` (multi-node: this node's address and role on the
+    route to the rendezvous endpoint) is derived here when not given."""
     launch = cfg.launch
     host, _, port = launch.rdzv_endpoint.rpartition(":")
     nproc = f"--nproc-per-node={nproc_per_node(cfg)}"
@@ -233,9 +236,10 @@ def torchrun_command(cfg: RunConfig, run_dir: Path) -> list[str]:
             f"--node-rank={launch.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={host}:{port}",
-            f"--rdzv-conf=last_call_timeout={launch.rdzv_last_call_s}",
             f"--rdzv-id={rdzv_id(cfg)}",
         ]
+        net = net or node_network(launch.rdzv_endpoint)
+        cmd += torchrun_args(net, [f"last_call_timeout={launch.rdzv_last_call_s}"])
     cmd += [
         f"--max-restarts={launch.max_restarts}",
         f"--monitor-interval={launch.monitor_interval_s}",
@@ -313,7 +317,8 @@ def launch_job(
     """Start torchrun and follow it: rank 0's log to the console, metrics.jsonl into records;
     `on_started` runs once the ranks are starting, `on_poll` on every turn of the loop."""
     rundir.write_run_dir(run_dir, cfg, plan, argv)
-    cmd = torchrun_command(cfg, run_dir)
+    net = None if cfg.launch.nnodes == "1" else node_network(cfg.launch.rdzv_endpoint)
+    cmd = torchrun_command(cfg, run_dir, net)
     from fleetwise.tracking.store import without_credentials
 
     env = without_credentials(rank_environment(os.environ))  # ranks never talk to MLflow
@@ -322,11 +327,16 @@ def launch_job(
     env["PYTHONUNBUFFERED"] = "1"
     if cfg.launch.nnodes == "1" and "GLOO_SOCKET_IFNAME" not in env and Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # one node: the ranks' gloo mesh on loopback, off the network
+    if net is not None:  # several nodes: every library on the interface that reaches node 0
+        env.update(interface_env(net, env))
     rank0_log = Follower(rundir.rank_log(run_dir, 0))
     fold = TracebackFold()  # a traceback stays in the log; the failure report leads with the cause
     metrics = Follower(rundir.metrics_path(run_dir))
     records: list[dict] = []
     with rundir.launcher_log(run_dir).open("ab") as launcher_log:
+        if net is not None:  # how this node reaches the others, for whoever reads the log
+            launcher_log.write((describe(net, env) + "\n").encode())
+            launcher_log.flush()
         # A session of its own: the whole process tree can be stopped together (no orphans). The
         # session also keeps a terminal's SIGHUP away from it, so torchrun gets SIGTERM when this
         # launcher dies by any means, SIGKILL included (the ranks die with torchrun: worker.py).

@@ -54,6 +54,7 @@ class Checked:
 def check_points(points: list[list[str]]) -> tuple[list[Problem], dict[tuple[str, ...], Checked]]:
     """Every problem of every point (exit 2 before anything starts), and each valid point's config
     and plan, keyed by its overrides, for the job to run without validating or planning again."""
+    from fleetwise.launcher.hostnet import network_problems
     from fleetwise.launcher.launch import capacity_problem, gpu_problem, run_dir_problems
 
     problems: list[Problem] = []
@@ -76,6 +77,10 @@ def check_points(points: list[list[str]]) -> tuple[list[Problem], dict[tuple[str
                 Console(stderr=True).print(
                     f"[yellow]warning[/]: {prefix}{full[1]} (launch.oversubscribe=true)"
                 )
+            if not pf.problems and pf.cfg.launch.nnodes != "1":  # this node must reach node 0
+                unreachable = [Problem(p.loc, prefix + p.msg, p.hint) for p in network_problems(pf.cfg)]
+                problems += unreachable
+                point_problems += unreachable
             gpu = gpu_problem(pf.cfg)
             if gpu:
                 problems.append(

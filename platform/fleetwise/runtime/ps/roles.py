@@ -87,17 +87,22 @@ def init_rpc(cfg: RunConfig, role: Role) -> float:
     TensorPipe listens on the interface named by TP_SOCKET_IFNAME (it has no bind-address option),
     so `strategy.server_address` is turned into its interface: loopback (127.0.0.1 -> lo) by
     default, which keeps every socket of a one-node job off the network. An address that is not
-    local to this host (trainers on another node) leaves TensorPipe's own choice in place.
+    local to this host (trainers on another node) leaves TensorPipe's own choice in place. Across
+    nodes (launch.nnodes > 1) the launcher's TP_SOCKET_IFNAME -- the interface on the route to the
+    rendezvous endpoint, or the user's -- is kept.
     The rendezvous goes through torchrun's store (env://, MASTER_ADDR/MASTER_PORT).
     """
     import torch.distributed.rpc as rpc
 
     s = cfg.strategy
     assert isinstance(s, PSStrategy)
-    iface = interface_of(s.server_address)
+    if cfg.launch.nnodes != "1" and os.environ.get("TP_SOCKET_IFNAME"):
+        iface = None  # across nodes: the interface of the route to the rendezvous (the launcher's)
+    else:
+        iface = interface_of(s.server_address)
     if iface is not None:
         os.environ["TP_SOCKET_IFNAME"] = iface
-    else:
+    elif not os.environ.get("TP_SOCKET_IFNAME"):
         log(
             role,
             f"server_address {s.server_address} is not local to this host; TensorPipe picks the interface",

@@ -1,0 +1,96 @@
+"""A node of a multi-node job derives its address, interface and rendezvous role from the route to
+launch.rdzv_endpoint (launcher/hostnet.py); the torchrun command and the ranks' environment carry
+them. Real hosts: tests/integration/test_multihost.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import compose
+
+from fleetwise.launcher import hostnet, launch
+
+# Two interfaces: a management network and the cluster network node 0 is on.
+ADDRS = {"127.0.0.1": "lo", "192.168.1.7": "eth0", "10.77.0.2": "ib0"}
+
+
+def _route(ip: str) -> str:
+    return {"10.77.0.1": "10.77.0.2", "10.77.0.2": "10.77.0.2", "127.0.0.1": "127.0.0.1"}[ip]
+
+
+def test_the_route_to_the_endpoint_picks_address_interface_and_role():
+    joiner = hostnet.node_network("10.77.0.1:29555", ADDRS, _route)
+    assert joiner == hostnet.NodeNet("10.77.0.1", "10.77.0.2", "ib0", is_host=False)
+    host = hostnet.node_network("10.77.0.2:29555", ADDRS, _route)
+    assert (host.is_host, host.local_addr, host.iface) == (True, "10.77.0.2", "ib0")
+    # torchrun: one --rdzv-conf holding is_host beside the other settings (a second flag would
+    # replace the first), and the address the other nodes reach this one at
+    assert hostnet.torchrun_args(joiner, ["last_call_timeout=30"]) == [
+        "--rdzv-conf=last_call_timeout=30,is_host=false",
+        "--local-addr=10.77.0.2",
+    ]
+    assert hostnet.torchrun_args(host, [])[0] == "--rdzv-conf=is_host=true"
+    # every library on ib0 (not the management eth0), except where the user chose
+    env = hostnet.interface_env(joiner, {"NCCL_SOCKET_IFNAME": "ib1"})
+    assert env == {"GLOO_SOCKET_IFNAME": "ib0", "TP_SOCKET_IFNAME": "ib0"}
+    line = hostnet.describe(joiner, env)
+    assert "joins" in line and "10.77.0.2 on ib0" in line and "GLOO_SOCKET_IFNAME=ib0" in line
+
+
+def test_a_loopback_endpoint_keeps_torchs_own_choice():
+    net = hostnet.node_network("127.0.0.1:29555", ADDRS, _route)
+    assert net.loopback and net.is_host
+    assert hostnet.torchrun_args(net, ["last_call_timeout=30"]) == ["--rdzv-conf=last_call_timeout=30"]
+    assert hostnet.interface_env(net, {}) == {}
+
+
+def test_the_real_route_of_this_machine():
+    """No injection: localhost resolves, and the source address of a route is one of ours."""
+    assert hostnet.resolve("localhost") in ("127.0.0.1", "::1")
+    net = hostnet.node_network("localhost:29500")
+    assert net.loopback and net.local_addr in hostnet.local_addresses()
+    with pytest.raises(hostnet.NetworkError, match="cannot resolve"):
+        hostnet.resolve("no-such-host.invalid")
+
+
+def test_multi_node_torchrun_command_carries_the_derived_network():
+    cfg, problems = compose(
+        "recipe=gpt/tiny",
+        "hardware.nodes=2",
+        "hardware.devices_per_node=1",
+        "launch.node_rank=1",
+        "launch.rdzv_endpoint=10.77.0.1:29555",
+    )
+    assert not problems
+    net = hostnet.node_network(cfg.launch.rdzv_endpoint, ADDRS, _route)
+    cmd = launch.torchrun_command(cfg, Path("/tmp/run"), net)
+    assert [c for c in cmd if c.startswith("--rdzv-conf")] == [
+        f"--rdzv-conf=last_call_timeout={cfg.launch.rdzv_last_call_s},is_host=false"
+    ]
+    assert "--local-addr=10.77.0.2" in cmd and "--rdzv-endpoint=10.77.0.1:29555" in cmd
+
+
+def test_an_endpoint_this_node_cannot_resolve_is_refused_before_launch():
+    from fleetwise.launcher.train import check_points
+
+    point = ["recipe=gpt/tiny", "hardware.nodes=2", "hardware.devices_per_node=1"]
+    point.append("launch.rdzv_endpoint=no-such-host.invalid:29500")
+    problems, checked = check_points([point])
+    assert checked == {}
+    assert [p.loc for p in problems] == ["launch.rdzv_endpoint"]
+    assert "cannot resolve 'no-such-host.invalid'" in problems[0].msg
+
+
+@pytest.mark.parametrize(
+    "endpoint,allow,refused",
+    [("10.77.0.1:29555", False, True), ("10.77.0.1:29555", True, False), ("127.0.0.1:29555", False, False)],
+)
+def test_ps_across_machines_needs_remote_servers_allowed(endpoint, allow, refused):
+    _, problems = compose(
+        "recipe=ctr/tiny",
+        "hardware.nodes=2",
+        f"launch.rdzv_endpoint={endpoint}",
+        f"strategy.allow_remote_servers={str(allow).lower()}",
+    )
+    assert [p.loc for p in problems] == (["strategy.allow_remote_servers"] if refused else [])
