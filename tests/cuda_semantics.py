@@ -51,19 +51,27 @@ DEVICE = torch.device("meta")
 ZERO_READERS = ("_maybe_opt_step", "_warmup_p2p")
 
 
+# host-device synchronizations so far: host reads of device data and device synchronize calls
+SYNCS = {"count": 0}
+
+
 class DeviceReads(TorchDispatchMode):
-    """Host reads of device data: a scalar read (`.item()`, `float()`) and a device-to-host copy."""
+    """Host reads of device data: a scalar read (`.item()`, `float()`) and a device-to-host copy.
+    Each one is a host-device synchronization on a GPU, and is counted in SYNCS."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            SYNCS["count"] += 1
             stack = traceback.extract_stack(limit=10)
             if any(f.name in ZERO_READERS for f in stack):
                 return 0
             return 1.0 if args[0].dtype.is_floating_point else 1
         if func is torch.ops.aten._to_copy.default and args[0].is_meta and str(kwargs.get("device")) == "cpu":
+            SYNCS["count"] += 1
             return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
         if func is torch.ops.aten.copy_.default and args[1].is_meta and args[0].device.type == "cpu":
+            SYNCS["count"] += 1
             return args[0].fill_(1)
         return func(*args, **kwargs)
 
@@ -79,7 +87,7 @@ class _Event:
         pass
 
     def synchronize(self):
-        pass
+        SYNCS["count"] += 1
 
     def query(self):
         return True
@@ -96,6 +104,10 @@ class _Stream(_Event):
         return event or _Event()
 
 
+def _synchronize(*args) -> None:
+    SYNCS["count"] += 1
+
+
 def _device_module(world: int):
     stream = _Stream()
     return types.SimpleNamespace(
@@ -104,7 +116,7 @@ def _device_module(world: int):
         set_device=lambda d: None,
         is_available=lambda: True,
         is_initialized=lambda: True,
-        synchronize=lambda *a: None,
+        synchronize=_synchronize,
         Stream=_Stream,
         Event=_Event,
         current_stream=lambda *a: stream,
@@ -239,7 +251,8 @@ def cuda_semantics(cfg, rank: int, messages: Path):
 
 def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) -> dict:
     """Build the real Trainer for `rank` of the job the overrides describe and run `steps` steps
-    on the stand-in device; returns rank 0's last metrics ({} on other ranks)."""
+    on the stand-in device; returns rank 0's last metrics ({} on other ranks) and, under
+    `syncs_per_step`, this rank's host-device synchronizations in each step."""
     from fleetwise.config.validate import load_config
     from fleetwise.plan import make_plan
     from fleetwise.runtime.mesh import DistEnv
@@ -252,9 +265,13 @@ def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) ->
     with cuda_semantics(cfg, rank, messages), tempfile.TemporaryDirectory() as run_dir:
         env = DistEnv(rank, world, 0, DEVICE, 0)
         trainer = Trainer(cfg, plan, env, Path(run_dir))
+        syncs = []
         for step in range(1, steps + 1):
-            metrics = trainer.train_step(step)
-    return metrics
+            before = SYNCS["count"]
+            records = trainer.train_step(step)
+            syncs.append(SYNCS["count"] - before)
+            metrics = records[-1] if records else metrics
+    return {**metrics, "syncs_per_step": syncs}
 
 
 def ranks_to_run(overrides: list[str]) -> list[int]:
@@ -273,7 +290,7 @@ if __name__ == "__main__":
     rank, messages, overrides = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     try:
-        result = run_rank(rank, messages, overrides)
+        result = run_rank(rank, messages, overrides, steps=int(os.environ.get("HARNESS_STEPS", "2")))
     except Exception as err:  # one line for the test's message, the traceback above it
         traceback.print_exc()
         print(f"FAILED rank {rank}: {type(err).__name__}: {err}", file=sys.stderr)

@@ -216,6 +216,8 @@ def test_a_hanging_rank_becomes_an_error_after_the_collective_timeout(tmp_path):
 
 
 def test_non_finite_gradients_abort_or_skip_naming_the_parameter(tmp_path):
+    """With train.log_interval=1 the step stops at once, naming the parameter; with a longer interval
+    it is found at the next reading step, naming the step."""
     args = (
         "hardware.devices_per_node=2",
         "fault.kill_rank=1",
@@ -230,6 +232,13 @@ def test_non_finite_gradients_abort_or_skip_naming_the_parameter(tmp_path):
     records = read_metrics(tmp_path / "skip")
     assert [m["train/skipped_steps"] for m in records] == [0, 1, 1, 1]
     assert all(m["train/loss"] == m["train/loss"] for m in records)  # no NaN made it into the weights
+    # reading the device only every 3 steps: found at step 3, named as step 2; steps 1-2 recorded
+    r = train(tmp_path, tmp_path / "late", *args, "train.log_interval=3", check=False)
+    assert r.returncode != 0
+    assert "non-finite gradient at step 2 (found at step 3" in r.stderr, r.stderr[-2000:]
+    records = read_metrics(tmp_path / "late")
+    assert [m["step"] for m in records] == [1, 2]
+    assert all(m["train/loss"] > 0 for m in records)  # read at the abort (the NaN came after step 2's loss)
 
 
 def test_elastic_range_starts_with_the_nodes_present(tmp_path):

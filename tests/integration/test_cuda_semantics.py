@@ -67,3 +67,27 @@ def test_strategy_runs_with_device_only_collectives(tmp_path, name):
     assert metrics["step"] == 2
     assert metrics["train/loss"] == 1.0  # every host read of a device scalar answers 1
     assert metrics["train/skipped_steps"] == 0.0
+
+
+def test_no_host_device_sync_between_log_steps(tmp_path, monkeypatch):
+    """Steps that neither log nor checkpoint never wait for the device: no scalar read, no
+    device-to-host copy, no synchronize (counted by the harness); the reading steps read every
+    step's metrics at once. Two layouts: DDP under bf16 autocast, and pipeline × FSDP × TP."""
+    monkeypatch.setenv("HARNESS_STEPS", "4")
+    steps = ("train.steps=4", "train.log_interval=3")
+    layouts = {
+        "dp2_bf16": (*CASES["dp2_bf16"], *steps),
+        "pp2_sh2_mp2": (
+            "strategy=hybrid", "hardware.devices_per_node=8", "strategy.pp_degree=2", "strategy.sharding_degree=2",
+            "strategy.sharding_stage=2", "strategy.mp_degree=2", "train.precision=bf16", *steps,
+        ),
+    }  # fmt: skip
+    for name, overrides in layouts.items():
+        (tmp_path / name).mkdir()
+        out = simulate(tmp_path / name, overrides)
+        syncs = out["syncs_per_step"]
+        # step 1 under a pipeline: torch.distributed.pipelining's one-time warm-up vote (.item())
+        non_log = syncs[1:2] if name.startswith("pp") else syncs[0:2]
+        assert non_log and all(n == 0 for n in non_log), (name, syncs)
+        assert syncs[2] > 0 and syncs[3] > 0, (name, syncs)  # step 3 logs, step 4 is the last
+        assert out["step"] == 4, name  # rank 0's records reached it through the reading steps

@@ -144,13 +144,24 @@ def test_parameter_server_plan_counts_server_shards_and_pulled_rows():
 
 
 def test_pipeline_receive_buffers_by_hand():
-    """torch.distributed.pipelining allocates a receive buffer per micro-batch for activations (all
-    but the first stage) and gradients (all but the last), and keeps in-flight outputs."""
+    """The pipeline stage (runtime/pipeline_stage.py) reuses its receive buffers: under 1F1B a set
+    of activation buffers per micro-batch in flight (the first block's saved input already) and one
+    gradient set; it keeps in-flight outputs. Not one per micro-batch of the step (torch's)."""
     cfg, plan = plan_of("recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2")
     b, s, h, n = 2, 32, 64, 8
     assert plan.batch["num_microbatches"] == n
-    # stage 0 (the worst, 1F1B keeps 2 micro-batches in flight): n gradient buffers + 2 held outputs
-    assert plan.memory_bytes["pipeline_buffers"] == 4 * (n + 2) * b * s * h
+    # stage 0 (the worst, 1F1B keeps 2 micro-batches in flight): 1 gradient buffer + 2 held outputs
+    assert plan.memory_bytes["pipeline_buffers"] == 4 * (1 + 2) * b * s * h
+    # and the same with 4× the micro-batches: the buffers no longer grow with the step's batch
+    _, big = plan_of(
+        "recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2", "train.global_batch_size=64"
+    )
+    assert big.batch["num_microbatches"] == 4 * n
+    assert big.memory_bytes["pipeline_buffers"] == plan.memory_bytes["pipeline_buffers"]
+    # looped BFS posts every receive of a phase at once: n gradient sets + n held outputs on stage 0
+    _, bfs = plan_of("recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2",
+                     "strategy.schedule=looped_BFS", "strategy.virtual_stages=2")  # fmt: skip
+    assert bfs.memory_bytes["pipeline_buffers"] >= 4 * 2 * n * b * s * h
     # recompute does not shrink them: they are the engine's, not autograd's
     _, full = plan_of(
         "recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2", "strategy.recompute=full"

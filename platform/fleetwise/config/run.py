@@ -58,7 +58,12 @@ class TrainConfig(Section):
     )
     steps: int = Field(ge=1, description="Optimizer steps to run.")
     seed: int = Field(42, description="Seed of the model initialisation.")
-    log_interval: int = Field(1, ge=1, description="Steps between console lines.")
+    log_interval: int = Field(
+        1,
+        ge=1,
+        description="Steps between console lines, and between reads of the device: the steps in between "
+        "never wait for it (their metrics are read, and a non-finite gradient found, at the next one).",
+    )
     warmup_steps_excluded: int = Field(
         2, ge=0, description="Leading steps left out of throughput summaries (start-up, allocator warm-up)."
     )

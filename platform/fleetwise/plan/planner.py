@@ -236,7 +236,7 @@ def _rank_memory(
             acts += flight.get(i, 1) * b * known[0]
             transient = max(transient, known[1])
     if pipelined:
-        mem.pipeline_buffers = _pipeline_buffers(chunks, local, flight, n, b) * whole_bytes
+        mem.pipeline_buffers = _pipeline_buffers(chunks, local, flight, n, b, s.schedule) * whole_bytes
     if accumulating and engine != "fsdp":
         # a parameter's fresh gradient before autograd adds it into .grad (FSDP reduce-scatters
         # each unit's gradients instead, its buffers are in `working`)
@@ -304,21 +304,39 @@ def _rank_memory(
 
 
 def _pipeline_buffers(
-    chunks: list[list[Unit]], local: list[int], flight: dict[int, int], n: int, b: int
+    chunks: list[list[Unit]], local: list[int], flight: dict[int, int], n: int, b: int, schedule: str
 ) -> float:
-    """Elements a pipeline rank holds beyond its units' saved activations. torch.distributed.pipelining
-    allocates, per local chunk and for the whole job, one receive buffer per micro-batch for the
-    activations it receives (all but the first chunk; those of in-flight micro-batches are the
-    first block's saved input already) and one for the gradients (all but the last chunk); and it
-    keeps each in-flight micro-batch's output until its backward."""
+    """Elements a pipeline rank holds beyond its units' saved activations: per local chunk, the
+    receive buffers of runtime/pipeline_stage.py (a set per micro-batch between its receive and the
+    end of its backward, reused: `recv_buffer_sets`) for the activations it receives (all but the
+    first chunk; those of in-flight micro-batches are the first block's saved input already) and
+    for the gradients (all but the last chunk); and each in-flight micro-batch's output, kept until
+    its backward."""
     total = 0.0
     for i, c in enumerate(local):
         held = min(n, flight.get(i, 1))
+        activations, gradients = recv_buffer_sets(schedule, n, held)
         if c > 0:
-            total += (n - held) * b * chunks[c - 1][-1].boundary_elements
+            total += max(0, activations - held) * b * chunks[c - 1][-1].boundary_elements
         if c < len(chunks) - 1:
-            total += (n + held) * b * chunks[c][-1].boundary_elements
+            total += (gradients + held) * b * chunks[c][-1].boundary_elements
     return total
+
+
+def recv_buffer_sets(schedule: str, n: int, held: int) -> tuple[int, int]:
+    """Sets of receive buffers (activations, gradients) one pipeline chunk makes, for a chunk that
+    holds `held` micro-batches in flight at its peak. Counted on gpt/tiny with 32 micro-batches
+    (`pipeline receive buffers` in the rank logs): 1F1B and GPipe receive an activation only for
+    a micro-batch about to run and a gradient only for the backward about to run (pp 4, 1F1B: 3,
+    2, 1 activation sets on stages 1-3 = pp - r, one gradient set each); looped BFS posts every
+    micro-batch's receives of a phase at once (32 and 32); the interleaved and zero-bubble
+    schedules post ahead of their backwards (pp 2, v 2: up to 2 × the micro-batches in flight
+    and 2 gradient sets; taken as the bound)."""
+    if schedule == "looped_BFS":
+        return n, n
+    if schedule in ("1F1B", "GPipe"):
+        return held, min(n, 1)
+    return min(n, 2 * held), min(n, 2)
 
 
 def _flops_per_sample(cfg: RunConfig, units: list[Unit]) -> float:

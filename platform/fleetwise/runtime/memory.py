@@ -96,8 +96,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
 def state_tensors(modules: list, optimizers: list, stages: list = ()) -> list[torch.Tensor]:
     """Tensors that outlive a step: parameters, buffers, gradients, optimizer state, and the
-    receive buffers of pipeline stages (torch.distributed.pipelining allocates, for the whole job,
-    one per micro-batch for the activations a stage receives and one for the gradients)."""
+    receive buffers of pipeline stages (runtime/pipeline_stage.py: those handed out and the free ones)."""
     out: list[torch.Tensor] = []
     for m in modules:
         for p in m.parameters():
@@ -109,7 +108,8 @@ def state_tensors(modules: list, optimizers: list, stages: list = ()) -> list[to
         for state in opt.state.values():
             out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     for stage in stages:
-        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+        recv = [getattr(d, "held", d.values)() for d in (stage.args_recv_info, stage.grad_recv_info)]
+        for infos in (*recv[0], *recv[1]):
             out.extend(i.buffer for i in infos if isinstance(getattr(i, "buffer", None), torch.Tensor))
     return out
 

@@ -207,9 +207,12 @@ def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device:
 
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
+    from fleetwise.runtime.pipeline_stage import ReusingStage
+
     group = mesh["pp"].get_group()
+    # receive buffers for the micro-batches in flight only, reused (torch's stage: one per micro-batch)
     pm.stages = [
-        P.PipelineStage(part, c, pm.num_chunks, device, group=group)
+        ReusingStage(part, c, pm.num_chunks, device, group=group)
         for part, c in zip(pm.parts, pm.chunk_ids, strict=True)
     ]
     classes = {

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,6 +59,8 @@ class Trainer:
         ]
         self.skipped = 0
         self.step = 0
+        self._unread: list[_StepRecord] = []  # steps whose device values are not read yet
+        self._unread_flags: list[tuple[int, torch.Tensor]] = []  # (step, finite flag on the device)
         # the rank whose loss counts: one per data-parallel replica, on the last pipeline stage
         self.reports_loss = self.model.has_last and self.coords["mp"] == 0
         self.autocast = self._autocast_context()
@@ -133,9 +137,19 @@ class Trainer:
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------------------
-    def train_step(self, step: int) -> dict[str, float]:
+    def train_step(self, step: int) -> list[dict[str, float]]:
+        """One optimizer step. Returns the metric records that became readable (rank 0; [] elsewhere):
+        on a reading step (`reads_host`) one per step since the last one, else none.
+
+        No host-device synchronization on the other steps: the loss, the gradient norm and the
+        finite flag stay on the device until the next reading step, which reads them all at once
+        (torchtitan does the same). A non-finite gradient is then found at most
+        train.log_interval - 1 steps late, and training stops naming the step where it happened.
+        Exceptions that must decide within the step: fault.on_nonfinite=skip (whether to apply the
+        update) and fp16 (torch's GradScaler reads its overflow flag in every step)."""
         self.model.train()
-        start = time.perf_counter()
+        timer = _StepTimer(self.env.device)
+        reading = self.reads_host(step)
         with self.memory.measure(self.model.parts, self.optimizers.local(), self.model.stages):
             loss = self.forward_backward(step)
             inject_fault(self.cfg.fault, self.env.rank, step, self.env.restart, self.named_params)
@@ -145,7 +159,13 @@ class Trainer:
                 self._agree_on_overflow()
             norm = grad_norm(self.params, self.pp_group, self.env.device)
             lr = self.optimizers.lr
-            skipped = not self._all_finite(norm) and not self.scaler  # fp16's scaler skips by itself
+            skipped = False
+            if self.scaler is None:  # fp16's scaler skips non-finite steps by itself
+                finite = torch.isfinite(norm).to(torch.float32).reshape(1)
+                if reading or self.cfg.fault.on_nonfinite == "skip":
+                    skipped = not self._all_finite(step, finite)
+                else:
+                    self._unread_flags.append((step, finite))
             if skipped:
                 self._non_finite(step, loss)
                 self.optimizers.skip()
@@ -160,10 +180,31 @@ class Trainer:
                     if self.scaler.get_scale() < before:  # it found inf/NaN: skipped the step, backed off
                         self.skipped += 1
             self.optimizers.zero_grad()
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize(self.env.device)
-        elapsed = time.perf_counter() - start
-        return self._reduce(step, loss, float(norm), lr, elapsed)
+        self._unread.append(
+            _StepRecord(
+                step,
+                loss.detach() if (loss is not None and self.reports_loss) else None,
+                norm.detach(),
+                lr,
+                timer.stop(),
+                time.time(),
+                float(self.memory.peak),
+                float(rss_peak_bytes()),
+                float(self.memory.reserved),
+                self.skipped,
+            )
+        )
+        return self._read_records() if reading else []
+
+    def reads_host(self, step: int) -> bool:
+        """Whether step `step` reads the device (metrics, finite flags): a logging step, a
+        checkpoint step (no checkpoint of weights that went non-finite unseen) and the last one."""
+        t, ck = self.cfg.train, self.cfg.checkpoint
+        return (
+            step % t.log_interval == 0
+            or step >= t.steps
+            or (ck.enabled and bool(ck.interval) and step % ck.interval == 0)
+        )
 
     def _agree_on_overflow(self) -> None:
         """GradScaler decides per optimizer from the gradients it sees. DTensor reduces found_inf
@@ -184,14 +225,27 @@ class Trainer:
         for v in found:
             v.copy_(flag.reshape(v.shape))
 
-    def _all_finite(self, norm: torch.Tensor) -> bool:
-        """Whether every rank's gradients are finite. The norm is already global for sharded and
-        pipelined parameters, but replicated (DDP) gradients are reduced nowhere: a NaN on one rank
-        alone must still stop every rank, or they would take different paths and deadlock."""
-        flag = torch.isfinite(norm).to(torch.float32).reshape(1)
+    def _all_finite(self, step: int, finite: torch.Tensor) -> bool:
+        """Whether every rank's gradients were finite at `step`, checking first the steps since the
+        last read (one all-reduce and one host read for all of them). The norm is already global
+        for sharded and pipelined parameters, but replicated (DDP) gradients are reduced nowhere: a
+        NaN on one rank alone must still stop every rank, or they would take different paths and
+        deadlock. A non-finite earlier step raises (its update is applied already: nothing to skip)."""
+        steps = [s for s, _ in self._unread_flags] + [step]
+        flags = torch.cat([f for _, f in self._unread_flags] + [finite])
+        self._unread_flags.clear()
         if self.env.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        values = flags.tolist()  # the one host read
+        bad = next((s for s, v in zip(steps[:-1], values[:-1], strict=True) if v < 1), None)
+        if bad is not None:
+            raise FloatingPointError(
+                f"non-finite gradient at step {bad} (found at step {step}: train.log_interval="
+                f"{self.cfg.train.log_interval} reads the device every {self.cfg.train.log_interval} "
+                "steps; with train.log_interval=1 the step stops at once and names the first "
+                "offending parameter)"
+            )
+        return values[-1] >= 1
 
     def _non_finite(self, step: int, loss: torch.Tensor | None) -> None:
         """A NaN/Inf gradient (the global norm is reduced, so every rank sees it): name the first
@@ -216,22 +270,25 @@ class Trainer:
             raise FloatingPointError(message + "; set fault.on_nonfinite=skip to skip such steps")
         log.warning("%s; step skipped (fault.on_nonfinite=skip)", message)
 
-    def _reduce(
-        self, step: int, loss: torch.Tensor | None, norm: float, lr: float, elapsed: float
-    ) -> dict[str, float]:
-        """Gather one small vector per rank on rank 0 (one collective per step) and derive the metrics."""
-        mine = torch.tensor(
+    def _read_records(self) -> list[dict[str, float]]:
+        """The metric records of the steps since the last read: one small matrix per rank (a row
+        per step) gathered on rank 0 in one collective, and read to the host in one copy."""
+        steps, self._unread = self._unread, []
+        if not steps:  # (every rank has the same steps unread)
+            return []
+        device = self.env.device
+        zero = torch.zeros((), device=device)
+        on_device = torch.stack(
             [
-                float(loss) if (loss is not None and self.reports_loss) else 0.0,
-                1.0 if self.reports_loss else 0.0,
-                elapsed,
-                float(self.memory.peak),
-                float(rss_peak_bytes()),
-                float(self.memory.reserved),
-            ],
+                torch.stack([(r.loss.float() if r.loss is not None else zero), r.norm.float().reshape(())])
+                for r in steps
+            ]
+        ).to(torch.float64)
+        on_host = torch.tensor(
+            [[1.0 if r.loss is not None else 0.0, r.elapsed(), r.peak, r.rss, r.reserved] for r in steps],
             dtype=torch.float64,
-            device=self.env.device,  # NCCL gathers only device tensors
         )
+        mine = torch.cat([on_device, on_host.to(device)], dim=1)  # NCCL gathers only device tensors
         world = self.env.world_size
         rows = [torch.zeros_like(mine) for _ in range(world)] if self.env.rank == 0 else None
         if world > 1:
@@ -239,29 +296,33 @@ class Trainer:
         else:
             rows = [mine]
         if self.env.rank != 0:
-            return {}
-        table = torch.stack(rows).cpu()  # one device-to-host copy for all the reads below
-        step_time = float(table[:, 2].max())
-        plan, cfg = self.plan, self.cfg
+            return []
+        table = torch.stack(rows).cpu()  # [rank, step, column]: one device-to-host copy
+        return [self._metrics(r, table[:, i]) for i, r in enumerate(steps)]
+
+    def _metrics(self, r: _StepRecord, table: torch.Tensor) -> dict[str, float]:
+        """One step's record from its row of every rank: loss, norm, reports-loss, time, peak, rss, reserved."""
+        step_time = float(table[:, 3].max())
+        plan, cfg, world = self.plan, self.cfg, self.env.world_size
         samples = cfg.train.global_batch_size / step_time
         tokens_per_sample = family_of(cfg.model).tokens_per_sample(cfg.model)
         metrics = {
-            "step": step,
-            "time": time.time(),  # when the step ended (the tracker's timestamp if delivery is late)
-            Metric.LOSS: float(table[:, 0].sum() / table[:, 1].sum()),
-            Metric.LR: lr,
-            Metric.GRAD_NORM: norm,
+            "step": r.step,
+            "time": r.ended,  # when the step ended (the tracker's timestamp if delivery is late)
+            Metric.LOSS: float(table[:, 0].sum() / table[:, 2].sum()),
+            Metric.LR: r.lr,
+            Metric.GRAD_NORM: float(table[0, 1]),  # the global norm (rank 0's copy)
             Metric.STEP_TIME: step_time,
             Metric.SAMPLES_PER_S: samples,
             Metric.TOKENS_PER_S: samples * tokens_per_sample,
             Metric.TFLOPS_PER_DEVICE: plan.flops_per_step / step_time / world / 1e12,
             Metric.MFU: plan.flops_per_step / (step_time * world * plan.device_peak_flops),
-            Metric.PEAK_BYTES_MAX: float(table[:, 3].max()),
-            Metric.PEAK_BYTES_MEAN: float(table[:, 3].mean()),
-            Metric.RSS_PEAK_BYTES_MAX: float(table[:, 4].max()),
+            Metric.PEAK_BYTES_MAX: float(table[:, 4].max()),
+            Metric.PEAK_BYTES_MEAN: float(table[:, 4].mean()),
+            Metric.RSS_PEAK_BYTES_MAX: float(table[:, 5].max()),
             Metric.PREDICTED_BYTES: float(plan.memory_bytes["total"]),
-            Metric.RESERVED_BYTES_MAX: float(table[:, 5].max()),
-            Metric.SKIPPED_STEPS: float(self.skipped),
+            Metric.RESERVED_BYTES_MAX: float(table[:, 6].max()),
+            Metric.SKIPPED_STEPS: float(r.skipped),
         }
         if not tokens_per_sample:  # not a token model
             metrics.pop(Metric.TOKENS_PER_S)
@@ -306,16 +367,30 @@ class Trainer:
         if self.env.rank == 0:
             log.info("checkpoint %s written in %.2f s", path.name, time.perf_counter() - started)
 
+    def _append(self, records: list[dict[str, float]]) -> None:
+        """rank 0, on reading steps: one metrics.jsonl line per step since the last reading step."""
+        for metrics in records:
+            append_record(self.run_dir, metrics)
+
     def fit(self) -> None:
         steps, ck = self.cfg.train.steps, self.cfg.checkpoint
         while self.step < steps:
             step = self.step + 1
-            metrics = self.train_step(step)
+            try:
+                records = self.train_step(step)
+            except FloatingPointError:  # every rank stops here together: record the steps before it
+                self._append(self._read_records())
+                raise
             self.step = step
-            if self.env.rank == 0:
-                append_record(self.run_dir, metrics)
-                if step % self.cfg.train.log_interval == 0 or step == steps:
-                    log.info(format_step(metrics, steps))
+            self._append(records)
+            if step == 1 and self.model.stages:
+                log.info(
+                    "pipeline receive buffers (sets made, of %d micro-batches): %s",
+                    self.cfg.train.accumulate_steps,
+                    "; ".join(f"chunk {st.stage_index}: {st.buffer_sets()}" for st in self.model.stages),
+                )
+            if records:
+                log.info(format_step(records[-1], steps))
             if ck.enabled and (step == steps or (ck.interval and step % ck.interval == 0)):
                 self.save()
         tracking = self.cfg.tracking
@@ -324,6 +399,49 @@ class Trainer:
             from fleetwise.runtime import checkpoint
 
             checkpoint.save_model(self.run_dir, self.model.parts)
+
+
+@dataclass
+class _StepRecord:
+    """What a step leaves for the next reading step: device tensors, not yet read, and host values."""
+
+    step: int
+    loss: torch.Tensor | None  # this rank's mean loss, where it counts (see reports_loss)
+    norm: torch.Tensor  # the global gradient norm
+    lr: float
+    elapsed: Callable[[], float]  # the step's time in seconds (CUDA: read at the reading step)
+    ended: float  # wall-clock time.time() at the step's end (host)
+    peak: float
+    rss: float
+    reserved: float
+    skipped: int  # skipped steps so far
+
+
+class _StepTimer:
+    """A step's duration without synchronizing: on CUDA a pair of events on the stream, read (after
+    the step's work) at the next reading step; elsewhere ops are synchronous and the host clock is
+    the step's time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.end_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record()
+        self.start = time.perf_counter()
+
+    def stop(self) -> Callable[[], float]:
+        if self.cuda:
+            self.end_event.record()
+            start, end = self.start_event, self.end_event
+
+            def elapsed() -> float:
+                end.synchronize()
+                return start.elapsed_time(end) / 1e3
+
+            return elapsed
+        seconds = time.perf_counter() - self.start
+        return lambda: seconds
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

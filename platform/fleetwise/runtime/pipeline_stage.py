@@ -1,0 +1,127 @@
+"""A pipeline stage whose receive buffers are bounded by the micro-batches in flight.
+
+torch.distributed.pipelining's `PipelineStage` allocates, when a schedule first runs, one receive
+buffer per micro-batch of the step for the activations a stage receives and one for the gradients
+it receives (`_setup_forward_recv_info`, `_setup_backward_recv_info`), and keeps them all for the
+life of the stage: n micro-batches × the boundary activation, twice, whatever the schedule.
+Under 1F1B only the micro-batches whose backward has not run yet need one -- at most pp of them on
+the first stage -- so for GPT-3 175B (n = 192 per pipeline, pp 16) the buffers alone were 18 GiB.
+
+`ReusingStage` changes only where the buffers come from, not the schedules: a micro-batch's set of
+buffers is taken, when the schedule first asks for it (posting the receive), from the sets that
+earlier micro-batches have finished with, or allocated when none is free; it is given back when the
+micro-batch's backward is done (its weight backward, for the zero-bubble schedules that split it).
+A buffer is therefore never written by a receive while autograd still holds it, and the number of
+sets is the most micro-batches a schedule has between a receive and the end of their backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch.distributed.pipelining.stage import PipelineStage, _make_tensor_from_meta, _RecvInfo
+
+
+class RecvSlots(dict):
+    """micro-batch -> its tuple of `_RecvInfo` (receive buffers), handed out lazily from a pool."""
+
+    def __init__(self, make: Callable[[], tuple]):
+        super().__init__()
+        self.make = make
+        self.free: list[tuple] = []
+        self.allocated = 0  # sets of buffers made so far (the pool's high-water mark)
+
+    def __missing__(self, mb: int) -> tuple:
+        if self.free:
+            infos = self.free.pop()
+        else:
+            infos = self.make()
+            self.allocated += 1
+        self[mb] = infos
+        return infos
+
+    def release(self, mb: int) -> None:
+        infos = self.pop(mb, None)
+        if infos is None:
+            return
+        for info in infos:
+            if info.buffer is not None:
+                info.buffer.grad = None  # autograd accumulates into a leaf's .grad: start clean
+        self.free.append(infos)
+
+    def held(self) -> list[tuple]:
+        """Every set this stage keeps, handed out or free (what its memory holds)."""
+        return [*self.values(), *self.free]
+
+
+class ReusingStage(PipelineStage):
+    """`PipelineStage` with pooled receive buffers (see the module's docstring)."""
+
+    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+        super()._setup_forward_recv_info(1, has_backward)  # validates; one set, used as the template
+        if self.is_first:  # root inputs: nothing is received
+            super()._setup_forward_recv_info(num_microbatches, has_backward)
+            return
+        first = self.args_recv_info[0]
+        # what `get_bwd_send_ops` reads (sources, not buffers), so it never takes a set of its own
+        self._recv_template = tuple(
+            _RecvInfo(i.input_name, i.source, None, i.tensor_meta, is_root_arg=i.is_root_arg) for i in first
+        )
+        slots = RecvSlots(self._new_act_infos)
+        slots.free.append(first)
+        slots.allocated = 1
+        self.args_recv_info = slots
+
+    def _new_act_infos(self) -> tuple:
+        return tuple(
+            _RecvInfo(
+                t.input_name, t.source, _make_tensor_from_meta(t.tensor_meta, self.device), t.tensor_meta
+            )
+            for t in self._recv_template
+        )
+
+    def _setup_backward_recv_info(self, num_microbatches: int) -> None:
+        self.chunks = num_microbatches
+        if self.is_last:  # nothing is received: keep torch's (empty) entries
+            super()._setup_backward_recv_info(num_microbatches)
+            return
+        slots = RecvSlots(lambda: self._create_grad_recv_info(self.act_send_info))
+        slots[0]  # made now, where torch makes them: the metadata is checked before the first step
+        slots.release(0)
+        self.grad_recv_info = slots
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        if self.grad_send_info is None and not self.is_first and self.has_backward:
+            self.grad_send_info = self._create_grad_send_info(self._recv_template)
+        return super().get_bwd_send_ops(bwd_chunk_id)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if not self.has_backward:  # forward only: the received activations are used up
+            self._release(fwd_chunk_id)
+        return out
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False
+    ):
+        out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        if full_backward:
+            self._release(bwd_chunk_id)
+        return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        self._release(bwd_chunk_id)
+        return out
+
+    def _release(self, mb: int) -> None:
+        for infos in (self.args_recv_info, self.grad_recv_info):
+            if isinstance(infos, RecvSlots):
+                infos.release(mb)
+
+    def buffer_sets(self) -> dict[str, int]:
+        """Sets of receive buffers made so far: {"activations": …, "gradients": …}."""
+        return {
+            name: infos.allocated if isinstance(infos, RecvSlots) else 0
+            for name, infos in (("activations", self.args_recv_info), ("gradients", self.grad_recv_info))
+        }
