@@ -222,6 +222,11 @@ def cmd_dryrun(argv: list[str]) -> int:
         "--ranks", default="roles", help="'roles' (one per distinct role), 'all', or e.g. 0,7,8-11"
     )
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per rank (the last is reported)")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="simulate every micro-batch of a step (default: two small counts, scaled, when cheaper)",
+    )
     args = p.parse_intermixed_args(argv)
     if args.help:
         return print_help("dryrun")
@@ -262,7 +267,7 @@ def cmd_dryrun(argv: list[str]) -> int:
             ranks = (
                 dryrun.default_ranks(layout)
                 if args.ranks == "roles"
-                else dryrun.with_pipelines(layout, dryrun.parse_ranks(args.ranks, layout.world_size))
+                else dryrun.parse_ranks(args.ranks, layout.world_size)
             )
         except ValueError as err:
             problems.append(
@@ -288,6 +293,7 @@ def cmd_dryrun(argv: list[str]) -> int:
             ranks,
             args.steps,
             progress=lambda m: err_console.print(f"dryrun: {m}", highlight=False),
+            exact=args.exact,
         )
     except RuntimeError as err:
         err_console.print(f"[bold red]✗ dry run failed[/]: {err}", highlight=False)
