@@ -237,6 +237,8 @@ def cmd_dryrun(argv: list[str]) -> int:
     # a dry run is how one checks a job that may not fit: the memory rule only warns here
     pf = preflight(args.overrides, launching=True, enforce_memory=False)
     problems = list(pf.problems)
+    if pf.cfg is not None:  # a dry run starts no rendezvous: the launch rules (ports, node rank) don't apply
+        problems = [p for p in problems if not p.loc.startswith("launch.")]
     if pf.cfg is not None and pf.cfg.strategy.name == "ps":
         problems.append(
             Problem(
