@@ -301,6 +301,11 @@ def cmd_dryrun(argv: list[str]) -> int:
         "--ranks", default="roles", help="'roles' (one per distinct role), 'all', or e.g. 0,7,8-11"
     )
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per rank (the last is reported)")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="simulate every micro-batch of a step (default: two small counts, scaled, when cheaper)",
+    )
     args = p.parse_intermixed_args(argv)
     if args.help:
         return print_help("dryrun")
@@ -311,6 +316,8 @@ def cmd_dryrun(argv: list[str]) -> int:
     # a dry run is how one checks a job that may not fit: the memory rule only warns here
     pf = preflight(args.overrides, launching=True, enforce_memory=False)
     problems = list(pf.problems)
+    if pf.cfg is not None:  # a dry run starts no rendezvous: the launch rules (ports, node rank) don't apply
+        problems = [p for p in problems if not p.loc.startswith("launch.")]
     if pf.cfg is not None and pf.cfg.strategy.name == "ps":
         problems.append(
             Problem(
@@ -341,7 +348,7 @@ def cmd_dryrun(argv: list[str]) -> int:
             ranks = (
                 dryrun.default_ranks(layout)
                 if args.ranks == "roles"
-                else dryrun.with_pipelines(layout, dryrun.parse_ranks(args.ranks, layout.world_size))
+                else dryrun.parse_ranks(args.ranks, layout.world_size)
             )
         except ValueError as err:
             problems.append(
@@ -367,6 +374,7 @@ def cmd_dryrun(argv: list[str]) -> int:
             ranks,
             args.steps,
             progress=lambda m: err_console.print(f"dryrun: {m}", highlight=False),
+            exact=args.exact,
         )
     except RuntimeError as err:
         err_console.print(f"[bold red]✗ dry run failed[/]: {err}", highlight=False)

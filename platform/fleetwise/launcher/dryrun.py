@@ -65,21 +65,35 @@ def parse_ranks(spec: str, world: int) -> list[int]:
 
 
 def simulate(
-    cfg, plan, argv: list[str], ranks: list[int], steps: int, progress=print, workers: int | None = None
+    cfg,
+    plan,
+    argv: list[str],
+    ranks: list[int],
+    steps: int,
+    progress=print,
+    workers: int | None = None,
+    exact: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run the selected ranks, `workers` processes at a time; returns their reports by rank."""
-    # pipeline stages wait for each other's metadata: all of them must be alive at once
-    from fleetwise.config.layout import Layout
+    """Run the selected ranks, `workers` processes at a time; returns their reports by rank. The
+    other stages of a selected rank's pipeline run as helpers: they build their stage and send its
+    metadata to their neighbours, then stop (runtime.simulate.MetaRelay).
+    exact: simulate every micro-batch of a step instead of two small counts scaled (simulate.py)."""
     from fleetwise.rundir import write_run_dir
 
-    parallel = len(ranks) if Layout.of(cfg).pp > 1 else min(len(ranks), os.cpu_count() or 1)
+    layout = Layout.of(cfg)
+    helpers = sorted(set(with_pipelines(layout, ranks)) - set(ranks))
+    everyone = sorted({*ranks, *helpers})
+    # pipeline stages wait for each other's metadata: all of them must be alive at once
+    parallel = len(everyone) if layout.pp > 1 else min(len(everyone), os.cpu_count() or 1)
     workers = workers or max(1, parallel)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fleetwise-dryrun-") as tmp:
         run_dir = Path(tmp)
         write_run_dir(run_dir, cfg, plan, argv)
         (run_dir / "dryrun").mkdir()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        pending, running, failed = list(ranks), {}, []
+        pending, running, failed, done = list(everyone), {}, [], 0
+        beat = time.perf_counter()
         while pending or running:
             while pending and len(running) < workers:
                 rank = pending.pop(0)
@@ -92,26 +106,40 @@ def simulate(
                     str(rank),
                     str(steps),
                 ]
+                cmd += ["--helper"] * (rank in helpers) + ["--no-sample"] * exact
                 running[rank] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
-                progress(f"rank {rank}: started ({len(ranks) - len(pending)}/{len(ranks)})")
+                role = "pipeline neighbour" if rank in helpers else "simulated"
+                progress(f"rank {rank}: started, {role} ({len(everyone) - len(pending)}/{len(everyone)})")
             time.sleep(0.2)
+            if time.perf_counter() - beat > 15:
+                beat = time.perf_counter()
+                progress(f"{done}/{len(everyone)} done, {len(running)} running ({beat - started:.0f} s)")
             for rank, (proc, log) in list(running.items()):
                 if proc.poll() is None:
                     continue
                 log.close()
                 del running[rank]
+                done += 1
                 if proc.returncode:
                     lines = rundir.rank_log(run_dir, rank).read_text().strip().splitlines()
                     failed.append(f"rank {rank} (exit {proc.returncode}): {lines[-1] if lines else ''}")
                     pending.clear()
                     for other, _ in running.values():  # its pipeline peers would wait for it forever
                         other.kill()
+                elif rank in helpers:
+                    progress(f"rank {rank}: sent its stage metadata ({time.perf_counter() - started:.0f} s)")
                 else:
                     rep = json.loads((run_dir / "dryrun" / f"rank_{rank}.json").read_text())
+                    mb = rep["microbatches"]
+                    scaled = (
+                        f", {'+'.join(map(str, mb['simulated'][:2]))} of {mb['job']} micro-batches simulated, scaled"
+                        if mb["scaled"]
+                        else ""
+                    )
                     progress(
                         f"rank {rank}: peak {rep['memory_bytes']['peak'] / 2**30:.3f} GiB, "
                         f"{rep['flops_per_step'] / 1e12:.2f} TFLOP/step "
-                        f"({rep['time_s']['build']:.1f} s build, {rep['time_s']['steps']:.1f} s steps)"
+                        f"({rep['time_s']['build']:.1f} s build, {rep['time_s']['steps']:.1f} s steps{scaled})"
                     )
         if failed:
             raise RuntimeError("; ".join(failed))

@@ -48,28 +48,6 @@ def init_fake_world(rank: int, world_size: int) -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-class HostReads(TorchDispatchMode):
-    """Answers `aten._local_scalar_dense` (a host read of a device scalar, refused by fake tensors)
-    with a placeholder; everything else passes through. Floating and bool scalars read 1 / True (a
-    finite flag is finite, a loss or norm is 1.0); integers read 0 -- the one integer read in the
-    runtime is torch.distributed.pipelining's warm-up vote, where 0 means "some stage has no static
-    shapes", which is true of fleetwise's stages, so the schedule takes the same dynamic-shape path
-    as the real run (its metadata goes through `MetaRelay`). Counts the reads it answered."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _aten._local_scalar_dense.default:
-            self.reads += 1
-            dtype = args[0].dtype
-            if dtype == torch.bool:
-                return True
-            return 1.0 if dtype.is_floating_point or dtype.is_complex else 0
-        return func(*args, **(kwargs or {}))
-
-
 class MetaRelay:
     """Carries torch.distributed.pipelining's stage metadata (the pickled shapes a stage sends its
     neighbour with send_object_list before the first step) between simulated ranks, through files
@@ -130,26 +108,21 @@ class MetaRelay:
 
 
 class FakeExecution:
-    """`with FakeExecution() as fx:` -- tensors created or computed inside are fake; host reads of
-    scalars are answered by `HostReads`. Re-enterable (allocation, then each step)."""
+    """`with FakeExecution() as fx:` -- tensors created or computed inside are fake.
+    Re-enterable (allocation, then each step)."""
 
     def __init__(self):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         # allow_non_fake_inputs: real host tensors (data batches, constants) mix with fake ones
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self.host_reads = HostReads()
-        self._stack: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> FakeExecution:
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.mode)
-        stack.enter_context(self.host_reads)
-        self._stack.append(stack)
+        self.mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.pop().close()
+        self.mode.__exit__(*exc)
 
     def allocate(self, device: torch.device):
         """The `allocate` hook of `parallelize`: fake storage for this rank's shards, no values."""
@@ -197,44 +170,6 @@ def _nbytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor))
 
 
-class CollectiveBytes(TorchDispatchMode):
-    """Bytes this rank sends per collective op and process group (ring algorithms, see _COLLECTIVES),
-    and the number of calls. Groups are named by `labels` (process-group name -> label, e.g. a mesh
-    dimension); unlabelled ones by their group name."""
-
-    def __init__(self, labels: dict[str, str]):
-        super().__init__()
-        self.labels = labels
-        self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-
-    @staticmethod
-    def _group(args):
-        for a in args:
-            if isinstance(a, str):
-                with contextlib.suppress(Exception):
-                    return dist.distributed_c10d._resolve_process_group(a)
-            if isinstance(a, torch.ScriptObject):
-                with contextlib.suppress(Exception):
-                    return dist.ProcessGroup.unbox(a)
-        return None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        op = func._schema.name.split("::")[-1]
-        if func.namespace in ("c10d", "_c10d_functional") and op in _COLLECTIVES:
-            index, factor = _COLLECTIVES[op]
-            group = self._group(args)
-            size = group.size() if group is not None else dist.get_world_size()
-            label = self.labels.get(group.group_name, group.group_name) if group is not None else "world"
-            name = op.strip("_")
-            self.bytes[label][name] += _nbytes(args[index]) * factor(size)
-            self.calls[label][name] += 1
-        return func(*args, **(kwargs or {}))
-
-    def by_group(self) -> dict[str, int]:
-        return {g: int(round(sum(ops.values()))) for g, ops in self.bytes.items()}
-
-
 def _split(out) -> int:
     """How many ranks share the computation of a DTensor result: every mesh dimension on which it
     is sharded (each rank computes a slice) or partial (each rank sums a slice of the reduction)."""
@@ -250,36 +185,115 @@ def _split(out) -> int:
     return 1
 
 
-class _NoModules:
-    """Stands in for FlopCounterMode's module tracker: its multi-grad hooks break autograd.grad,
-    which torch.distributed.pipelining's backward uses; a per-step total needs no per-module split."""
+# ops FlopCounterMode leaves to the tensor's own dispatch (metadata queries)
+_NOT_COUNTED = {
+    _aten.sym_is_contiguous.default,
+    _aten.is_contiguous.default,
+    _aten.is_contiguous.memory_format,
+    _aten.is_strides_like_format.default,
+    _aten.is_non_overlapping_and_dense.default,
+    _aten.size.default,
+    _aten.sym_size.default,
+    _aten.stride.default,
+    _aten.sym_stride.default,
+    _aten.storage_offset.default,
+    _aten.sym_storage_offset.default,
+    _aten.numel.default,
+    _aten.sym_numel.default,
+    _aten.dim.default,
+    torch.ops.prim.layout.default,
+}
 
-    parents = ("Global",)
 
-    def __enter__(self):
-        return self
+class Counters(TorchDispatchMode):
+    """Everything the dry run counts per op, in one dispatch mode (each mode on the stack costs a
+    Python round trip per op, and a DTensor op crosses the stack twice: itself, then its local op):
 
-    def __exit__(self, *exc) -> None:
+    - host reads: `aten._local_scalar_dense` (`.item()`, `float(t)`, `bool(t)`, refused by fake
+      tensors) answered with a placeholder -- floating and bool scalars read 1 / True (a finite
+      flag is finite, a loss or norm is 1.0); integers read 0: the one integer read in the runtime
+      is torch.distributed.pipelining's warm-up vote, where 0 means "some stage has no static
+      shapes", which is true of fleetwise's stages, so the schedule takes the same dynamic-shape
+      path as the real run (its metadata goes through `MetaRelay`);
+    - collective bytes this rank sends, per op and process group (ring algorithms, _COLLECTIVES;
+      groups named by `labels`: process-group name -> mesh dimension);
+    - FLOPs this rank computes, by torch's FLOP formulas (`torch.utils.flop_counter`, with its
+      decomposition rule: an op without a formula is decomposed when it can be), a DTensor op's
+      global count divided by the ranks that share it (`_split`)."""
+
+    def __init__(self, labels: dict[str, str]):
+        from torch.utils.flop_counter import flop_registry
+
+        super().__init__()
+        self.labels = labels
+        self.formulas = flop_registry
+        self.reads = 0
+        self.flops = 0
+        self.paused = False  # pipelining's one-time stage initialization is not a step's work
+        self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.calls: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    @staticmethod
+    def _group(args):
+        for a in args:
+            if isinstance(a, str):
+                with contextlib.suppress(Exception):
+                    return dist.distributed_c10d._resolve_process_group(a)
+            if isinstance(a, torch.ScriptObject):
+                with contextlib.suppress(Exception):
+                    return dist.ProcessGroup.unbox(a)
         return None
 
+    def _collective(self, op: str, args) -> None:
+        index, factor = _COLLECTIVES[op]
+        group = self._group(args)
+        size = group.size() if group is not None else dist.get_world_size()
+        label = self.labels.get(group.group_name, group.group_name) if group is not None else "world"
+        name = op.strip("_")
+        self.bytes[label][name] += _nbytes(args[index]) * factor(size)
+        self.calls[label][name] += 1
 
-def local_flop_counter():
-    """torch's FlopCounterMode, counting what *this rank* computes: a DTensor op reaches a dispatch
-    mode with global shapes (its local op runs below the mode), so its count is divided by `_split`."""
-    from torch.utils.flop_counter import FlopCounterMode
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _aten._local_scalar_dense.default:
+            self.reads += 1
+            dtype = args[0].dtype
+            if dtype == torch.bool:
+                return True
+            return 1.0 if dtype.is_floating_point or dtype.is_complex else 0
+        if func in _NOT_COUNTED:
+            return NotImplemented
+        if self.paused:
+            return func(*args, **kwargs)
+        packet = func._overloadpacket
+        if func.namespace in ("c10d", "_c10d_functional"):
+            op = func._schema.name.split("::")[-1]
+            if op in _COLLECTIVES:
+                self._collective(op, args)
+        formula = self.formulas.get(packet)
+        # as FlopCounterMode does (its registry holds packets, so every overload is tried): count
+        # what an op decomposes into, where it decomposes
+        if func is not torch.ops.prim.device.default:
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out) // _split(out)
+        return out
 
-    class LocalFlopCounter(FlopCounterMode):
-        def __init__(self):
-            super().__init__(display=False)
-            self.mod_tracker = _NoModules()
+    def by_group(self) -> dict[str, int]:
+        return {g: int(round(sum(ops.values()))) for g, ops in self.bytes.items()}
 
-        def _count_flops(self, func_packet, out, args, kwargs):
-            if func_packet in self.flop_registry:
-                count = self.flop_registry[func_packet](*args, **kwargs, out_val=out) // _split(out)
-                self.flop_counts["Global"][func_packet] += count
-            return out
-
-    return LocalFlopCounter()
+    def snapshot(self) -> dict[str, Any]:
+        """The counts so far, JSON-able."""
+        return {
+            "flops": self.flops,
+            "bytes": {g: dict(ops) for g, ops in self.bytes.items()},
+            "calls": {g: dict(ops) for g, ops in self.calls.items()},
+            "reads": self.reads,
+        }
 
 
 def mesh_group_labels(mesh) -> dict[str, str]:
@@ -327,13 +341,164 @@ def state_bytes(trainer) -> dict[str, int]:
     return out
 
 
-def simulate_rank(cfg, plan, rank: int, steps: int = 2, run_dir=None) -> dict[str, Any]:
+# ------------------------------------------------------------------------------------------------
+# Micro-batch sampling. A step repeats the same micro-batch work n times; a job of 192 micro-batches
+# is simulated with two small counts na < nb instead (three steps: nb, na, nb), and every per-step
+# count of the last two is taken as affine in the count: X(n) = X(na) + (n - na) (X(nb) - X(na)) /
+# (nb - na). That is exact for FLOPs and bytes (each micro-batch's work is the same; what happens
+# once per step -- FSDP's all-reduce on the last micro-batch, the optimizer -- is in both). It is
+# exact for the memory peak when na already holds the steady state, so that only what is held for
+# the whole step per micro-batch (the step's input batch, pipelining's receive buffers) grows with
+# the count: without a pipeline na = 3 (a first, a middle and a last micro-batch; the middle ones
+# are identical); with one, na is the smallest count at which the schedule's own action list
+# reaches the same number of micro-batches in flight per stage as at n (`in_flight`).
+
+
+def _reschedule(schedule, n: int):
+    """A schedule of the same class over the same stages, for `n` micro-batches."""
+    stages = schedule._stages if hasattr(schedule, "_stages") else schedule._stage
+    new = type(schedule)(
+        stages, n_microbatches=n, loss_fn=schedule._loss_fn, scale_grads=schedule.scale_grads
+    )
+    for flag in (
+        "_stage_forward_initialized",
+        "_stage_backward_initialized",
+        "_stages_forward_initialized",
+        "_stages_backward_initialized",
+    ):
+        if hasattr(schedule, flag):
+            setattr(new, flag, getattr(schedule, flag))
+    return new
+
+
+def in_flight(schedule, pp_rank: int) -> dict[int, tuple[int, int, int]]:
+    """Per stage of this rank, from the schedule's own action list: the most micro-batches whose
+    forward has run and whose input backward has not (activations held); the same once the stage
+    has run a backward (activations held beside the gradients); and the most whose input backward
+    has run and whose weight backward has not (zero-bubble's held inputs)."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    held: dict[int, list[int]] = defaultdict(
+        lambda: [0, 0, 0, 0, 0, 0]
+    )  # now, I-W now, maxima, backward seen
+    for action in (schedule.pipeline_order or {}).get(pp_rank, []):
+        if action is None:
+            continue
+        h, kind = held[action.stage_index], action.computation_type
+        if kind in (T.FORWARD, T.OVERLAP_F_B):
+            h[0] += 1
+        if kind in (T.FULL_BACKWARD, T.BACKWARD_INPUT, T.OVERLAP_F_B):
+            h[0] -= 1
+            h[5] = 1
+        if kind == T.BACKWARD_INPUT:
+            h[1] += 1
+        if kind == T.BACKWARD_WEIGHT:
+            h[1] -= 1
+        h[2] = max(h[2], h[0])
+        h[3] = max(h[3], h[0] if h[5] else 0)
+        h[4] = max(h[4], h[1])
+    return {stage: (h[2], h[3], h[4]) for stage, h in sorted(held.items())}
+
+
+def sampled_counts(trainer, n: int) -> tuple[int, int] | None:
+    """(na, nb) to simulate instead of the job's n micro-batches, or None to run all n (when
+    sampling would not be cheaper)."""
+    schedule = trainer.model.schedule
+    if schedule is None:
+        na, nb = 3, 4
+        return (na, nb) if na + nb < 2 * n else None
+    pp_rank = trainer.coords["pp"]
+    want = in_flight(schedule, pp_rank)
+    legal = []
+    for k in range(1, n):
+        try:
+            candidate = _reschedule(schedule, k)
+        except Exception:  # the schedule's own rules (e.g. 1F1B: at least one per stage)
+            continue
+        if legal or in_flight(candidate, pp_rank) == want:
+            legal.append(k)
+        if len(legal) == 2:
+            na, nb = legal
+            return (na, nb) if na + nb < 2 * n else None
+    return None
+
+
+def _use_microbatches(trainer, full_schedule, k: int) -> None:
+    """Make the trainer's next steps run k micro-batches: its data yields k (the same micro-batch
+    size), and a pipeline runs the same schedule class for k, keeping its stages' metadata."""
+    import dataclasses
+
+    data = trainer.data
+    trainer.data = dataclasses.replace(
+        data, num_microbatches=k, global_batch_size=k * data.micro_batch_size * data.dp_size
+    )
+    if full_schedule is None:
+        return
+    schedule = trainer.model.schedule
+    if schedule._n_microbatches != k:
+        trainer.model.schedule = _reschedule(schedule, k)
+    # the receive buffers of micro-batches this step does not run are set aside (not held), and
+    # put back when a later step runs them again
+    for stage in trainer.model.stages:
+        for infos in (stage.args_recv_info, stage.grad_recv_info):
+            aside = _SET_ASIDE.setdefault(id(infos), {})
+            for chunk in [c for c in infos if c >= k]:
+                aside[chunk] = infos.pop(chunk)
+            for chunk in [c for c in aside if c < k]:
+                infos[chunk] = aside.pop(chunk)
+
+
+_SET_ASIDE: dict[int, dict[int, Any]] = {}
+
+
+class _MetadataSent(Exception):
+    """A neighbour-only stage has sent its pipeline metadata: its work is done."""
+
+
+def _hook_initialization(trainer, counters_of, helper: bool) -> None:
+    """Pipelining initializes its stages on the first step (P2P warm-up vote, a metadata forward
+    and backward, messages to the neighbours): once per job, not per step, so not counted. A
+    helper (a stage simulated only so its neighbours learn their shapes) stops right after."""
+    schedule = trainer.model.schedule
+    if schedule is None:
+        return
+    original = schedule._initialize_pp_stages
+
+    def initialize(*args, **kwargs):
+        counters = counters_of()
+        counters.paused = True
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            counters.paused = False
+        if helper:
+            raise _MetadataSent
+        return out
+
+    schedule._initialize_pp_stages = initialize
+
+
+def _affine(a, b, na: int, nb: int, n: int):
+    """X(n) from X(na) = a and X(nb) = b, element-wise over nested dicts of numbers."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        a, b = a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}
+        return {k: _affine(a.get(k, 0), b.get(k, 0), na, nb, n) for k in {*a, *b}}
+    return a + (n - na) * (b - a) / (nb - na)
+
+
+def simulate_rank(
+    cfg, plan, rank: int, steps: int = 2, run_dir=None, *, helper: bool = False, sample: bool = True
+) -> dict[str, Any]:
     """Run `steps` optimizer steps of rank `rank` of the job `cfg` (any world size) under fake
     tensors and the fake backend, in this process, with the real Trainer. Returns the report.
-    run_dir: a folder shared by the ranks simulated together (the pipeline metadata relay)."""
+    run_dir: a folder shared by the ranks simulated together (the pipeline metadata relay).
+    helper: a pipeline neighbour of a selected rank: build, send the stage metadata, stop.
+    sample: simulate two small micro-batch counts and scale (see above) when that is cheaper."""
+    import sys
     import tempfile
     from pathlib import Path
 
+    from fleetwise.config.layout import Layout
     from fleetwise.runtime.mesh import DistEnv
     from fleetwise.runtime.trainer import Trainer
 
@@ -344,40 +509,75 @@ def simulate_rank(cfg, plan, rank: int, steps: int = 2, run_dir=None) -> dict[st
     env = DistEnv(rank, world, 0, device, 0)
     fx = FakeExecution()
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="fleetwise-dryrun-"))
-    from fleetwise.config.layout import Layout
-
     if Layout.of(cfg).pp > 1:
         MetaRelay(run_dir / "pipeline_meta").install()
     trainer = Trainer(cfg, plan, env, run_dir, allocate=fx.allocate(device))
-    trainer.memory.samples = steps  # the live-tensor tracker of the real run, on every simulated step
     built = time.perf_counter()
     labels = mesh_group_labels(trainer.mesh)
-    for step in range(1, steps + 1):  # the last step is reported (the first has no optimizer state yet)
-        comm, flops = CollectiveBytes(labels), local_flop_counter()
-        with fx, flops, comm:
-            trainer.train_step(step)
+    n = cfg.train.accumulate_steps
+    counts = sampled_counts(trainer, n) if sample and not helper else None
+    full_schedule = trainer.model.schedule
+    # sampled: nb first (pipelining sizes its per-micro-batch infrastructure on its first step),
+    # then na and nb again, both with optimizer state: the two points every count is scaled from
+    per_step = [n] * steps if counts is None else [counts[1], counts[0], counts[1]]
+    trainer.memory.samples = len(per_step)  # the live-tensor tracker of the real run, every step
+    current: list[Counters] = []
+    _hook_initialization(trainer, lambda: current[-1], helper)
+    results, peaks = [], []
+    for step, k in enumerate(per_step, start=1):
+        if counts is not None:
+            _use_microbatches(trainer, full_schedule, k)
+            trainer.memory.peak = 0  # each step's own peak
+        counters = Counters(labels)
+        current.append(counters)
+        try:
+            with fx, counters:
+                trainer.train_step(step)
+        except _MetadataSent:
+            return {"rank": rank, "helper": True, "time_s": {"build": built - started, "steps": 0.0}}
+        results.append(counters.snapshot())
+        peaks.append(trainer.memory.peak)
+        print(
+            f"dryrun: rank {rank} step {step}/{len(per_step)} ({k} micro-batches) "
+            f"{time.perf_counter() - built:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     state = state_bytes(trainer)
-    peak = trainer.memory.peak
+    peak, last = max(peaks), results[-1]
+    if counts is not None:
+        (na, nb), at_na, at_nb = counts, results[-2], results[-1]
+        last = _affine(at_na, at_nb, na, nb, n)
+        last["flops"] = int(round(last["flops"]))
+        peak = int(round(_affine(peaks[-2], peaks[-1], na, nb, n)))
     state_total = sum(state.values())
     return {
         "rank": rank,
         "coords": trainer.coords,
         "chunks": trainer.model.chunk_ids,
         "memory_bytes": {**state, "activations_and_temporaries": max(peak - state_total, 0), "peak": peak},
-        "flops_per_step": flops.get_total_flops(),
-        "comm_bytes_per_step": comm.by_group(),
-        "comm_by_op": {g: {k: int(round(v)) for k, v in ops.items()} for g, ops in comm.bytes.items()},
-        "comm_calls": {g: dict(ops) for g, ops in comm.calls.items()},
-        "host_reads": fx.host_reads.reads,
+        "flops_per_step": last["flops"],
+        "comm_bytes_per_step": {g: int(round(sum(ops.values()))) for g, ops in last["bytes"].items()},
+        "comm_by_op": {g: {k: int(round(v)) for k, v in ops.items()} for g, ops in last["bytes"].items()},
+        "comm_calls": {g: {k: int(round(v)) for k, v in ops.items()} for g, ops in last["calls"].items()},
+        "host_reads": results[-1]["reads"],
+        "microbatches": {
+            "job": n,
+            "simulated": per_step,
+            "scaled": counts is not None,
+            "in_flight": {str(k): v for k, v in in_flight(full_schedule, trainer.coords["pp"]).items()}
+            if full_schedule is not None
+            else None,
+        },
         "time_s": {"build": built - started, "steps": time.perf_counter() - built},
         "pid": os.getpid(),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m fleetwise.runtime.simulate RUN_DIR RANK STEPS`: simulate one rank of the job in
-    RUN_DIR (config.yaml, plan.json, as `fleetwise train` writes them) and write
-    RUN_DIR/dryrun/rank_RANK.json. Started by `fleetwise dryrun`, one process per rank."""
+    """`python -m fleetwise.runtime.simulate RUN_DIR RANK STEPS [--helper] [--no-sample]`: simulate
+    one rank of the job in RUN_DIR (config.yaml, plan.json, as `fleetwise train` writes them) and
+    write RUN_DIR/dryrun/rank_RANK.json. Started by `fleetwise dryrun`, one process per rank."""
     import json
     import logging
     import sys
@@ -387,13 +587,17 @@ def main(argv: list[str] | None = None) -> int:
     from fleetwise import rundir
 
     run_dir, rank, steps = Path(argv[0]), int(argv[1]), int(argv[2])
+    helper, sample = "--helper" in argv[3:], "--no-sample" not in argv[3:]
     warnings.filterwarnings("ignore")  # torch's fake-backend and FSDP notices, once per rank
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     cfg, plan = rundir.read_config(run_dir), rundir.read_plan(run_dir)
     print(f"dryrun: rank {rank} started", file=sys.stderr, flush=True)
-    report = simulate_rank(cfg, plan, rank, steps, run_dir=run_dir / "dryrun")
+    report = simulate_rank(cfg, plan, rank, steps, run_dir=run_dir / "dryrun", helper=helper, sample=sample)
     out = run_dir / "dryrun" / f"rank_{rank}.json"
     out.write_text(json.dumps(report, indent=1))
+    if helper:
+        print(f"dryrun: rank {rank} sent its stage metadata", file=sys.stderr, flush=True)
+        return 0
     t = report["time_s"]
     print(
         f"dryrun: rank {rank} done (build {t['build']:.1f} s, {steps} steps {t['steps']:.1f} s)",
