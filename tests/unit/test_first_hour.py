@@ -230,10 +230,11 @@ def test_a_traceback_is_folded_unless_rank_0_is_the_cause(tmp_path):
         '[rank0]:   File "trainer.py", line 190, in _all_finite',
         "[rank0]: RuntimeError: [/__w/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2730.",
         "2026-11-24 05:00:01,000 rank0 a log record after it is still shown",
+        "05:00:02.000 [trainer0] and a parameter server role's",
     ]
     fold = TracebackFold()
     shown = [line for line in log if fold.feed(line) is not None]
-    assert shown == [log[0], log[4]] and fold.held == log[1:4]
+    assert shown == [log[0], log[4], log[5]] and fold.held == log[1:4]
     lines = failure_report(cfg, tmp_path, ["recipe=gpt/tiny"], "rank 1 failed: ValueError: bad", fold)
     assert lines[1].startswith("  rank 0 stopped as a consequence: RuntimeError: Connection closed by peer")
     assert "checkpoint.enabled=true checkpoint.interval=N" in lines[-1]  # nothing to resume from
