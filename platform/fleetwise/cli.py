@@ -1,11 +1,13 @@
 """The `fleetwise` command: validate | plan | train | … over Hydra overrides.
 
-    fleetwise validate [OVERRIDES…] [--json]   exit 0 valid, 2 invalid (every problem listed)
-    fleetwise plan     [OVERRIDES…] [--json]   the analytic plan (exit 2 if the config is invalid)
+    fleetwise validate [OVERRIDES…] [--json] [-m]  exit 0 valid, 2 invalid (every problem listed)
+    fleetwise plan     [OVERRIDES…] [--json] [-m]  the analytic plan (exit 2 if the config is invalid)
+                                               -m: a sweep (key=a,b), one row / JSON entry per point
     fleetwise train    [OVERRIDES…] [-m]       run the job (exit 2 on a bad config, nothing started)
     fleetwise dryrun   [OVERRIDES…] [--ranks SPEC] [--steps N] [--json]
                                                the real runtime of any world size on fake tensors
     fleetwise calibrate [--out PATH] [--json]  measure this machine, write hardware profile `local`
+    fleetwise tokenize TEXT… --out FILE.bin    a byte-level token file for data=token_file
 
 Heavy imports (torch, mlflow) stay out of validate/plan: they load inside the commands that use them.
 """
@@ -561,8 +563,11 @@ def cmd_tokenize(argv: list[str]) -> int:
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
-    "validate": (cmd_validate, "check a config: every problem with its path, values and fix (exit 2)"),
-    "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU"),
+    "validate": (
+        cmd_validate,
+        "check a config: every problem with its path, values and fix (exit 2; -m a sweep)",
+    ),
+    "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU (-m a sweep)"),
     "train": (cmd_train, "run the job on torch.distributed (torchrun; -m for Hydra sweeps)"),
     "dryrun": (
         cmd_dryrun,

@@ -230,10 +230,11 @@ def test_a_traceback_is_folded_unless_rank_0_is_the_cause(tmp_path):
         '[rank0]:   File "trainer.py", line 190, in _all_finite',
         "[rank0]: RuntimeError: [/__w/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:2730.",
         "2026-11-24 05:00:01,000 rank0 a log record after it is still shown",
+        "05:00:02.000 [trainer0] and a parameter server role's",
     ]
     fold = TracebackFold()
     shown = [line for line in log if fold.feed(line) is not None]
-    assert shown == [log[0], log[4]] and fold.held == log[1:4]
+    assert shown == [log[0], log[4], log[5]] and fold.held == log[1:4]
     lines = failure_report(cfg, tmp_path, ["recipe=gpt/tiny"], "rank 1 failed: ValueError: bad", fold)
     assert lines[1].startswith("  rank 0 stopped as a consequence: RuntimeError: Connection closed by peer")
     assert "checkpoint.enabled=true checkpoint.interval=N" in lines[-1]  # nothing to resume from
@@ -276,3 +277,39 @@ def test_the_readme_demo_block_is_rewritten_in_place():
     assert f"(`make demo` on a test box, 2000-01-01):\n\n{mod.BEGIN}\n```\nsummary (1 steps)\n" in new
     head, tail = readme.split(mod.BEGIN)[0], readme.split(mod.END)[1]
     assert new.endswith(tail) and mod.STAMP.sub("", new.split(mod.BEGIN)[0]) == mod.STAMP.sub("", head)
+
+
+def test_the_compare_chart_has_one_throughput_unit_readable_memory_and_loss_curves(tmp_path):
+    import struct
+
+    from fleetwise.tracking.compare import RunRow, chart_data, write_chart
+
+    def row(name, unit, rate, samples, curve):
+        return RunRow(
+            run_id=name * 8,
+            name=name,
+            strategy="dp",
+            world_size="2",
+            status="FINISHED",
+            throughput=rate,
+            unit=unit,
+            mfu=0.01,
+            peak_bytes=1.65 * 2**20,
+            predicted_bytes=1.68 * 2**20,
+            final_loss=3.3,
+            samples_per_s=samples,
+            loss_curve=curve,
+        )
+
+    rows = [
+        row("a", "tokens/s", 453.0, 14.2, [(1, 5.5), (2, 4.0)]),  # a token model
+        row("b", "samples/s", 2562.0, 2562.0, [(1, 0.7), (2, 0.4)]),  # the CTR model
+    ]
+    data = chart_data(rows)
+    assert data["rates"] == [14.2, 2562.0] and data["rate_label"] == "mean throughput (samples/s)"
+    assert data["memory_label"] == "peak memory per device (MiB)"
+    assert data["peak"] == pytest.approx([1.65, 1.65]) and data["predicted"] == pytest.approx([1.68, 1.68])
+    assert data["loss"] == {rows[0].label: [(1, 5.5), (2, 4.0)], rows[1].label: [(1, 0.7), (2, 0.4)]}
+    png = write_chart(rows, tmp_path / "c.png").read_bytes()
+    width = struct.unpack(">I", png[16:20])[0]
+    assert width >= 3 * 6.5 * 110 - 2  # three panels: throughput, memory, loss

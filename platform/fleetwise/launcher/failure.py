@@ -20,7 +20,9 @@ from fleetwise.config.run import RunConfig
 
 _PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 _SOURCE = re.compile(r"\[[^\]\s]*\.(cc|cpp|h):\d+\]\s*")  # gloo's "[/path/pair.cc:553] "
-_LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")  # a fleetwise log line: always shown
+# a fleetwise log line (a rank's "2026-11-24 05:00:00,000 rank0 …", a ps role's "05:00:00.000 [trainer0] …"):
+# always shown, also after a traceback that was held
+_LOG_RECORD = re.compile(r"^(\d{4}-\d\d-\d\d )?\d\d:\d\d:\d\d[.,]\d{3} ")
 
 
 class TracebackFold:

@@ -200,13 +200,14 @@ def remedies(
         return []
     base = make_plan(cfg)
     total = base.memory_bytes["total"]
-    planned: dict[tuple[_Move, ...], tuple[int, bool, float, RunConfig]] = {}
+    # moves -> (total bytes, fits, step time, config), or None: invalid, or no gain over its parts
+    planned: dict[tuple[_Move, ...], tuple[int, bool, float, RunConfig] | None] = {}
 
     def plan_of(moves: tuple[_Move, ...]):
         if moves not in planned:
             candidate = _apply(cfg, moves)
             if candidate is None or any(p.loc not in tolerate for p in check(candidate)):
-                planned[moves] = None  # type: ignore[assignment]
+                planned[moves] = None
             else:
                 p = make_plan(resolve(candidate))
                 planned[moves] = (p.memory_bytes["total"], p.fits, p.step_time_s, candidate)
@@ -228,14 +229,14 @@ def remedies(
             keys = [m.keys() for m in combo]
             if any(a & b for a, b in itertools.combinations(keys, 2)):
                 continue  # two moves of the same knob
-            if any(planned.get(sub) is not None and planned[sub][1] for sub in _subsets(combo)):
+            if any((v := planned.get(sub)) is not None and v[1] for sub in _subsets(combo)):
                 continue  # a part already fits: combining adds cost, not a cure
             got = plan_of(combo)
             best_part = min(
-                (planned[sub][0] for sub in _subsets(combo) if planned.get(sub) is not None), default=total
+                (v[0] for sub in _subsets(combo) if (v := planned.get(sub)) is not None), default=total
             )
             if got is not None and not got[1] and got[0] > best_part - MIN_SAVING * total:
-                planned[combo] = None  # type: ignore[assignment]  # no clear gain over its parts
+                planned[combo] = None  # no clear gain over its parts
     found: dict[str, Remedy] = {}
     seen: set[str] = set()
     for moves, got in planned.items():

@@ -157,7 +157,7 @@ def cmd_compare(argv: list[str]) -> int:
         err.print("[bold red]✗ give run ids or --experiment, not both[/]")
         return EXIT_USAGE
 
-    from fleetwise.tracking.compare import find_runs, rich_table, row_from_run, write_chart
+    from fleetwise.tracking.compare import add_loss_curves, find_runs, rich_table, row_from_run, write_chart
     from fleetwise.tracking.store import client, describe
 
     uri = tracking_uri()
@@ -175,7 +175,7 @@ def cmd_compare(argv: list[str]) -> int:
             highlight=False,
         )
         return EXIT_FAIL
-    rows = [row_from_run(r) for r in runs]
+    rows = add_loss_curves(client(uri), [row_from_run(r) for r in runs])
     title = f"{len(rows)} runs" + ("" if args.run_ids else f" of experiment {experiment!r}")
     # Piped into a file or a CI log there is no terminal width to respect: never squash the table.
     out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)

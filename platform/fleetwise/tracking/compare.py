@@ -30,6 +30,8 @@ class RunRow:
     predicted_bytes: float | None
     final_loss: float | None
     params: dict[str, str] | None = None  # the run's logged config, for the "differs" column
+    samples_per_s: float | None = None  # every run has it: the chart's one throughput axis
+    loss_curve: list[tuple[int, float]] | None = None  # (step, train/loss): add_loss_curves
 
     @property
     def label(self) -> str:
@@ -58,7 +60,19 @@ def row_from_run(run: Any) -> RunRow:
         # run.data.metrics holds each metric at its largest step: the loss at the last step.
         final_loss=_first(m, Summary.FINAL_LOSS, Metric.LOSS),
         params=dict(run.data.params),
+        samples_per_s=samples,
     )
+
+
+def add_loss_curves(mlflow_client: Any, rows: list[RunRow]) -> list[RunRow]:
+    """Each row's train/loss per step, for the chart's loss panel (a run without it gets none)."""
+    for row in rows:
+        try:
+            history = mlflow_client.get_metric_history(row.run_id, Metric.LOSS)
+        except Exception:  # noqa: BLE001 - a chart without one curve beats no chart
+            history = []
+        row.loss_curve = sorted((m.step, m.value) for m in history) or None
+    return rows
 
 
 # params that differ between any two runs by construction, never what a comparison is about
@@ -209,41 +223,76 @@ def markdown_table(rows: list[RunRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _byte_unit(largest: float) -> tuple[str, float]:
+    """The unit that shows the largest value as a number of a readable size (1.65 MiB, not 0.002 GiB)."""
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if largest >= size:
+            return unit, size
+    return "B", 1
+
+
+def chart_data(rows: list[RunRow]) -> dict[str, Any]:
+    """What the chart draws: samples/s for every run on one axis (tokens/s differ by model and would
+    mix two units), memory in the unit that suits the largest value, and the loss curves."""
+    peak = [row.peak_bytes or 0.0 for row in rows]
+    pred = [row.predicted_bytes or 0.0 for row in rows]
+    unit, size = _byte_unit(max(peak + pred + [0.0]))
+    curves = {row.label: row.loss_curve for row in rows if row.loss_curve}
+    return {
+        "rate_label": "mean throughput (samples/s)",
+        "rates": [row.samples_per_s or 0.0 for row in rows],
+        "memory_label": f"peak memory per device ({unit})",
+        "peak": [v / size for v in peak],
+        "predicted": [v / size for v in pred],
+        "loss": curves,
+    }
+
+
 def write_chart(rows: list[RunRow], path: Path, title: str = "fleetwise runs") -> Path:
-    """A PNG with throughput per run (left) and measured vs predicted peak memory (right)."""
+    """A PNG with throughput per run, measured vs predicted peak memory, and the loss curves."""
     # The Figure API with the Agg canvas: no pyplot global state, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    data = chart_data(rows)
     labels = [row.label for row in rows]
     ys = list(range(len(rows)))
-    height = 1.2 + 0.45 * max(len(rows), 1)
-    fig = Figure(figsize=(13, height), layout="constrained")
+    height = max(3.0, 1.2 + 0.45 * max(len(rows), 1))
+    panels = 3 if data["loss"] else 2
+    fig = Figure(figsize=(6.5 * panels, height), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_rate, ax_mem = fig.subplots(1, 2, sharey=True)
+    axes = fig.subplots(1, panels)
+    ax_rate, ax_mem = axes[0], axes[1]
 
-    rates = [row.throughput or 0.0 for row in rows]
+    rates = data["rates"]
     ax_rate.barh(ys, rates, color="tab:blue")
-    units = sorted({row.unit for row in rows if row.throughput is not None}) or ["samples/s"]
-    ax_rate.set_xlabel("mean throughput (" + " or ".join(units) + ")")
+    ax_rate.set_xlabel(data["rate_label"])
     ax_rate.set_yticks(ys, labels)
     ax_rate.invert_yaxis()
     for y, row in zip(ys, rows, strict=True):
+        text = f"{rates[y]:,.3g} samples/s" + (f" · {fmt_rate(row)}" if row.unit == "tokens/s" else "")
         ax_rate.annotate(
-            fmt_rate(row), (rates[y], y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
+            text, (rates[y], y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8
         )
 
-    gib = 1024**3
     width = 0.4
-    peak = [(row.peak_bytes or 0.0) / gib for row in rows]
-    pred = [(row.predicted_bytes or 0.0) / gib for row in rows]
+    peak, pred = data["peak"], data["predicted"]
     ax_mem.barh([y - width / 2 for y in ys], peak, height=width, color="tab:red", label="measured peak")
     ax_mem.barh([y + width / 2 for y in ys], pred, height=width, color="tab:gray", label="predicted (plan)")
-    ax_mem.set_xlabel("memory per device (GiB)")
+    ax_mem.set_yticks(ys, [""] * len(ys))
+    ax_mem.invert_yaxis()
+    ax_mem.set_xlabel(data["memory_label"])
     ax_mem.legend(loc="best", fontsize=8)
     # Head-room for the value labels and the legend.
-    ax_rate.set_xlim(0, 1.25 * max(rates + [1e-9]))
+    ax_rate.set_xlim(0, 1.5 * max(rates + [1e-9]))
     ax_mem.set_xlim(0, 1.35 * max(peak + pred + [1e-9]))
+    if data["loss"]:
+        ax_loss = axes[2]
+        for label, curve in data["loss"].items():
+            ax_loss.plot([s for s, _ in curve], [v for _, v in curve], label=label, linewidth=1.2)
+        ax_loss.set_xlabel("step")
+        ax_loss.set_ylabel("train/loss")
+        ax_loss.legend(loc="best", fontsize=7)
     fig.suptitle(title)
 
     path = Path(path)

@@ -27,7 +27,14 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from fleetwise.tracking.compare import SWEEP_PARENT_TAG, child_runs, markdown_table, row_from_run, write_chart
+from fleetwise.tracking.compare import (
+    SWEEP_PARENT_TAG,
+    add_loss_curves,
+    child_runs,
+    markdown_table,
+    row_from_run,
+    write_chart,
+)
 from fleetwise.tracking.params import param_value
 from fleetwise.tracking.store import clean_key, client, describe, ensure_experiment, tracking_uri
 
@@ -142,7 +149,7 @@ class MlflowSweepCallback(Callback):
         mlflow_client = client(uri)
         parent = mlflow_client.get_run(run_id)
         children = child_runs(mlflow_client, parent)
-        rows = [row_from_run(child) for child in children]
+        rows = add_loss_curves(mlflow_client, [row_from_run(child) for child in children])
         # A job can fail before its run exists, and a failed run is usually a failed job: count
         # whichever view sees more, never both.
         failed = max(self._failed_jobs, sum(row.status in ("FAILED", "KILLED") for row in rows))
