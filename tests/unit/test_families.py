@@ -84,6 +84,12 @@ def _dispatches(path) -> list[str]:
             isinstance(node, ast.Compare)
             and isinstance(node.left, ast.Attribute)
             and node.left.attr == "family"
+            # against a family's name (a string), not e.g. a socket address family
+            and any(
+                isinstance(c, ast.Constant) and isinstance(c.value, str)
+                for comp in node.comparators
+                for c in ast.walk(comp)
+            )
         ):
             out.append(f"{path.relative_to(PACKAGE)}:{node.lineno} compares .family")
     return out
