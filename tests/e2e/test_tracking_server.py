@@ -411,21 +411,29 @@ def test_fleetwise_ui_serves_the_local_store_and_stops_on_ctrl_c(fleetwise_bin, 
     t.finish("FINISHED")
     assert (tmp_path / "mlflow.db").exists() and (tmp_path / "mlartifacts").is_dir()
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     log = tmp_path / "ui.log"
-    with open(log, "w") as sink:
-        # Started with SIGINT ignored, as `make test &` or a CI runner's shell starts it: that is why
-        # this test failed in full suite runs only (Python then installs no Ctrl-C handler at all).
-        ui = subprocess.Popen(
-            [fleetwise_bin, "ui", "--port", str(port)],
-            cwd=tmp_path,
-            env=env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    for _ in range(3):  # a port found free may be taken before `ui` checks it: it says so, take another
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with open(log, "w") as sink:
+            # Started with SIGINT ignored, as `make test &` or a CI runner's shell starts it: that is
+            # why this test failed in full suite runs only (Python then installs no Ctrl-C handler).
+            ui = subprocess.Popen(
+                [fleetwise_bin, "ui", "--port", str(port)],
+                cwd=tmp_path,
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+            )
+        wait_until(
+            lambda ui=ui, url=url: ui.poll() is not None or f"MLflow UI: {url}" in log.read_text(),
+            STARTUP_TIMEOUT_S,
+            0.25,
         )
+        if ui.poll() is None or "is in use" not in log.read_text():
+            break
     try:
         # Ready when it says so (it prints the URL once /health answers), not merely when /health does.
         assert wait_until(lambda: f"MLflow UI: {url}" in log.read_text(), STARTUP_TIMEOUT_S, interval=0.25)

@@ -133,7 +133,7 @@ def test_a_4d_checkpoint_resumes_under_another_layout(hybrid_checkpoint, target)
     print(
         f"{target}: max |loss diff| {max(abs(a[s] - b[s]) for s in (4, 5, 6)):.2e}, max |param diff| {worst:.2e}"
     )
-    assert worst < 5e-6
+    assert worst < 2e-6  # the SGD bound of every layout (measured <= 1.2e-7; it was 5e-6)
 
 
 @pytest.mark.parametrize("mode", ["raise", "exit", "sigkill"])

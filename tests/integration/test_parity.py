@@ -25,7 +25,7 @@ SGD = (
     "optim.warmup_steps=1",
 )
 # Tolerances observed on this machine (README, "Every layout is tested"): SGD layouts measured up to
-# 3.6e-7 (losses) and 1.2e-7 (parameters), ResNet dp2/pp2 included; AdamW on 8 ranks up to ~1e-5.
+# 9.5e-7 (losses) and 1.2e-7 (parameters), ResNet dp2/pp2 included; AdamW on 8 ranks 2.4e-7 / 8.0e-6.
 SGD_TOL = {"loss": 2e-6, "param": 2e-6}
 ADAMW_TOL = {"loss": 1e-5, "param": 2e-5}
 
@@ -182,7 +182,7 @@ def test_ernie_tensor_and_data_parallel_equal_single_process(tmp_path):
 # BatchNorm normalises over each micro-batch in every layout, so the math is identical; it divides by
 # the batch's standard deviation, so micro-batches of 2 images at 1x1 resolution would amplify
 # reduction-order noise without bound -- give it 8 images at 2x2 (then the SGD bound holds: measured
-# 2.4e-7 losses, 1.2e-7 parameters; it was 1e-4 before). Running averages are not compared.
+# 2.4e-7 losses, 1.2e-7 parameters in two runs; it was 1e-4 before). Running averages are not compared.
 RESNET = (
     "data=synthetic",  # pinned: the recipe's default data may change, the parity question does not
     "optim.lr=0.05",

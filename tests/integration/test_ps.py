@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -76,16 +77,21 @@ class Launch:
         return self.output[-2000:] + "\n".join(tails)
 
 
-def session_processes(session: int) -> list[int]:
-    """PIDs of live processes in a session (the orphan check)."""
-    left = []
-    for q in psutil.process_iter():
-        try:
-            if os.getsid(q.pid) == session:
-                left.append(q.pid)
-        except OSError:
-            continue
-    return left
+def session_processes(session: int, wait_s: float = 30.0) -> list[int]:
+    """PIDs of live processes in a session (the orphan check), after waiting up to `wait_s` for
+    them to go: a loaded machine may take a moment to finish exits already under way."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for q in psutil.process_iter():
+            try:
+                if os.getsid(q.pid) == session and q.status() != psutil.STATUS_ZOMBIE:
+                    left.append(q.pid)
+            except (OSError, psutil.Error):
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def launch(run_dir: Path, *overrides: str, slow: str = "") -> Launch:
@@ -212,7 +218,9 @@ def test_sync_round_robin_sliced_equals_single_process_and_rows_follow_the_rules
     for server in summary["servers"]:
         assert server["listen"] and all(a.startswith("127.0.0.1:") for a in server["listen"])
     pids = [t["pid"] for t in summary["trainers"]] + [s["pid"] for s in summary["servers"]]
-    assert not [p for p in pids if psutil.pid_exists(p)]  # every rank has exited
+    assert not [
+        p for p in pids if psutil.pid_exists(p)
+    ]  # every rank has exited (checked after the wait above)
 
 
 def test_fleetwise_train_sync_hash_name_adamw_clipped_equals_single_process(tmp_path, fleetwise_bin):

@@ -81,11 +81,17 @@ def test_one_process_equals_a_plain_pytorch_loop(tmp_path):
     got_params = final_params(run_dir)
     losses, norms, lrs, params = reference()
 
+    print(
+        f"max |loss diff| {max(abs(m['train/loss'] - x) for m, x in zip(metrics, losses, strict=True)):.2e}, "
+        f"grad norm rel {max(abs(m['train/grad_norm'] / x - 1) for m, x in zip(metrics, norms, strict=True)):.2e}"
+    )
+    # measured: params and grad norms bit for bit, losses 2.4e-7 (the loop sums in float64)
     assert [m["train/loss"] for m in metrics] == pytest.approx(losses, abs=1e-6)
     assert [m["train/lr"] for m in metrics] == pytest.approx(lrs, rel=1e-9)
     assert [m["train/grad_norm"] for m in metrics] == pytest.approx(norms, rel=1e-5)
     assert min(norms) > CLIP  # clipping really acts in every step, so a missing clip would show
     worst = max((got_params[k] - params[k]).abs().max().item() for k in params)
+    print(f"max |param diff| {worst:.2e}")
     assert worst < 1e-6, worst
 
     # throughput and MFU from the run's own step times, computed here: GLOBAL samples of 32 tokens
@@ -132,8 +138,11 @@ def test_two_ranks_read_their_own_slices_of_a_token_file(tmp_path):
 
     losses, _, _, params = reference((*OVERRIDES, *data), read)
     got = [m["train/loss"] for m in read_metrics(run_dir)]
-    assert got == pytest.approx(losses, abs=1e-5)  # AdamW on 2 ranks: reduction order (README)
+    print(f"token file: max |loss diff| {max(abs(a - b) for a, b in zip(got, losses, strict=True)):.2e}")
+    # AdamW on 2 ranks: reduction order, amplified by Adam (measured 2.4e-7 losses, 1.2e-7 params)
+    assert got == pytest.approx(losses, abs=2e-6)
     worst = max((final_params(run_dir)[k] - params[k]).abs().max().item() for k in params)
-    assert worst < 2e-5, worst
+    print(f"token file: max |param diff| {worst:.2e}")
+    assert worst < 1e-6, worst
     synthetic, *_ = reference()
     assert abs(synthetic[-1] - losses[-1]) > 0.1  # the file's content, not synthetic text, was learned
