@@ -47,7 +47,7 @@ class Memory:
     optimizer: float = 0.0
     activations: float = 0.0
     inputs: float = 0.0  # the step's batch this rank holds (all its micro-batches)
-    pipeline_buffers: float = 0.0  # torch.distributed.pipelining's receive buffers (the whole job)
+    pipeline_buffers: float = 0.0  # pipeline receive buffers and held outputs (runtime/pipeline_stage.py)
     total: float = 0.0
 
     def as_ints(self) -> dict[str, int]:
