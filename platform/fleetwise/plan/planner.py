@@ -47,7 +47,7 @@ class Memory:
     optimizer: float = 0.0
     activations: float = 0.0
     inputs: float = 0.0  # the step's batch this rank holds (all its micro-batches)
-    pipeline_buffers: float = 0.0  # torch.distributed.pipelining's receive buffers (the whole job)
+    pipeline_buffers: float = 0.0  # pipeline receive buffers and held outputs (runtime/pipeline_stage.py)
     comm_buffers: float = 0.0  # gloo's working copy of a DDP gradient bucket (at the backward peak)
     step_temporaries: float = 0.0  # the optimizer step's own temporaries (foreach AdamW: one per param)
     total: float = 0.0
