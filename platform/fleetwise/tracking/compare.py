@@ -291,7 +291,7 @@ def write_chart(rows: list[RunRow], path: Path, title: str = "fleetwise runs") -
         for label, curve in data["loss"].items():
             ax_loss.plot([s for s, _ in curve], [v for _, v in curve], label=label, linewidth=1.2)
         ax_loss.set_xlabel("step")
-        ax_loss.set_ylabel("train/loss")
+        ax_loss.set_ylabel(Metric.LOSS)
         ax_loss.legend(loc="best", fontsize=7)
     fig.suptitle(title)
 
