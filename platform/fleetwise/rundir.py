@@ -54,6 +54,8 @@ class Metric:
     LR = "train/lr"
     GRAD_NORM = "train/grad_norm"
     SKIPPED_STEPS = "train/skipped_steps"
+    ATTEMPT = "job/attempt"  # torchrun's restart count: a restart shows as a step up in MLflow
+    WORLD_SIZE = "job/world_size"  # ranks training this step (an elastic job shrinks or grows)
     STEP_TIME = "perf/step_time_s"
     SAMPLES_PER_S = "perf/samples_per_s"
     TOKENS_PER_S = "perf/tokens_per_s"
