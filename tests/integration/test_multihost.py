@@ -95,17 +95,19 @@ def test_the_script_tears_down_on_sigterm_and_cleans_up_after_sigkill(tmp_path):
     assert ns not in _namespaces() and not any(_alive(p) for p in pids)
 
 
-def _node(hosts, rank: int, run_dir: Path, *overrides: str, port: int = PORT) -> subprocess.Popen:
+def _node(hosts, host: int, run_dir: Path, *overrides: str, node_rank=None, port: int = PORT):
+    """`fleetwise train` on `host` as node `node_rank` (default: the host's number) of a 2-node job
+    whose rendezvous is on host 0, as a user types it on each machine of a cluster."""
     return hosts.popen(
-        rank,
+        host,
         [
             FLEETWISE,
             "train",
             *overrides,
             "train.steps=3",
             "tracking.enabled=false",
-            f"hardware.nodes={hosts.n}",
-            f"launch.node_rank={rank}",
+            "hardware.nodes=2",
+            f"launch.node_rank={host if node_rank is None else node_rank}",
             f"launch.rdzv_endpoint={hosts.addrs[0]}:{port}",
             f"run.dir={run_dir}",
         ],
@@ -127,14 +129,15 @@ def _ranks(run_dir: Path) -> list[int]:
 def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts, tmp_path):
     """Two jobs at once on the same two hosts, each node with its own run directory (no shared
     filesystem): data parallel over the hosts and a 2-stage pipeline over the hosts. Both equal a
-    single process training the same model on the same batches."""
+    single process training the same model on the same batches. A third host running another job
+    (so another rendezvous id) against the dp job's store neither joins nor disturbs it."""
     ref = tmp_path / "ref"
     r = run_cli(
         "train", "recipe=gpt/tiny", "train.steps=3", "tracking.enabled=false",
         "hardware.devices_per_node=1", f"run.dir={ref}", cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    hosts = netns_hosts(2)
+    hosts = netns_hosts(3)  # host 2 is outside both jobs
     jobs = {
         "dp": ("recipe=gpt/tiny", "hardware.devices_per_node=1", "strategy=dp"),
         "pp": ("recipe=gpt/tiny", "hardware.devices_per_node=1", "strategy=pp"),
@@ -143,6 +146,9 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
     for k, (name, overrides) in enumerate(jobs.items()):
         for rank in (0, 1):
             procs[name, rank] = _node(hosts, rank, tmp_path / f"{name}{rank}", *overrides, port=PORT + k)
+    # host 2 tries to join the dp job's store as its second node, with another config (so another
+    # rendezvous id): it must neither be let in nor disturb the job
+    outsider = _node(hosts, 2, tmp_path / "outsider", *jobs["dp"], "train.seed=7", node_rank=1)
     outs = {key: p.communicate(timeout=480)[0] for key, p in procs.items()}
     assert {key: p.returncode for key, p in procs.items()} == dict.fromkeys(procs, 0), outs
     for name in jobs:
@@ -155,6 +161,12 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
         assert "this node hosts the rendezvous store; local address 10.77.0.1 on eth0" in first
         assert "this node joins the rendezvous store; local address 10.77.0.2 on eth0" in second
         assert "GLOO_SOCKET_IFNAME=eth0" in first and "GLOO_SOCKET_IFNAME=eth0" in second
+    waiting = outsider.poll() is None  # its own rendezvous (its id) never found a second node
+    netns_module().kill_all_in(hosts.names[2])
+    said = outsider.communicate()[0]
+    assert waiting, said[-3000:]
+    assert "joins the rendezvous store" in (tmp_path / "outsider" / "logs" / "launcher.log").read_text()
+    assert not list((tmp_path / "outsider").glob("logs/rank_*.log"))  # it never trained
     assert hosts.leftover() == {}  # both jobs ended every process they started, on every host
 
 
