@@ -149,6 +149,14 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
     # host 2 tries to join the dp job's store as its second node, with another config (so another
     # rendezvous id): it must neither be let in nor disturb the job
     outsider = _node(hosts, 2, tmp_path / "outsider", *jobs["dp"], "train.seed=7", node_rank=1)
+
+    def outsider_at_the_store() -> bool:  # a TCP connection of host 2 to the dp job's store
+        established = ["ss", "-tnH", "state", "established", "dst", f"{hosts.addrs[0]}:{PORT}"]
+        return outsider.poll() is None and bool(
+            hosts.run(2, established, capture_output=True, text=True).stdout
+        )
+
+    _wait_for(outsider_at_the_store, 300, "host 2 to connect to the dp job's rendezvous store")
     outs = {key: p.communicate(timeout=480)[0] for key, p in procs.items()}
     assert {key: p.returncode for key, p in procs.items()} == dict.fromkeys(procs, 0), outs
     for name in jobs:
@@ -161,12 +169,10 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
         assert "this node hosts the rendezvous store; local address 10.77.0.1 on eth0" in first
         assert "this node joins the rendezvous store; local address 10.77.0.2 on eth0" in second
         assert "GLOO_SOCKET_IFNAME=eth0" in first and "GLOO_SOCKET_IFNAME=eth0" in second
-    waiting = outsider.poll() is None  # its own rendezvous (its id) never found a second node
+    # it was at the store while the job trained without it; its own rendezvous (its id) never
+    # found a second node, so it never started a rank
     netns_module().kill_all_in(hosts.names[2])
-    said = outsider.communicate()[0]
-    assert waiting, said[-3000:]
-    assert "joins the rendezvous store" in (tmp_path / "outsider" / "logs" / "launcher.log").read_text()
-    assert not list((tmp_path / "outsider").glob("logs/rank_*.log"))  # it never trained
+    assert not list((tmp_path / "outsider").glob("logs/rank_*.log")), outsider.communicate()[0][-3000:]
     assert hosts.leftover() == {}  # both jobs ended every process they started, on every host
 
 
