@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 PY = sys.executable
 WARMUP = 3  # steps excluded from step times: 1-2 carry the exact memory tracker, 3 settles
-SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu", "auto")
+SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu", "auto", "multihost")
 TARGETS = {
     "overhead_ratio": 1.03,
     "memory_error": 0.10,
@@ -220,6 +220,73 @@ class Bench:
             "measure": "1 - (on-CPU + run-queue time of each rank's main thread) / step wall time, mean over ranks",
             "rows": rows,
         }
+
+    # Two hosts (network namespaces, scripts/netns_hosts.py) on a link shaped like 1 Gbit/s
+    # Ethernet with 0.5 ms each way (tc netem); the plan is told the same through hardware keys.
+    LINK = {"rate": "1gbit", "delay": "0.5ms", "inter_node_gbps": 0.125, "inter_node_latency_us": 1000}
+    MULTIHOST = [
+        ("dp across 2 hosts", ["recipe=gpt/tiny", "strategy=dp"]),
+        ("pp across 2 hosts", ["recipe=gpt/tiny", "strategy=pp"]),
+    ]
+
+    def multihost(self) -> dict:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("netns_hosts", SCRIPTS / "netns_hosts.py")
+        nh = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(nh)
+        why = nh.probe()
+        if why:
+            return {"skipped": why, "rows": []}
+        link = self.LINK
+        steps = WARMUP + (4 if self.quick else 10)
+        rows = []
+        with nh.Hosts(2) as hosts:
+            for name, overrides in self.MULTIHOST:
+                row = {"config": name}
+                for shaped in (False, True):
+                    if shaped:
+                        hosts.shape(link["rate"], link["delay"])
+                    keys = [f"hardware.inter_node_gbps={link['inter_node_gbps']}",
+                            f"hardware.inter_node_latency_us={link['inter_node_latency_us']}"] if shaped else []  # fmt: skip
+                    args = [*overrides, *keys, "hardware=local", "hardware.nodes=2", "hardware.devices_per_node=1",
+                            f"train.steps={steps}", f"launch.rdzv_endpoint={hosts.addrs[0]}:29555"]  # fmt: skip
+                    self.runs += 1
+                    dirs = [self.tmp / f"run{self.runs}_{i}" for i in range(2)]
+                    procs = [
+                        hosts.popen(
+                            i,
+                            [
+                                PY,
+                                "-m",
+                                "fleetwise.cli",
+                                "train",
+                                *args,
+                                f"launch.node_rank={i}",
+                                f"run.dir={dirs[i]}",
+                            ],
+                            env=self.env,
+                            cwd=ROOT,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT,
+                            text=True,
+                        )  # fmt: skip
+                        for i in range(2)
+                    ]
+                    outs = [p.communicate(timeout=600)[0] for p in procs]
+                    if any(p.returncode for p in procs):
+                        raise RuntimeError(
+                            f"{name} (shaped={shaped}) failed:\n{outs[0][-1500:]}{outs[1][-1500:]}"
+                        )
+                    plan = json.loads((dirs[0] / rundir.PLAN_FILE).read_text())
+                    key = "shaped" if shaped else "unshaped"
+                    row[f"{key}_measured_s"] = median_step(read_jsonl(rundir.metrics_path(dirs[0])))
+                    row[f"{key}_planned_s"] = plan["step_time_s"]
+                row["measured_link_s"] = row["shaped_measured_s"] - row["unshaped_measured_s"]
+                row["planned_link_s"] = row["shaped_planned_s"] - row["unshaped_planned_s"]
+                rows.append(row)
+                hosts.unshape()
+        return {"link": link, "load_average": os.getloadavg(), "rows": rows}
 
     PLANNER = [
         ("dp, 1 rank", ["recipe=gpt/tiny", "hardware.devices_per_node=1"]),
@@ -460,6 +527,20 @@ def markdown(results: dict) -> str:
             out.append(table(["#", "layout", "planned step", "measured step"],
                              [[str(i + 1), lay, f"{p * 1e3:.1f} ms", f"{m * 1e3:.1f} ms"]
                               for i, (lay, p, m) in enumerate(zip(r["layouts"], r["planned_s"], r["measured_s"], strict=True))]))  # fmt: skip
+    if "multihost" in s:
+        mh = s["multihost"]
+        out.append("\n## 8. Two hosts on a shaped link: measured vs plan\n")
+        if "skipped" in mh:
+            out.append(f"skipped: {mh['skipped']}")
+        else:
+            lk = mh["link"]
+            out.append(f"network namespaces, tc netem {lk['rate']} + {lk['delay']} each way on every host's link; plan: "
+                       f"hardware.inter_node_gbps={lk['inter_node_gbps']}, inter_node_latency_us={lk['inter_node_latency_us']} · "
+                       f"load average {mh['load_average'][0]:.1f}\n")  # fmt: skip
+            out.append(table(["config", "unshaped: plan", "measured", "shaped: plan", "measured", "link cost: plan", "measured"],
+                             [[r["config"], f"{r['unshaped_planned_s'] * 1e3:.1f} ms", f"{r['unshaped_measured_s'] * 1e3:.1f} ms",
+                               f"{r['shaped_planned_s'] * 1e3:.1f} ms", f"{r['shaped_measured_s'] * 1e3:.1f} ms",
+                               f"{r['planned_link_s'] * 1e3:+.1f} ms", f"{r['measured_link_s'] * 1e3:+.1f} ms"] for r in mh["rows"]]))  # fmt: skip
     for name, err in results.get("errors", {}).items():
         out.append(f"\n**suite {name} failed**: {err.splitlines()[0]}")
     return "\n".join(out) + "\n"

@@ -190,6 +190,13 @@ class Hosts:
                 capture_output=True,
             )
 
+    def unshape(self) -> None:
+        """Back to unshaped links (the default qdisc)."""
+        for ns in self.names:
+            subprocess.run(
+                [IP, "netns", "exec", ns, TC, "qdisc", "del", "dev", self.iface, "root"], capture_output=True
+            )
+
     def leftover(self) -> dict[str, list[int]]:
         """Processes still inside any of the namespaces (name -> pids)."""
         out = {}

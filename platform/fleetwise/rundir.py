@@ -55,6 +55,8 @@ class Metric:
     GRAD_NORM = "train/grad_norm"
     SKIPPED_STEPS = "train/skipped_steps"
     LOSS_SCALE = "train/loss_scale"  # fp16 only: GradScaler's scale after the step
+    ATTEMPT = "job/attempt"  # torchrun's restart count: a restart shows as a step up in MLflow
+    WORLD_SIZE = "job/world_size"  # ranks training this step (an elastic job shrinks or grows)
     STEP_TIME = "perf/step_time_s"
     SAMPLES_PER_S = "perf/samples_per_s"
     TOKENS_PER_S = "perf/tokens_per_s"

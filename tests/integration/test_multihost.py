@@ -6,6 +6,7 @@ derives the rest from the route to the endpoint. Skipped only where namespaces c
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,8 +39,12 @@ def test_hosts_are_separate_machines_and_nothing_outlives_them(netns_hosts):
     # host 1 listens on its own address; host 0 reaches it over the switch, and has no such address
     server = hosts.popen(
         1,
-        [sys.executable, "-c", "import socket; s=socket.create_server(('10.77.0.2', 5000)); "
-         "c,_=s.accept(); c.sendall(b'hello from host 1')"],
+        [
+            sys.executable,
+            "-c",
+            "import socket; s=socket.create_server(('10.77.0.2', 5000)); "
+            "c,_=s.accept(); c.sendall(b'hello from host 1')",
+        ],
     )
     probe = (
         "import socket,time\n"
@@ -90,17 +95,19 @@ def test_the_script_tears_down_on_sigterm_and_cleans_up_after_sigkill(tmp_path):
     assert ns not in _namespaces() and not any(_alive(p) for p in pids)
 
 
-def _node(hosts, rank: int, run_dir: Path, *overrides: str, port: int = PORT) -> subprocess.Popen:
+def _node(hosts, host: int, run_dir: Path, *overrides: str, node_rank=None, port: int = PORT):
+    """`fleetwise train` on `host` as node `node_rank` (default: the host's number) of a 2-node job
+    whose rendezvous is on host 0, as a user types it on each machine of a cluster."""
     return hosts.popen(
-        rank,
+        host,
         [
             FLEETWISE,
             "train",
             *overrides,
             "train.steps=3",
             "tracking.enabled=false",
-            f"hardware.nodes={hosts.n}",
-            f"launch.node_rank={rank}",
+            "hardware.nodes=2",
+            f"launch.node_rank={host if node_rank is None else node_rank}",
             f"launch.rdzv_endpoint={hosts.addrs[0]}:{port}",
             f"run.dir={run_dir}",
         ],
@@ -122,14 +129,15 @@ def _ranks(run_dir: Path) -> list[int]:
 def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts, tmp_path):
     """Two jobs at once on the same two hosts, each node with its own run directory (no shared
     filesystem): data parallel over the hosts and a 2-stage pipeline over the hosts. Both equal a
-    single process training the same model on the same batches."""
+    single process training the same model on the same batches. A third host running another job
+    (so another rendezvous id) against the dp job's store neither joins nor disturbs it."""
     ref = tmp_path / "ref"
     r = run_cli(
         "train", "recipe=gpt/tiny", "train.steps=3", "tracking.enabled=false",
         "hardware.devices_per_node=1", f"run.dir={ref}", cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    hosts = netns_hosts(2)
+    hosts = netns_hosts(3)  # host 2 is outside both jobs
     jobs = {
         "dp": ("recipe=gpt/tiny", "hardware.devices_per_node=1", "strategy=dp"),
         "pp": ("recipe=gpt/tiny", "hardware.devices_per_node=1", "strategy=pp"),
@@ -138,6 +146,17 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
     for k, (name, overrides) in enumerate(jobs.items()):
         for rank in (0, 1):
             procs[name, rank] = _node(hosts, rank, tmp_path / f"{name}{rank}", *overrides, port=PORT + k)
+    # host 2 tries to join the dp job's store as its second node, with another config (so another
+    # rendezvous id): it must neither be let in nor disturb the job
+    outsider = _node(hosts, 2, tmp_path / "outsider", *jobs["dp"], "train.seed=7", node_rank=1)
+
+    def outsider_at_the_store() -> bool:  # a TCP connection of host 2 to the dp job's store
+        established = ["ss", "-tnH", "state", "established", "dst", f"{hosts.addrs[0]}:{PORT}"]
+        return outsider.poll() is None and bool(
+            hosts.run(2, established, capture_output=True, text=True).stdout
+        )
+
+    _wait_for(outsider_at_the_store, 300, "host 2 to connect to the dp job's rendezvous store")
     outs = {key: p.communicate(timeout=480)[0] for key, p in procs.items()}
     assert {key: p.returncode for key, p in procs.items()} == dict.fromkeys(procs, 0), outs
     for name in jobs:
@@ -150,6 +169,10 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
         assert "this node hosts the rendezvous store; local address 10.77.0.1 on eth0" in first
         assert "this node joins the rendezvous store; local address 10.77.0.2 on eth0" in second
         assert "GLOO_SOCKET_IFNAME=eth0" in first and "GLOO_SOCKET_IFNAME=eth0" in second
+    # it was at the store while the job trained without it; its own rendezvous (its id) never
+    # found a second node, so it never started a rank
+    netns_module().kill_all_in(hosts.names[2])
+    assert not list((tmp_path / "outsider").glob("logs/rank_*.log")), outsider.communicate()[0][-3000:]
     assert hosts.leftover() == {}  # both jobs ended every process they started, on every host
 
 
@@ -171,4 +194,109 @@ def test_ctr_ps_with_servers_on_one_host_and_trainers_on_the_other(netns_hosts, 
     assert "TP_SOCKET_IFNAME=eth0" in (servers / "logs" / "launcher.log").read_text()
     assert _losses(trainers) == pytest.approx(_losses(ref), abs=1e-6)
     assert len(_losses(trainers)) == 3
+    assert hosts.leftover() == {}
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _clock(t) -> float:
+    """Seconds since midnight of an epoch time or of a log's HH:MM:SS.fff (local time)."""
+    if isinstance(t, float):
+        lt = time.localtime(t)
+        return lt.tm_hour * 3600 + lt.tm_min * 60 + lt.tm_sec + t % 1
+    h, m, sec = t.split(":")
+    return int(h) * 3600 + int(m) * 60 + float(sec)
+
+
+def test_a_lost_host_the_survivor_restarts_from_the_checkpoint_and_finishes(netns_hosts, tmp_path):
+    """launch.nnodes=1:2 on two hosts sharing the run directory (a shared filesystem), checkpoints
+    every step. Host 1's rank stops answering mid-step 3 (fault.mode=hang), then host 1's launcher
+    is killed (SIGKILL: nothing of it can say goodbye). Host 0 sees the peer gone, restarts from
+    step 2's checkpoint with 1 rank instead of 2 (resharded), and finishes with the losses of an
+    uninterrupted one-process run; the MLflow run shows the restart (job/attempt, job/world_size).
+    The restart waits launch.rdzv_last_call_s (15 s) for the lost host to come back."""
+    common = ("recipe=gpt/tiny", "train.steps=5", "hardware.devices_per_node=1")
+    ref = tmp_path / "ref"
+    r = run_cli("train", *common, "tracking.enabled=false", f"run.dir={ref}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    hosts = netns_hosts(2)
+    run = tmp_path / "lost"
+    run.mkdir()
+    args = [
+        FLEETWISE, "train", *common, "hardware.nodes=2", "launch.nnodes=1:2", "launch.max_restarts=1",
+        "launch.rdzv_last_call_s=15", "checkpoint.enabled=true", "checkpoint.interval=1",
+        "fault.kill_rank=1", "fault.at_step=3", "fault.mode=hang",
+        f"launch.rdzv_endpoint={hosts.addrs[0]}:{PORT}", f"run.dir={run}",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}  # sqlite in tmp_path
+
+    def start(host: int) -> subprocess.Popen:
+        out = (tmp_path / f"host{host}.out").open("w")
+        return hosts.popen(
+            host, [*args, f"launch.node_rank={host}"], stdout=out, stderr=out, cwd=tmp_path, env=env
+        )
+
+    def said(host: int) -> str:
+        return (tmp_path / f"host{host}.out").read_text()[-3000:]
+
+    # host 1 first, host 0 once host 1's torchrun is starting: host 1 then waits for host 0's
+    # store, and both are in the first round (with 1:2 a node still importing torch when host 0's
+    # last call ends would be left out)
+    lost = start(1)
+    launcher_log = run / "logs" / "launcher.log"
+    _wait_for(
+        lambda: launcher_log.exists() and "joins the rendezvous" in launcher_log.read_text(), 120, "host 1"
+    )
+    survivor = start(0)
+    rank1_log = run / "logs" / "rank_1.log"
+
+    def hanging() -> bool:
+        assert survivor.poll() is None and lost.poll() is None, (said(0), said(1))
+        return rank1_log.exists() and "fails at step 3" in rank1_log.read_text()
+
+    _wait_for(hanging, 300, "host 1's rank to hang")
+    killed = time.time()
+    lost.kill()
+    lost.wait()
+    assert survivor.wait(300) == 0, said(0)
+    records = read_metrics(run)
+    by_step = {m["step"]: m for m in records}  # steps re-run after the restart count last
+    assert [by_step[s]["job/world_size"] for s in range(1, 6)] == [2, 2, 1, 1, 1]
+    assert [by_step[s]["job/attempt"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
+    assert [by_step[s]["train/loss"] for s in range(1, 6)] == pytest.approx(_losses(ref), abs=1e-5)
+    log0 = (run / "logs" / "rank_0.log").read_text()
+    assert (
+        "data parallel degree is now 1" in log0
+        and "resumed from" in log0
+        and "step_00000002 at step 2" in log0
+    )
+    # the timeline, seconds after the kill: torchrun saw the survivor's rank fail (detection), the
+    # new attempt's rank started (restart), step 3 was done again (first step after the restart)
+    torchrun = (run / "logs" / "launcher.log").read_text()
+    detected = re.search(r"^E\d{4} (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode", torchrun, re.M)
+    restarted = re.search(r"^\S+ (\d\d:\d\d:\d\d),(\d+) rank0 rank 0/1 on cpu, attempt 1", log0, re.M)
+    assert detected and restarted, torchrun[-3000:]
+    timeline = {
+        "detected": _clock(detected.group(1)) - _clock(killed),
+        "restarted": _clock(".".join(restarted.groups())) - _clock(killed),
+        "first step": _clock(by_step[3]["time"]) - _clock(killed),
+    }
+    print("lost host, seconds after the kill:", {k: round(v, 1) for k, v in timeline.items()})
+    assert 0 <= timeline["detected"] <= timeline["restarted"] <= timeline["first step"]
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("fleetwise").experiment_id])
+    assert mlrun.info.status == "FINISHED"
+    attempts = [(m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "job/attempt")]
+    assert (2, 0.0) in attempts and (3, 1.0) in attempts
     assert hosts.leftover() == {}

@@ -94,3 +94,24 @@ def test_ps_across_machines_needs_remote_servers_allowed(endpoint, allow, refuse
         f"strategy.allow_remote_servers={str(allow).lower()}",
     )
     assert [p.loc for p in problems] == (["strategy.allow_remote_servers"] if refused else [])
+
+
+def test_inter_node_latency_prices_only_the_collectives_that_cross_nodes():
+    """hardware.inter_node_latency_us replaces comm_latency_us for the mesh dims whose groups span
+    nodes: linear in it for dp across 2 nodes, no effect on the same layout inside one node."""
+    from fleetwise.plan import make_plan
+
+    def comm(*overrides: str) -> dict[str, float]:
+        cfg, problems = compose("recipe=gpt/tiny", "hardware.comm_latency_us=20", *overrides)
+        assert not problems
+        return make_plan(cfg).time_s
+
+    across = ("hardware.nodes=2", "hardware.devices_per_node=1", "launch.rdzv_endpoint=10.77.0.1:29555")
+    t0, t1, t2 = (comm(*across, f"hardware.inter_node_latency_us={us}") for us in (0, 1000, 2000))
+    assert t1["comm_dp"] - t0["comm_dp"] == pytest.approx(t2["comm_dp"] - t1["comm_dp"], rel=1e-9)
+    assert t1["comm_dp"] - t0["comm_dp"] > 0.5e-3  # at least one all-reduce call per step
+    assert comm(*across)["comm_dp"] == pytest.approx(
+        comm(*across, "hardware.inter_node_latency_us=20")["comm_dp"]
+    )
+    inside = ("hardware.devices_per_node=2",)
+    assert comm(*inside)["comm_dp"] == comm(*inside, "hardware.inter_node_latency_us=5000")["comm_dp"]

@@ -67,6 +67,12 @@ class HardwareConfig(Section):
     comm_latency_us: float = Field(
         20.0, ge=0, description="Fixed cost of one collective call, microseconds (calibrate measures it)."
     )
+    inter_node_latency_us: float | None = Field(
+        None,
+        ge=0,
+        description="Fixed cost of one collective call whose group spans nodes, microseconds (about a "
+        "round trip between nodes, e.g. 1000 for a link with 0.5 ms each way; null: comm_latency_us).",
+    )
     op_overhead_us: float = Field(
         0.0,
         ge=0,

@@ -27,7 +27,14 @@ from fleetwise import rundir
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
 from fleetwise.launcher.failure import TracebackFold
-from fleetwise.launcher.hostnet import NodeNet, describe, interface_env, node_network, torchrun_args
+from fleetwise.launcher.hostnet import (
+    NetworkError,
+    NodeNet,
+    describe,
+    interface_env,
+    node_network,
+    torchrun_args,
+)
 from fleetwise.plan.planner import Plan
 from fleetwise.rundir import Metric
 from fleetwise.runtime.lifeline import die_with_parent
@@ -317,7 +324,10 @@ def launch_job(
     """Start torchrun and follow it: rank 0's log to the console, metrics.jsonl into records;
     `on_started` runs once the ranks are starting, `on_poll` on every turn of the loop."""
     rundir.write_run_dir(run_dir, cfg, plan, argv)
-    net = None if cfg.launch.nnodes == "1" else node_network(cfg.launch.rdzv_endpoint)
+    try:  # checked before launch; a SLURM node resolves its job's endpoint only here
+        net = None if cfg.launch.nnodes == "1" else node_network(cfg.launch.rdzv_endpoint)
+    except NetworkError as err:
+        return JobResult(2, run_dir, f"launch.rdzv_endpoint={cfg.launch.rdzv_endpoint}: {err}", [])
     cmd = torchrun_command(cfg, run_dir, net)
     from fleetwise.tracking.store import without_credentials
 

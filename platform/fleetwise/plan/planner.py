@@ -491,7 +491,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     comm, calls = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
     bw = {dim: _bandwidth(cfg, layout, dim) for dim in ("dp", "sharding", "mp", "pp")}
     comm_time = {
-        dim: (comm[dim] / bw[dim] + calls[dim] * hw.comm_latency_us * 1e-6) * hw.ranks_per_core
+        dim: (comm[dim] / bw[dim] + calls[dim] * _latency(cfg, layout, dim)) * hw.ranks_per_core
         for dim in comm
     }
     # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with compute on GPUs (NCCL runs
@@ -610,6 +610,16 @@ def _bandwidth(cfg: RunConfig, layout: Layout, dim: str) -> float:
     hw = cfg.hardware
     crosses = layout.span(dim) > hw.devices_per_node and hw.nodes > 1
     return (hw.inter_node_gbps if crosses else hw.intra_node_gbps) * 1e9
+
+
+def _latency(cfg: RunConfig, layout: Layout, dim: str) -> float:
+    """Seconds of fixed cost per collective call of a mesh dim: hardware.inter_node_latency_us when
+    its groups span nodes (and it is set), else comm_latency_us."""
+    hw = cfg.hardware
+    crosses = layout.span(dim) > hw.devices_per_node and hw.nodes > 1
+    if crosses and hw.inter_node_latency_us is not None:
+        return hw.inter_node_latency_us * 1e-6
+    return hw.comm_latency_us * 1e-6
 
 
 def _comm(

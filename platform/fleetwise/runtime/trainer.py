@@ -323,6 +323,8 @@ class Trainer:
             Metric.PREDICTED_BYTES: float(plan.memory_bytes["total"]),
             Metric.RESERVED_BYTES_MAX: float(table[:, 6].max()),
             Metric.SKIPPED_STEPS: float(r.skipped),
+            Metric.ATTEMPT: float(self.env.restart),
+            Metric.WORLD_SIZE: float(world),
         }
         if not tokens_per_sample:  # not a token model
             metrics.pop(Metric.TOKENS_PER_S)
