@@ -205,6 +205,24 @@ _NOT_COUNTED = {
 }
 
 
+def _cpu_attention_formulas() -> dict:
+    """FLOP formulas for the CPU flash-attention kernels, which torch's registry lacks (it has the
+    CUDA ones): the same counts as torch's flash attention -- forward QK^T and scores.V; backward
+    five such matmuls (the scores recomputed, then the gradients of scores, V, Q and K)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    def forward(query, key, value, *args, out_val=None, **kwargs) -> int:
+        return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+    def backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+    return {
+        _aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        _aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
+
+
 class Counters(TorchDispatchMode):
     """Everything the dry run counts per op, in one dispatch mode (each mode on the stack costs a
     Python round trip per op, and a DTensor op crosses the stack twice: itself, then its local op):
@@ -226,7 +244,7 @@ class Counters(TorchDispatchMode):
 
         super().__init__()
         self.labels = labels
-        self.formulas = flop_registry
+        self.formulas = {**flop_registry, **_cpu_attention_formulas()}
         self.reads = 0
         self.flops = 0
         self.paused = False  # pipelining's one-time stage initialization is not a step's work
