@@ -313,6 +313,24 @@ def _pp_bytes_of_rank(
     return out
 
 
+def _stage_comm(
+    cfg: RunConfig,
+    layout: Layout,
+    chunks: list[list[Unit]],
+    ranks: list[int],
+    p: float,
+    rank: int,
+    n: int,
+    engine: str,
+) -> dict[str, int]:
+    """Bytes a device of pipeline rank `rank` sends per step, by mesh dimension: gradient and
+    parameter traffic for its own parameters `p`, pipeline traffic for its own chunks."""
+    vol, _ = _comm(cfg, layout, chunks, ranks, p, n, engine)
+    residual = _act_bytes(cfg.train.precision, engine)[1]
+    vol["pp"] = _pp_bytes_of_rank(chunks, ranks, rank, n, cfg.train.micro_batch_size, residual)
+    return {d: int(v) for d, v in vol.items()}
+
+
 def _rank_units(chunks: list[list[Unit]], ranks: list[int], rank: int) -> list[Unit]:
     """The units of every chunk pipeline rank `rank` holds."""
     return [u for c, r in enumerate(ranks) if r == rank for u in chunks[c]]
@@ -487,10 +505,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                 "memory_total_bytes": int(per_rank[r][0].total),
                 "flops_per_device": device_flops[r],  # this device's FLOPs per step, recompute included
                 # bytes this device sends per step, by mesh dimension (pp differs by stage)
-                "comm_bytes_per_step": {
-                    **{d: int(v) for d, v in comm.items()},
-                    "pp": int(_pp_bytes_of_rank(chunks, ranks, r, n, b, _act_bytes(t.precision, engine)[1])),
-                },
+                "comm_bytes_per_step": _stage_comm(cfg, layout, chunks, ranks, per_rank[r][1], r, n, engine),
                 "compute_s": stage_time[r],
             }
         )
