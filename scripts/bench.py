@@ -1,6 +1,6 @@
 """fleetwise benchmarks: the platform against plain PyTorch, the planner against reality.
 
-    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu,auto] [--quick]
+    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu,auto,scale] [--quick]
                             [--reps 3] [--out bench]          (make bench runs all suites)
 
 Writes OUT/results.json (every row, every target, met or missed) and OUT/results.md (the tables,
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 PY = sys.executable
 WARMUP = 3  # steps excluded from step times: 1-2 carry the exact memory tracker, 3 settles
-SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu", "auto", "multihost")
+SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu", "auto", "multihost", "scale")
 TARGETS = {
     "overhead_ratio": 1.03,
     "memory_error": 0.10,
@@ -54,6 +54,41 @@ AUTO_MODELS = {
         "model.seq_len=128",
     ],
 }
+
+
+# The planner held against `fleetwise dryrun` (the real runtime on fake tensors) at full size: every
+# distinct role of each layout. Targets: memory 3%, FLOPs 1%, collective bytes 1% (per rank and dim).
+SCALE_TARGETS = {"memory": 0.03, "flops": 0.01, "comm": 0.01}
+SCALE_LAYOUTS = {
+    "gpt3_175b recipe (pp16 1F1B, mp8, dp8, full, bf16, a100 ×1024)": ["recipe=gpt/gpt3_175b"],
+    "gpt3_175b interleaved v2, SP, selective, h100 ×1024": ["recipe=gpt/gpt3_175b", "strategy.schedule=interleaved_1F1B",
+        "strategy.virtual_stages=2", "strategy.recompute=selective", "strategy.sequence_parallel=true",
+        "hardware=h100", "hardware.nodes=128"],
+    "gpt3_13b recipe (pp2 1F1B, mp8, full, a100 ×64)": ["recipe=gpt/gpt3_13b", "strategy.recompute=full"],
+    "gpt3_13b zero-bubble v2, SP, full, h100 ×64": ["recipe=gpt/gpt3_13b", "strategy.schedule=interleaved_zero_bubble",
+        "strategy.virtual_stages=2", "strategy.sequence_parallel=true", "strategy.recompute=full", "hardware=h100"],
+    "gpt3_13b sharding3 ×8, mp8, full": ["recipe=gpt/gpt3_13b", "strategy.pp_degree=1", "strategy.sharding_degree=8",
+        "strategy.sharding_stage=3", "strategy.dp_degree=1", "strategy.recompute=full"],
+    "gpt3_1.3b sharding3 ×8, full": ["recipe=gpt/gpt3_1.3b", "strategy.sharding_stage=3", "strategy.recompute=full"],
+    "gpt3_1.3b sharding3 + offload, full, h100": ["recipe=gpt/gpt3_1.3b", "strategy.sharding_stage=3",
+        "strategy.offload=true", "strategy.recompute=full", "hardware=h100"],
+    "gpt3_1.3b sharding2, selective, fp32": ["recipe=gpt/gpt3_1.3b", "strategy.sharding_stage=2",
+        "strategy.recompute=selective", "train.precision=fp32"],
+    "gpt3_1.3b HSDP dp4 × sharding3 8, full (×32)": ["recipe=gpt/gpt3_1.3b", "strategy=hybrid", "strategy.dp_degree=4",
+        "strategy.sharding_degree=8", "strategy.sharding_stage=3", "strategy.mp_degree=1", "strategy.pp_degree=1",
+        "hardware.nodes=4", "strategy.recompute=full"],
+    "gpt3_1.3b mp2 pp2 GPipe sharding2, no recompute": ["recipe=gpt/gpt3_1.3b", "strategy=hybrid", "strategy.mp_degree=2",
+        "strategy.pp_degree=2", "strategy.schedule=GPipe", "strategy.sharding_degree=2", "strategy.sharding_stage=2",
+        "strategy.dp_degree=1", "strategy.recompute=none", "train.global_batch_size=64"],
+    "gpt3_1.3b sharding1 (ZeRO-1), full": ["recipe=gpt/gpt3_1.3b", "strategy.sharding_stage=1", "strategy.recompute=full"],
+    "ernie_large sharding2 ×32, mp2, bf16, a100": ["recipe=ernie/ernie_large", "strategy=hybrid", "strategy.mp_degree=2",
+        "strategy.sharding_degree=32", "strategy.sharding_stage=2", "strategy.dp_degree=1", "strategy.pp_degree=1",
+        "hardware=a100", "train.precision=bf16"],
+    "ernie_base sharding2, fp32, h100": ["recipe=ernie/ernie_base", "strategy=sharding", "strategy.sharding_stage=2",
+        "hardware=h100", "train.precision=fp32"],
+    "resnet50 sharding3, fp32, a100": ["recipe=resnet/resnet50", "strategy=sharding", "strategy.sharding_stage=3",
+        "hardware=a100", "train.precision=fp32"],
+}  # fmt: skip
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -306,6 +341,37 @@ class Bench:
         ("resnet dp 2", ["recipe=resnet/tiny", "hardware.devices_per_node=2"]),
     ]  # fmt: skip
 
+    def scale(self) -> dict:
+        """`fleetwise dryrun` of every distinct role of each full-size layout (quick: rank 0 only),
+        the planner's memory, FLOPs and bytes beside it. A layout the dry run refuses is a row too."""
+        rows, refused = [], {}
+        for name, overrides in SCALE_LAYOUTS.items():
+            cmd = [PY, "-m", "fleetwise", "dryrun", *overrides, "--json"] + (
+                ["--ranks", "0"] if self.quick else []
+            )
+            began = time.perf_counter()
+            print(f"[bench] scale: {name} …", flush=True)
+            proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, cwd=ROOT)
+            wall = time.perf_counter() - began
+            if proc.returncode != 0:
+                refused[name] = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [
+                    f"exit {proc.returncode}"
+                ]
+                continue
+            for x in json.loads(proc.stdout)["ranks"]:
+                cmp = x["planner"]
+                comm = {d: v for d, v in cmp["comm_bytes_per_step"].items() if v["dryrun"] or v["planner"]}
+                errors = {
+                    "memory": cmp["memory_bytes"]["rel"],
+                    "flops": cmp["flops_per_step"]["rel"],
+                    "comm": max((abs(v["rel"] or 0.0) for v in comm.values()), default=0.0),
+                }
+                rows.append({"layout": name, "rank": x["rank"], "coords": x["coords"], "wall_s": wall,
+                             "memory": cmp["memory_bytes"], "flops": cmp["flops_per_step"], "comm": comm,
+                             "microbatches": x["microbatches"],
+                             "met": {k: abs(v or 0.0) <= SCALE_TARGETS[k] for k, v in errors.items()}})  # fmt: skip
+        return {"targets": SCALE_TARGETS, "rows": rows, "refused": refused}
+
     def planner(self) -> dict:
         configs = self.PLANNER[::3] if self.quick else self.PLANNER
         rows = []
@@ -438,8 +504,8 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def pct(x: float) -> str:
-    return f"{x:+.1%}"
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"
 
 
 def ok(met: bool) -> str:
@@ -541,6 +607,18 @@ def markdown(results: dict) -> str:
                              [[r["config"], f"{r['unshaped_planned_s'] * 1e3:.1f} ms", f"{r['unshaped_measured_s'] * 1e3:.1f} ms",
                                f"{r['shaped_planned_s'] * 1e3:.1f} ms", f"{r['shaped_measured_s'] * 1e3:.1f} ms",
                                f"{r['planned_link_s'] * 1e3:+.1f} ms", f"{r['measured_link_s'] * 1e3:+.1f} ms"] for r in mh["rows"]]))  # fmt: skip
+    if "scale" in s:
+        sc = s["scale"]
+        out.append(f"\n## 9. The planner against the dry run at full size (targets: memory {sc['targets']['memory']:.0%}, "
+                   f"FLOPs {sc['targets']['flops']:.0%}, bytes {sc['targets']['comm']:.0%})\n")  # fmt: skip
+        out.append(table(["layout", "rank", "memory plan", "dry run", "error", "TFLOP plan", "dry run", "error", "bytes by dim (error)"],
+                         [[r["layout"], str(r["rank"]), f"{r['memory']['planner'] / 2**30:.2f} GiB", f"{r['memory']['dryrun'] / 2**30:.2f} GiB",
+                           pct(r["memory"]["rel"]), f"{r['flops']['planner'] / 1e12:.1f}", f"{r['flops']['dryrun'] / 1e12:.1f}",
+                           pct(r["flops"]["rel"]),
+                           " ".join(f"{d} {v['dryrun'] / 2**30:.2f} GiB ({pct(v['rel'])})" for d, v in r["comm"].items())]
+                          for r in sc["rows"]]))  # fmt: skip
+        for name, why in sc["refused"].items():
+            out.append(f"\n{name}: not simulated: {why[0] if why else ''}")
     for name, err in results.get("errors", {}).items():
         out.append(f"\n**suite {name} failed**: {err.splitlines()[0]}")
     return "\n".join(out) + "\n"

@@ -4,7 +4,7 @@
     fleetwise plan     [OVERRIDES…] [--json] [-m]  the analytic plan (exit 2 if the config is invalid)
                                                -m: a sweep (key=a,b), one row / JSON entry per point
     fleetwise train    [OVERRIDES…] [-m]       run the job (exit 2 on a bad config, nothing started)
-    fleetwise dryrun   [OVERRIDES…] [--ranks SPEC] [--steps N] [--json]
+    fleetwise dryrun   [OVERRIDES…] [--ranks SPEC] [--steps N] [--exact] [--json]
                                                the real runtime of any world size on fake tensors
     fleetwise calibrate [--out PATH] [--json]  measure this machine, write hardware profile `local`
     fleetwise tokenize TEXT… --out FILE.bin    a byte-level token file for data=token_file
@@ -302,7 +302,12 @@ def cmd_dryrun(argv: list[str]) -> int:
     p.add_argument(
         "--ranks", default="roles", help="'roles' (one per distinct role), 'all', or e.g. 0,7,8-11"
     )
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps per rank (the last is reported)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="optimizer steps per rank, the last reported (a sampled rank runs 3: see --exact)",
+    )
     p.add_argument(
         "--exact",
         action="store_true",

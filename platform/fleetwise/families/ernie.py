@@ -81,7 +81,7 @@ def units(m: ERNIEModel) -> list[Unit]:
         largest_split=h * v,
         largest_whole=h * h,
     )
-    return [emb] + [transformer_block(m) for _ in range(m.num_layers)] + [head]
+    return [emb] + [transformer_block(m, post_ln=True) for _ in range(m.num_layers)] + [head]
 
 
 def masked_per_sample(m: ERNIEModel) -> int:

@@ -105,7 +105,7 @@ def token_source(m: TransformerModel, d, vocab_size: int):
     return SyntheticTokens(vocab_size, m.seq_len, d.seed, d.num_samples), None
 
 
-def transformer_block(m: TransformerModel) -> Unit:
+def transformer_block(m: TransformerModel, *, post_ln: bool = False) -> Unit:
     s, h, f, a = m.seq_len, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
     # q, k, v and fc1 are column-parallel (weight and bias split); out-proj and fc2 are row-parallel
     # (weight split, bias replicated); both layer norms are replicated.
@@ -136,6 +136,8 @@ def transformer_block(m: TransformerModel) -> Unit:
         params_whole=whole,
         fwd_flops=2 * s * (4 * h * h + 2 * h * f) + attn,
         attn_flops=attn,
+        # pre-LN: fc2 feeds only the residual add; post-LN: its sum feeds ln2, which saves it
+        recompute_skipped_flops=0 if post_ln else 2 * s * f * h,
         acts={"none": none, "selective": selective, "full": full},
         mp_allreduces=2,
         boundary_elements=s * h,

@@ -159,7 +159,7 @@ def compare(plan: Plan, report: dict[str, Any]) -> dict[str, Any]:
     comm = {}
     for dim in DIMS:
         got = measured.get(dim, 0) + (measured.get("dp+sharding", 0) if dim == "dp" else 0)
-        want = plan.comm_bytes_per_step.get(dim, 0)
+        want = stage.get("comm_bytes_per_step", plan.comm_bytes_per_step).get(dim, 0)
         comm[dim] = {"planner": want, "dryrun": got, "rel": rel(want, got)}
     flops = stage.get("flops_per_device", 0.0)
     return {

@@ -269,6 +269,18 @@ def is_secret_name(name: str) -> bool:
     return name.upper().startswith(SECRET_PREFIXES) or bool(SECRET_NAME.search(name.upper()))
 
 
+# glibc malloc in the ranks (unless the user set these): tensors above 1 MiB are mapped and given
+# back to the system when freed, and at most 2 heap arenas. With glibc's adaptive defaults, the
+# whole-parameter temporaries of layout-invariant initialization and FSDP's per-unit buffers stay
+# in the heap once freed: a 2-rank ZeRO-3 GPT (235M parameters, fp32) held 2.45 GB of RSS per rank
+# for 1.71 GB of live tensors; with these, 2.07 GB (the rest is torch's own ~0.37 GB).
+HOST_MALLOC = {
+    "MALLOC_ARENA_MAX": "2",
+    "MALLOC_MMAP_THRESHOLD_": "1048576",
+    "MALLOC_TRIM_THRESHOLD_": "1048576",
+}
+
+
 def rank_environment(environ) -> dict[str, str]:
     """The environment torchrun and the ranks get: this one without credentials."""
     return {k: v for k, v in environ.items() if not is_secret_name(k)}
@@ -335,6 +347,7 @@ def launch_job(
     threads = max(1, (os.cpu_count() or 1) // max(1, nproc_per_node(cfg)))
     env.setdefault("OMP_NUM_THREADS", str(threads))  # one process per core share, no oversubscription
     env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: v for k, v in HOST_MALLOC.items() if k not in env})
     if cfg.launch.nnodes == "1" and "GLOO_SOCKET_IFNAME" not in env and Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # one node: the ranks' gloo mesh on loopback, off the network
     if net is not None:  # several nodes: every library on the interface that reaches node 0

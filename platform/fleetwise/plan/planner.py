@@ -344,6 +344,52 @@ def _flops_per_sample(cfg: RunConfig, units: list[Unit]) -> float:
     return 3 * sum(u.fwd_flops for u in units)
 
 
+def _device_flops_per_sample(u: Unit, recompute: str) -> float:
+    """FLOPs a device computes for one sample through unit `u` (before the mp split), as torch's
+    FlopCounterMode counts them: matmuls forward once and backward twice; flash attention forward
+    once and backward 2.5 times (it recomputes the scores); full recompute re-runs a block's
+    forward up to the last tensor its backward needs (`recompute_skipped_flops`)."""
+    dense = u.fwd_flops - u.attn_flops
+    done = 3 * dense + 3.5 * u.attn_flops
+    if recompute == "full" and u.kind == "block":
+        done += u.fwd_flops - u.recompute_skipped_flops
+    return done
+
+
+def _pp_bytes_of_rank(
+    chunks: list[list[Unit]], ranks: list[int], rank: int, n: int, b: int, residual: int
+) -> float:
+    """Bytes pipeline rank `rank` sends per step: each micro-batch's activations to the next chunk
+    (all but the last chunk) and its input gradients to the previous one (all but the first)."""
+    out = 0.0
+    for c, owner in enumerate(ranks):
+        if owner != rank:
+            continue
+        if c < len(chunks) - 1:
+            out += n * b * chunks[c][-1].boundary_elements * residual
+        if c > 0:
+            out += n * b * chunks[c - 1][-1].boundary_elements * residual
+    return out
+
+
+def _stage_comm(
+    cfg: RunConfig,
+    layout: Layout,
+    chunks: list[list[Unit]],
+    ranks: list[int],
+    p: float,
+    rank: int,
+    n: int,
+    engine: str,
+) -> dict[str, int]:
+    """Bytes a device of pipeline rank `rank` sends per step, by mesh dimension: gradient and
+    parameter traffic for its own parameters `p`, pipeline traffic for its own chunks."""
+    vol, _ = _comm(cfg, layout, chunks, ranks, p, n, engine)
+    residual = _act_bytes(cfg.train.precision, engine)[1]
+    vol["pp"] = _pp_bytes_of_rank(chunks, ranks, rank, n, cfg.train.micro_batch_size, residual)
+    return {d: int(v) for d, v in vol.items()}
+
+
 def _rank_units(chunks: list[list[Unit]], ranks: list[int], rank: int) -> list[Unit]:
     """The units of every chunk pipeline rank `rank` holds."""
     return [u for c, r in enumerate(ranks) if r == rank for u in chunks[c]]
@@ -460,7 +506,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                     if key is not None:
                         gemm_memo[key] = fraction
                 gemm += n * passes * flops / (peak * fraction)
-                done += n * passes * flops
+                done += n * b * _device_flops_per_sample(u, s.recompute) / layout.mp
         device_flops.append(done)
         redo_ops = sum(u.fwd_ops for u in redo)
         ops = sum(u.fwd_ops for u in units) + redo_ops
@@ -517,6 +563,8 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                 "params_per_device": int(per_rank[r][1] / (layout.sharding if engine == "fsdp" else 1)),
                 "memory_total_bytes": int(per_rank[r][0].total),
                 "flops_per_device": device_flops[r],  # this device's FLOPs per step, recompute included
+                # bytes this device sends per step, by mesh dimension (pp differs by stage)
+                "comm_bytes_per_step": _stage_comm(cfg, layout, chunks, ranks, per_rank[r][1], r, n, engine),
                 "compute_s": stage_time[r],
             }
         )

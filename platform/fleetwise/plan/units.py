@@ -46,6 +46,10 @@ class Unit:
     acts: dict[str, Acts] = field(default_factory=dict)  # recompute mode -> saved activations
     transient: Acts = Acts()  # short-lived peak on top of the saved ones (e.g. logits and their grad)
     attn_flops: float = 0.0  # per sample, attention score/context FLOPs (part of fwd_flops)
+    # per sample, FLOPs at the end of the forward that full recompute does not re-run: torch's
+    # non-reentrant checkpoint stops recomputing once the last tensor backward needs is back
+    # (a transformer block's fc2: its output is saved by nothing)
+    recompute_skipped_flops: float = 0.0
     mp_allreduces: int = 0  # tensor-parallel all-reduces of a (seq, hidden) activation per forward
     boundary_elements: float = 0.0  # elements per sample sent to the next pipeline stage
     # aten ops the forward of one micro-batch dispatches (views included; the head counts its

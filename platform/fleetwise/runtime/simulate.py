@@ -6,16 +6,15 @@ The pieces, usable on their own (a test mode can take any of them):
 - `init_fake_world(rank, world_size)`: the `fake` process-group backend (torch's FakeProcessGroup):
   every collective "succeeds" at once, moving nothing; the DeviceMesh and its subgroups are real.
 - `FakeExecution`: a context holding a `FakeTensorMode` (tensors with shapes, dtypes and storages
-  but no data) and `HostReads`, which answers host reads of a device scalar (`.item()`,
-  `float(t)`, `bool(t)` = `aten._local_scalar_dense`, refused by fake tensors) with a placeholder:
-  1 -- a finite flag is "finite", a vote is "yes" (torch.distributed.pipelining's P2P warm-up vote
-  then picks static shapes, which is what the fake backend can serve).
-  `FakeExecution.allocate` is the `allocate` hook of `runtime.parallelize.parallelize`: a meta-built
-  part gets fake storage instead of real memory and initial values.
-- `CollectiveBytes`: a dispatch mode counting the bytes each collective moves, by mesh dimension.
+  but no data). `FakeExecution.allocate` is the `allocate` hook of `runtime.parallelize.parallelize`:
+  a meta-built part gets fake storage instead of real memory and initial values.
+- `Counters`: one dispatch mode that answers host reads of device scalars with placeholders and
+  counts the bytes each collective sends (by mesh dimension) and the FLOPs this rank computes.
+- `MetaRelay`: pipelining's stage metadata between simulated ranks, through files.
 - `simulate_rank(cfg, plan, rank, steps)`: all of the above around the unchanged `Trainer`, with
-  FLOPs from torch's `FlopCounterMode` and the live-tensor peak from the same tracker the real run
-  uses (`runtime.memory.LiveTensorBytes`, through `Trainer.memory`); returns a JSON-able report.
+  the live-tensor peak from the same tracker the real run uses (`runtime.memory.LiveTensorBytes`,
+  through `Trainer.memory`); micro-batches sampled at two small counts and scaled (see the section
+  below); returns a JSON-able report.
 
 Traps (torch 2.13, CPU build): DeviceMesh creation and `parallelize_module` / `fully_shard` must run
 outside `FakeTensorMode` (mesh coordinates call `nonzero`); only allocation and the steps run inside.
@@ -205,6 +204,24 @@ _NOT_COUNTED = {
 }
 
 
+def _cpu_attention_formulas() -> dict:
+    """FLOP formulas for the CPU flash-attention kernels, which torch's registry lacks (it has the
+    CUDA ones): the same counts as torch's flash attention -- forward QK^T and scores.V; backward
+    five such matmuls (the scores recomputed, then the gradients of scores, V, Q and K)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    def forward(query, key, value, *args, out_val=None, **kwargs) -> int:
+        return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+    def backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+    return {
+        _aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        _aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
+
+
 class Counters(TorchDispatchMode):
     """Everything the dry run counts per op, in one dispatch mode (each mode on the stack costs a
     Python round trip per op, and a DTensor op crosses the stack twice: itself, then its local op):
@@ -226,7 +243,7 @@ class Counters(TorchDispatchMode):
 
         super().__init__()
         self.labels = labels
-        self.formulas = flop_registry
+        self.formulas = {**flop_registry, **_cpu_attention_formulas()}
         self.reads = 0
         self.flops = 0
         self.paused = False  # pipelining's one-time stage initialization is not a step's work

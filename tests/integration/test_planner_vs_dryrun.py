@@ -1,0 +1,76 @@
+"""The planner held against the dry run (the real runtime on fake tensors), per simulated rank.
+
+A table of small layouts (gpt/tiny; the dry run is the reference, see test_dryrun.py for the dry
+run against real runs). Targets: FLOPs within 1%, collective bytes within 1%, peak memory within
+3%. Where a layout is known to miss a target, its bound is its measured error today (KNOWN), so it
+cannot get worse unseen; the full-size layouts are in `make bench` (scripts/bench.py, suite
+planner_scale).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+
+GPT = ("recipe=gpt/tiny", "optim=adamw")
+LAYOUTS = {
+    # 8 fake ranks, ZeRO-3 (FSDP reshards after forward): roles 0 and 7
+    "sharding3_w8": ("strategy=sharding", "strategy.sharding_stage=3", "hardware.devices_per_node=8"),
+    "mp2_sequence_parallel": (
+        "strategy=mp",
+        "strategy.mp_degree=2",
+        "strategy.sequence_parallel=true",
+        "hardware.devices_per_node=2",
+    ),
+    # 16 micro-batches: the dry run samples two small counts and scales (checked against --exact)
+    "pp2_1F1B_16mb": (
+        "strategy=pp",
+        "strategy.schedule=1F1B",
+        "hardware.devices_per_node=2",
+        "train.global_batch_size=32",
+        "train.micro_batch_size=2",
+    ),
+}
+# (layout, quantity) -> bound on |planner / dry run - 1| where the 3% / 1% targets are not met yet
+KNOWN = {
+    ("sharding3_w8", "memory"): 0.06,  # planner -5.6%
+    ("mp2_sequence_parallel", "mp"): 0.03,  # planner -2.7%: the vocabulary-parallel loss's all-reduces
+}
+
+
+def _dryrun(tmp_path, *args):
+    r = run_cli("dryrun", *GPT, *args, "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)["ranks"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_planner_matches_the_dry_run(tmp_path, name):
+    ranks = _dryrun(tmp_path, *LAYOUTS[name])
+    for x in ranks:
+        cmp = x["planner"]
+        print(
+            f"\n{name} rank {x['rank']}: memory {cmp['memory_bytes']['rel']:+.2%}, "
+            f"flops {cmp['flops_per_step']['rel']:+.2%}, comm "
+            + ", ".join(f"{d} {v['rel']:+.2%}" for d, v in cmp["comm_bytes_per_step"].items() if v["dryrun"])
+        )
+        assert abs(cmp["flops_per_step"]["rel"]) <= 0.01, (x["rank"], cmp["flops_per_step"])
+        assert abs(cmp["memory_bytes"]["rel"]) <= KNOWN.get((name, "memory"), 0.03), (
+            x["rank"],
+            cmp["memory_bytes"],
+        )
+        for dim, v in cmp["comm_bytes_per_step"].items():
+            if v["dryrun"] or v["planner"]:
+                assert abs(v["rel"]) <= KNOWN.get((name, dim), 0.01), (x["rank"], dim, v)
+    if name == "pp2_1F1B_16mb":
+        # sampling (simulated 3+4 / 2+3 micro-batches, scaled to 16) equals simulating all 16
+        assert all(x["microbatches"]["scaled"] for x in ranks)
+        exact = _dryrun(tmp_path, *LAYOUTS[name], "--exact")
+        for a, b in zip(ranks, exact, strict=True):
+            assert not b["microbatches"]["scaled"]
+            assert a["memory_bytes"]["peak"] == b["memory_bytes"]["peak"]
+            assert a["flops_per_step"] == b["flops_per_step"]
+            assert a["comm_by_op"] == b["comm_by_op"] and a["comm_calls"] == b["comm_calls"]
