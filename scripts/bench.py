@@ -1,6 +1,6 @@
 """fleetwise benchmarks: the platform against plain PyTorch, the planner against reality.
 
-    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu,auto,scale] [--quick]
+    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu,auto,multihost,scale] [--quick]
                             [--reps 3] [--out bench]          (make bench runs all suites)
 
 Writes OUT/results.json (every row, every target, met or missed) and OUT/results.md (the tables,
