@@ -275,19 +275,23 @@ class Bench:
             return {"skipped": why, "rows": []}
         link = self.LINK
         steps = WARMUP + (4 if self.quick else 10)
-        rows = []
+        rows, applied = [], {}
         with nh.Hosts(2) as hosts:
             for name, overrides in self.MULTIHOST:
                 row = {"config": name}
                 for shaped in (False, True):
-                    if shaped:
-                        hosts.shape(link["rate"], link["delay"])
-                    keys = [f"hardware.inter_node_gbps={link['inter_node_gbps']}",
-                            f"hardware.inter_node_latency_us={link['inter_node_latency_us']}"] if shaped else []  # fmt: skip
+                    keys = []
+                    if shaped:  # the plan is told what the link really got (no delay without netem)
+                        applied = hosts.shape(link["rate"], link["delay"])
+                        keys = [f"hardware.inter_node_gbps={link['inter_node_gbps']}"]
+                        if applied["delay"]:
+                            keys.append(f"hardware.inter_node_latency_us={link['inter_node_latency_us']}")
                     args = [*overrides, *keys, "hardware=local", "hardware.nodes=2", "hardware.devices_per_node=1",
                             f"train.steps={steps}", f"launch.rdzv_endpoint={hosts.addrs[0]}:29555"]  # fmt: skip
                     self.runs += 1
-                    dirs = [self.tmp / f"run{self.runs}_{i}" for i in range(2)]
+                    dirs = [
+                        self.tmp / f"run{self.runs}"
+                    ] * 2  # shared, as node 0 logs the model from every shard
                     procs = [
                         hosts.popen(
                             i,
@@ -321,7 +325,7 @@ class Bench:
                 row["planned_link_s"] = row["shaped_planned_s"] - row["unshaped_planned_s"]
                 rows.append(row)
                 hosts.unshape()
-        return {"link": link, "load_average": os.getloadavg(), "rows": rows}
+        return {"link": link, "applied": applied, "load_average": os.getloadavg(), "rows": rows}
 
     PLANNER = [
         ("dp, 1 rank", ["recipe=gpt/tiny", "hardware.devices_per_node=1"]),
@@ -600,8 +604,13 @@ def markdown(results: dict) -> str:
             out.append(f"skipped: {mh['skipped']}")
         else:
             lk = mh["link"]
-            out.append(f"network namespaces, tc netem {lk['rate']} + {lk['delay']} each way on every host's link; plan: "
-                       f"hardware.inter_node_gbps={lk['inter_node_gbps']}, inter_node_latency_us={lk['inter_node_latency_us']} · "
+            ap = mh["applied"]
+            delay = (
+                f" + {ap['delay']} each way" if ap.get("delay") else " (no delay: this kernel has no netem)"
+            )
+            latency = f", inter_node_latency_us={lk['inter_node_latency_us']}" if ap.get("delay") else ""
+            out.append(f"network namespaces, tc {ap.get('qdisc')} {ap.get('rate')}{delay} on every host's link; plan: "
+                       f"hardware.inter_node_gbps={lk['inter_node_gbps']}{latency} · "
                        f"load average {mh['load_average'][0]:.1f}\n")  # fmt: skip
             out.append(table(["config", "unshaped: plan", "measured", "shaped: plan", "measured", "link cost: plan", "measured"],
                              [[r["config"], f"{r['unshaped_planned_s'] * 1e3:.1f} ms", f"{r['unshaped_measured_s'] * 1e3:.1f} ms",

@@ -8,7 +8,8 @@ Try a multi-node fleetwise job on one machine (root, or CAP_NET_ADMIN + CAP_SYS_
 
 runs the command once per host, inside that host's namespace, with {rank}, {addr} (this host's
 address) and {addr0} (host 0's) filled in, waits for all of them and exits with the first non-zero
-exit status. Without a command it creates the hosts, prints how to enter them (`ip netns exec NAME
+exit status (`--shape 1gbit,0.5ms`, given before the host count, shapes every host's link). Without
+a command it creates the hosts, prints how to enter them (`ip netns exec NAME
 ...`) and keeps them until Ctrl-C or SIGTERM.
 
 Layout: a namespace "switch" holding a bridge, and per host a namespace with a veth pair whose
@@ -178,17 +179,21 @@ class Hosts:
         """Take host i's cable out (down) or plug it back in (up): its switch port."""
         _ip("-n", self.switch, "link", "set", f"p{i}", "up" if up else "down")
 
-    def shape(self, rate: str = "1gbit", delay: str = "0.5ms") -> None:
+    def shape(self, rate: str = "1gbit", delay: str = "0.5ms") -> dict:
         """Every host's outgoing traffic at `rate` with `delay` added (tc netem on each eth0):
         between two hosts a packet sees one delay, a round trip two; traffic inside a host (lo)
-        is not shaped."""
+        is not shaped. A kernel without netem (sch_netem) gets the rate alone (tbf) and no delay.
+        Returns what was applied: {"qdisc", "rate", "delay" (None without netem)}."""
+        applied = {"qdisc": "netem", "rate": rate, "delay": delay}
         for ns in self.names:
-            subprocess.run(
-                [IP, "netns", "exec", ns, TC, "qdisc", "replace", "dev", self.iface, "root", "netem"]
-                + ["delay", delay, "rate", rate, "limit", "100000"],
-                check=True,
-                capture_output=True,
+            tc = [IP, "netns", "exec", ns, TC, "qdisc", "replace", "dev", self.iface, "root"]
+            r = subprocess.run(
+                tc + ["netem", "delay", delay, "rate", rate, "limit", "100000"], capture_output=True
             )
+            if r.returncode != 0:
+                applied = {"qdisc": "tbf", "rate": rate, "delay": None}
+                subprocess.run(tc + ["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"], check=True)
+        return applied
 
     def unshape(self) -> None:
         """Back to unshaped links (the default qdisc)."""
@@ -238,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         with Hosts(args.hosts) as hosts:
             if args.shape:
                 rate, _, delay = args.shape.partition(",")
-                hosts.shape(rate, delay or "0ms")
+                print(f"links shaped: {hosts.shape(rate, delay or '0ms')}", flush=True)
             for i, (ns, addr) in enumerate(zip(hosts.names, hosts.addrs, strict=True)):
                 print(f"host {i}: {addr} on {hosts.iface}   ip netns exec {ns} COMMAND", flush=True)
             if not command:
