@@ -683,7 +683,9 @@ def _comm(
     vol = {"dp": 0.0, "sharding": 0.0, "mp": 0.0, "pp": 0.0}
     calls = {"dp": 0, "sharding": 0, "mp": 0, "pp": 0}
     grad_bytes = FP32 * p
-    units_per_rank = [_rank_units(chunks, ranks, rank) for rank in range(pp)]
+    units_per_rank: list[list[Unit]] = [[] for _ in range(pp)]  # one pass (a search plans thousands)
+    for c, r in enumerate(ranks):
+        units_per_rank[r].extend(chunks[c])
     worst_units = max(units_per_rank, key=lambda us: sum(u.params for u in us))
     n_units = max(1, len(worst_units))
 
