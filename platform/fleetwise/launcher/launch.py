@@ -269,16 +269,17 @@ def is_secret_name(name: str) -> bool:
     return name.upper().startswith(SECRET_PREFIXES) or bool(SECRET_NAME.search(name.upper()))
 
 
-# glibc malloc in the ranks (unless the user set these): blocks from 16 MiB up are mapped and given
+# glibc malloc in the ranks (unless the user set these): blocks from 4 MiB up are mapped and given
 # back to the system when freed, and at most 2 heap arenas. With glibc's adaptive defaults, the
 # whole-parameter temporaries of layout-invariant initialization and FSDP's per-unit buffers stay
-# in the heap once freed: a 2-rank ZeRO-3 GPT (235M parameters, fp32) held 2.45 GB of RSS per rank
-# for 1.71 GB of live tensors; 2.15 GB with these. A lower threshold (1 MiB: 2.07 GB) maps and
-# faults in every activation of a mid-size model each step: a d=512 GPT's step was 15-20% slower.
+# in the heap once freed. Measured (RSS per rank, fp32 ZeRO-3 GPTs; a d=512 GPT's step on 2 ranks):
+# glibc-like 2.45 GB (235M, 2 ranks) / 759-796 ms; 1 MiB 2.07 GB / 2.18 GB (0.84B, 8 ranks) but
+# 894-972 ms, every activation mapped and faulted in each step; 4 MiB 2.39 GB (0.84B) / 809-832 ms;
+# 16 MiB 2.15 GB (235M) / 2.49 GB (0.84B) / 778-902 ms.
 HOST_MALLOC = {
     "MALLOC_ARENA_MAX": "2",
-    "MALLOC_MMAP_THRESHOLD_": str(16 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(16 << 20),
+    "MALLOC_MMAP_THRESHOLD_": str(4 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(4 << 20),
 }
 
 
