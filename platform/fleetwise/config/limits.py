@@ -180,7 +180,7 @@ def _server_address(cfg: RunConfig) -> Iterator[Problem]:
                 "set strategy.server_address=127.0.0.1 (one node) or this host's private address",
             )
             return
-    loopback = addr == "localhost" or (ip is not None and ip.is_loopback)
+    loopback = _is_loopback(addr)
     if ip is not None and ip.is_unspecified:
         yield Problem(
             "strategy.server_address",
@@ -201,7 +201,12 @@ def _server_address(cfg: RunConfig) -> Iterator[Problem]:
 
 def _loopback_endpoint(cfg: RunConfig) -> bool:
     """Every node of the job on this machine (the rendezvous on a loopback address)."""
-    host = cfg.launch.rdzv_endpoint.rpartition(":")[0].strip("[]")
+    return _is_loopback(cfg.launch.rdzv_endpoint.rpartition(":")[0].strip("[]"))
+
+
+def _is_loopback(host: str) -> bool:
+    """`localhost` or a loopback IP address (a host name is not resolved here: no network on the
+    validation path)."""
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
