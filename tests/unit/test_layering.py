@@ -44,3 +44,14 @@ def test_models_and_data_import_nothing_above_them():
         if name.startswith(above)
     ]
     assert not wrong, wrong
+
+
+def test_importing_fleetwise_imports_no_torch():
+    """`import fleetwise` (for `fleetwise.load_model`) stays torch-free, as the README promises:
+    torch is imported when load_model is called, not before."""
+    import subprocess
+    import sys
+
+    code = "import sys, fleetwise; assert callable(fleetwise.load_model); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
