@@ -300,9 +300,6 @@ class Counters(TorchDispatchMode):
             self.flops += formula(*args, **kwargs, out_val=out) // _split(out)
         return out
 
-    def by_group(self) -> dict[str, int]:
-        return {g: int(round(sum(ops.values()))) for g, ops in self.bytes.items()}
-
     def snapshot(self) -> dict[str, Any]:
         """The counts so far, JSON-able."""
         return {
