@@ -3,8 +3,8 @@
     import fleetwise
     model = fleetwise.load_model("outputs/2026-11-24/05-30-00-123456")   # or a checkpoint directory
 
-`path` is a run directory (its final weights, `model/`, or its newest complete checkpoint, whichever
-was written last) or one checkpoint directory. The model is rebuilt from the run's `config.yaml`
+`path` is a run directory (its final weights: the newest complete checkpoint of a job that
+checkpoints, else `model/` -- the weights the job logs to MLflow) or one checkpoint directory. The model is rebuilt from the run's `config.yaml`
 (the same family code the ranks ran), its weights consolidated from the DCP shards through the
 verified reader that `fleetwise checkpoint export` uses (checksums, allow-listed metadata), and
 returned on the CPU in eval mode, whatever layout trained it.
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def weights_of(path: Path) -> tuple[Path, Path]:
     """(DCP directory holding the weights, directory holding the config.yaml) of a run or checkpoint."""
-    from fleetwise.runtime.checkpoint_files import complete_checkpoints
+    from fleetwise.runtime.checkpoint_files import final_weights
 
     path = Path(path)
     if (path / ".metadata").exists():  # a checkpoint (its config is inside) or a run's model/
@@ -33,18 +33,14 @@ def weights_of(path: Path) -> tuple[Path, Path]:
         raise FileNotFoundError(
             f"{path} is neither a fleetwise run directory nor a checkpoint (no config.yaml)"
         )
-    candidates = complete_checkpoints(path)[-1:]
-    final = path / rundir.MODEL_DIR
-    if (final / ".metadata").exists():
-        candidates.append(final)
-    if not candidates:
+    weights = final_weights(rundir.read_config(path), path)  # what the job itself logs as its model
+    if weights is None:
         raise FileNotFoundError(
             f"{path} holds no trained weights: no complete checkpoint and no {rundir.MODEL_DIR}/ "
             "(train with checkpoint.enabled=true, or tracking.log_model=true; strategy=ps jobs keep "
             "their parameters in the servers' shards under ps/)"
         )
-    newest = max(candidates, key=lambda p: (p / ".metadata").stat().st_mtime)
-    return newest, path
+    return weights, path
 
 
 def load_model(path: str | Path) -> nn.Module:
