@@ -45,6 +45,37 @@ def init_fake_world(rank: int, world_size: int) -> None:
 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    _works_hold_their_tensors()
+
+
+class _Works(list):
+    """A list of point-to-point Works that, like gloo's and NCCL's, keeps the tensors they send
+    or receive alive for as long as the Works themselves are kept."""
+
+    tensors: list[torch.Tensor]
+
+
+def _works_hold_their_tensors() -> None:
+    """Give the fake backend's point-to-point Works the lifetime of real ones. A gloo (or NCCL)
+    send Work holds the tensor it sends until the Work object is dropped; the fake backend's Work
+    holds nothing. torch's multi-stage schedules keep every send's Work until the end of the step
+    ("wait for them at the end"), so without this every sent activation and gradient would be
+    freed early: measured on gpt/tiny, interleaved 1F1B pp2 v2, the dry run was 262,144 B (7%)
+    below the real run -- exactly its 16 sends of 16 KiB. Patched where the schedules look it up
+    (`schedules._batch_p2p`), in this simulation process only."""
+    from torch.distributed.pipelining import schedules
+
+    if hasattr(schedules._batch_p2p, "original"):  # installed already
+        return
+    original = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops, desc=None):
+        works = _Works(original(p2p_ops, desc=desc))
+        works.tensors = [op.tensor for op in p2p_ops]
+        return works
+
+    batch_p2p.original = original
+    schedules._batch_p2p = batch_p2p
 
 
 class MetaRelay:
