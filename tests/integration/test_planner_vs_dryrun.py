@@ -32,6 +32,15 @@ LAYOUTS = {
         "train.global_batch_size=32",
         "train.micro_batch_size=2",
     ),
+    # two chunks per rank: every send is held to the end of the step (planner._pipeline_buffers)
+    "pp2_interleaved_1F1B_32mb": (
+        "strategy=pp",
+        "strategy.schedule=interleaved_1F1B",
+        "strategy.virtual_stages=2",
+        "hardware.devices_per_node=2",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=2",
+    ),
 }
 # (layout, quantity) -> bound on |planner / dry run - 1| where the 3% / 1% targets are not met yet
 KNOWN = {

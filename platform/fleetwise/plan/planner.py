@@ -33,7 +33,7 @@ from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy, PSStrategy
 from fleetwise.families import family_of, model_units
-from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, split_layers
+from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, is_interleaved, split_layers
 from fleetwise.plan.ps import placement as ps_placement
 from fleetwise.plan.units import Unit
 
@@ -310,8 +310,15 @@ def _pipeline_buffers(
     receive buffers of runtime/pipeline_stage.py (a set per micro-batch between its receive and the
     end of its backward, reused: `recv_buffer_sets`) for the activations it receives (all but the
     first chunk; those of in-flight micro-batches are the first block's saved input already) and
-    for the gradients (all but the last chunk); and each in-flight micro-batch's output, kept until
-    its backward."""
+    for the gradients (all but the last chunk); and the outputs it sends on: each in-flight
+    micro-batch's output is kept until its backward.
+
+    torch's multi-stage schedules (interleaved, zero bubble, looped BFS: `is_interleaved`) keep
+    every send's Work to the end of the step, and a gloo or NCCL Work holds the tensor it sends:
+    there every output and every input gradient sent to another rank stays until the step ends.
+    The rank's peak comes late in the step (measured in the dry run on gpt/tiny, pp 2, v 2: the
+    gap grew by exactly one boundary tensor per send per micro-batch), so all n are counted."""
+    mine = set(local)
     total = 0.0
     for i, c in enumerate(local):
         held = min(n, flight.get(i, 1))
@@ -319,7 +326,16 @@ def _pipeline_buffers(
         if c > 0:
             total += max(0, activations - held) * b * chunks[c - 1][-1].boundary_elements
         if c < len(chunks) - 1:
-            total += (gradients + held) * b * chunks[c][-1].boundary_elements
+            total += gradients * b * chunks[c][-1].boundary_elements
+        if not is_interleaved(schedule):
+            if c < len(chunks) - 1:
+                total += held * b * chunks[c][-1].boundary_elements
+            continue
+        if c < len(chunks) - 1:  # outputs: sent to the next chunk's rank, or kept for the backward
+            total += (n if c + 1 not in mine else held) * b * chunks[c][-1].boundary_elements
+        # input gradients sent back; looped BFS peaks at the end of its all-forward phase, before any
+        if c > 0 and c - 1 not in mine and schedule != "looped_BFS":
+            total += n * b * chunks[c - 1][-1].boundary_elements
     return total
 
 
