@@ -33,7 +33,13 @@ from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy, PSStrategy
 from fleetwise.families import family_of, model_units
-from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, is_interleaved, split_layers
+from fleetwise.plan.pipeline import (
+    bubble_fraction,
+    chunk_ranks,
+    chunks_in_flight,
+    is_interleaved,
+    split_layers,
+)
 from fleetwise.plan.ps import placement as ps_placement
 from fleetwise.plan.units import Unit
 
