@@ -104,6 +104,51 @@ def test_pipeline_schedule_arithmetic():
     assert sum(chunks_in_flight("interleaved_1F1B", 2, 2, 4, 0).values()) == 5
 
 
+def _torch_peak_in_flight(schedule: str, pp: int, v: int, n: int, rank: int) -> dict[int, int]:
+    """Per local chunk, the micro-batches whose activations torch's own action list for `rank`
+    holds (forwards run, weight gradients not yet: a zero-bubble input-gradient step keeps the
+    graph) at the moment the rank holds the most."""
+    from collections import defaultdict
+
+    from torch.distributed.pipelining import schedules as S
+
+    cls = {
+        "interleaved_1F1B": S.ScheduleInterleaved1F1B,
+        "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble,
+        "ZBV_zero_bubble": S.ScheduleZBVZeroBubble,
+    }[schedule]
+    # only the order generator runs: the attributes it reads, without stages or a process group
+    sched = cls.__new__(cls)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, n
+    sched.number_of_rounds = max(1, n // pp)
+    sched.microbatches_per_round = n // sched.number_of_rounds
+    sched._num_stages = sched.num_stages = pp * v
+    held: dict[int, int] = defaultdict(int)
+    best, at = -1, {}
+    for action in sched._calculate_single_rank_operations(rank):
+        if action is None:
+            continue
+        kind = action.computation_type
+        if kind == S._ComputationType.FORWARD:
+            held[action.stage_index] += 1
+        if kind in (S._ComputationType.FULL_BACKWARD, S._ComputationType.BACKWARD_WEIGHT):
+            held[action.stage_index] -= 1
+        if sum(held.values()) > best:
+            best, at = sum(held.values()), dict(held)
+    return {i: at.get(stage, 0) for i, stage in enumerate(sorted(held))}
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1F1B", "interleaved_zero_bubble", "ZBV_zero_bubble"])
+def test_micro_batches_in_flight_follow_torchs_action_lists(schedule):
+    cases = [(2, 2, 4), (2, 2, 8), (4, 2, 4), (4, 2, 16), (8, 2, 32)]
+    if schedule != "ZBV_zero_bubble":  # ZBV is defined for v = 2 only
+        cases.append((4, 3, 8))
+    for pp, v, n in cases:
+        for rank in range(pp):
+            want = _torch_peak_in_flight(schedule, pp, v, n, rank)
+            assert chunks_in_flight(schedule, pp, v, n, rank) == want, (pp, v, n, rank)
+
+
 def test_gpipe_keeps_more_activations_than_1f1b():
     base = (
         "recipe=gpt/tiny",
