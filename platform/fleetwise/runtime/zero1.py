@@ -123,6 +123,7 @@ class Zero1:
         self.buckets: list[_Bucket] = []
         self.slots: dict[int, _Slot] = {}
         self.optimizer: torch.optim.Optimizer | None = None
+        self.device = torch.device("cpu")  # the parameters' (set by build)
 
     # ------------------------------------------------------------------------------------------------
     def build(self) -> torch.optim.Optimizer:
@@ -131,6 +132,7 @@ class Zero1:
         if self.optimizer is not None:
             return self.optimizer
         d, device = self.d, next(self.part.parameters()).device
+        self.device = device
         named = [(model_name(n), p) for n, p in self.part.named_parameters() if p.requires_grad]
         # 1. fp32 masters from the initial (fp32) values, then 16-bit working weights
         groups: list[list[_Slot]] = []
@@ -269,7 +271,7 @@ class Zero1:
                 and s.master.numel()
                 and any(isinstance(pl, (Shard, _StridedShard)) for pl in s.placements[1:]) == sharded
             ]
-            sq = torch.zeros((), dtype=torch.float32, device=self.buckets[0].grad.device)
+            sq = torch.zeros((), dtype=torch.float32, device=self.device)
             if grads:
                 sq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
             out.append(sq)
