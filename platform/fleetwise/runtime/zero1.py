@@ -13,11 +13,15 @@ What a rank holds, d = the sharding degree (bytes per parameter, Adam):
 i.e. Megatron's 6 + 12/d with bf16 and 8 + 8/d with fp32 (+ 4/d for the reduced shard, which
 Megatron reduces in place inside its buffer).
 
-Layout. Every parameter (its local tensor: a tensor-parallel shard under mp) is cut along dim 0
-into d chunks of c = ceil(rows / d) rows -- torch.chunk's rule, DTensor Shard(0)'s and FSDP2's --
-and rank r owns chunk r. A bucket of parameters lays its buffers out rank-major, [d, S]: row r
-holds chunk r of each parameter, so one reduce-scatter of the gradient buffer leaves every rank
-its chunks, summed, and one all-gather of the ranks' updated masters brings every chunk back.
+Layout. Every parameter (its local tensor: a tensor-parallel shard under mp) is cut into d
+pieces along dim 0, c = ceil(rows / d) rows each -- torch.chunk's rule, DTensor Shard's and
+FSDP2's -- and rank r owns piece r. A tensor-parallel shard of dim 0 (column-parallel weights, the
+vocabulary-parallel embedding and head) is cut along dim 1 instead, so that its master is a plain
+DTensor (Shard(1) over sharding, Shard(0) over mp; any sizes, even uneven), and a 1-D one (a
+column-parallel bias: a few elements) is kept whole by every sharding rank. A bucket of parameters
+lays its buffers out rank-major, [d, S]: row r holds piece r of each parameter, so one
+reduce-scatter of the gradient buffer leaves every rank its pieces, summed, and one all-gather of
+the ranks' updated masters brings every piece back.
 
 A step:
 1. backward: a post-accumulate-grad hook adds each fresh gradient into the fp32 buffer and drops
@@ -33,9 +37,9 @@ No DDP, no hooks into a schedule: this works under tensor parallelism (the local
 what is cut), under a pipeline schedule (gradients accumulate across its micro-batches; the
 reduce happens once per step after it) and on fake tensors (the dry run).
 
-Checkpoints: each master chunk (and its optimizer state) is a DTensor over (sharding[, mp]) with
-the parameter's global shape -- Shard(0) over sharding on top of the parameter's own TP placement
--- under the same names every other engine uses (`model.<param>`, `state.<param>.<key>`), so DCP
+Checkpoints: each master piece (and its optimizer state) is a DTensor over (sharding[, mp]) with
+the parameter's global shape -- its ZeRO cut over sharding on top of the parameter's own TP
+placement -- under the same names every other engine uses (`model.<param>`, `state.<param>.<key>`), so DCP
 reshards them to any other sharding degree or engine.
 """
 
@@ -50,7 +54,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from fleetwise.config.engine import ZERO1_BUCKET_ELEMENTS as BUCKET_ELEMENTS
 from fleetwise.config.run import OptimConfig
@@ -59,25 +62,57 @@ from fleetwise.models.init import model_name
 
 @dataclass
 class _Slot:
-    """One parameter's place in its bucket."""
+    """One parameter's place in its bucket: which piece of its local tensor each rank owns.
+
+    mode "rows": chunks along dim 0 (torch.chunk's rule); "cols": along dim 1 (a tensor-parallel
+    shard of dim 0: DTensor cannot stack two uneven shardings of one dim, so ZeRO cuts the other);
+    "whole": every sharding rank keeps all of it (a 1-D tensor-parallel shard of dim 0: a bias,
+    a few elements)."""
 
     name: str  # the plain model's name
     param: nn.Parameter  # the working weight
-    offset: int  # where its chunk starts in a bucket row
-    rows: int  # dim 0 of its local tensor
-    row_numel: int  # elements per row
-    chunk: int  # rows per chunk: ceil(rows / d)
-    mine: int  # rows of this rank's chunk (torch.chunk: the last ones may be short or empty)
-    master: nn.Parameter | None = None  # the fp32 master of this rank's chunk
+    mode: str  # rows | cols | whole
+    shape: tuple[int, ...]  # its local tensor's
+    d: int
+    offset: int = 0  # where its piece starts in a bucket row
+    master: nn.Parameter | None = None  # the fp32 master of this rank's piece
     placements: tuple = ()  # the master's DTensor placements over the checkpoint mesh
     bucket: _Bucket | None = None
 
+    @property
+    def dim(self) -> int:
+        return 1 if self.mode == "cols" else 0
+
+    @property
+    def chunk(self) -> int:
+        return self.shape[self.dim] if self.mode == "whole" else math.ceil(self.shape[self.dim] / self.d)
+
     def valid(self, r: int) -> int:
-        return max(0, min(self.chunk, self.rows - r * self.chunk))
+        """Length along `dim` of rank r's piece."""
+        if self.mode == "whole":
+            return self.shape[0]
+        return max(0, min(self.chunk, self.shape[self.dim] - r * self.chunk))
+
+    def piece_shape(self, n: int) -> tuple[int, ...]:
+        shape = list(self.shape)
+        shape[self.dim] = n
+        return tuple(shape)
 
     @property
     def width(self) -> int:
-        return self.chunk * self.row_numel
+        """Elements of a bucket row it takes (the largest piece)."""
+        return math.prod(self.piece_shape(self.chunk))
+
+    def piece(self, t: torch.Tensor, r: int) -> torch.Tensor:
+        """Rank r's piece of a tensor of the local shape (a view)."""
+        if self.mode == "whole":
+            return t
+        return t.narrow(self.dim, r * self.chunk, self.valid(r))
+
+    def region(self, row: torch.Tensor, r: int) -> torch.Tensor:
+        """Where rank r's piece lives in a bucket row (a view, shaped like the piece)."""
+        shape = self.piece_shape(self.valid(r))
+        return row[self.offset : self.offset + math.prod(shape)].view(shape)
 
 
 class _Bucket:
@@ -86,10 +121,9 @@ class _Bucket:
         self.row = sum(s.width for s in slots)  # S
         self.grad = torch.zeros(d * self.row, dtype=torch.float32, device=device)  # fp32, whole
         self.shard_grad: torch.Tensor | None = None  # this rank's reduced row, reduce .. zero_grad
-        # 16-bit training: the fp32 masters of this rank's row (fp32: the working weights' own chunks)
-        self.masters = (
-            torch.empty(self.row, dtype=torch.float32, device=device) if dtype != torch.float32 else None
-        )
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(self.d, self.row)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -124,6 +158,7 @@ class Zero1:
         self.slots: dict[int, _Slot] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.device = torch.device("cpu")  # the parameters' (set by build)
+        self._own_masters: list[torch.Tensor] = []  # masters that are not the working weights' own
 
     # ------------------------------------------------------------------------------------------------
     def build(self) -> torch.optim.Optimizer:
@@ -140,12 +175,9 @@ class Zero1:
         for name, p in named:
             local = _local(p)
             if local.dim() == 0:
-                raise ValueError(f"ZeRO-1 cuts parameters along dim 0; {name} is a scalar")
-            rows = local.shape[0]
-            row_numel = local[0].numel() if rows else 0
-            chunk = math.ceil(rows / d)
-            slot = _Slot(name, p, 0, rows, row_numel, chunk, 0, placements=self._placements(name, p, rows))
-            slot.mine = slot.valid(self.rank)
+                raise ValueError(f"ZeRO-1 cuts parameters along a dimension; {name} is a scalar")
+            mode, placements = self._layout(p)
+            slot = _Slot(name, p, mode, tuple(local.shape), d, placements=placements)
             if not groups or size + slot.width * d > BUCKET_ELEMENTS:
                 groups.append([])
                 size = 0
@@ -157,20 +189,17 @@ class Zero1:
             self.buckets.append(bucket)
             for s in slots:
                 s.bucket = bucket
-                first = self.rank * s.chunk
-                own = _local(s.param).detach()[first : first + s.mine]
-                if bucket.masters is not None:
-                    view = bucket.masters[s.offset : s.offset + s.mine * s.row_numel].view(own.shape)
-                    view.copy_(own)
-                    s.master = nn.Parameter(view)
-                else:  # fp32: the master is the working weight's own chunk (updated in place)
-                    s.master = nn.Parameter(own)
+                own = s.piece(_local(s.param).detach(), self.rank)
+                if self.working_dtype == torch.float32 and s.mode == "rows":
+                    s.master = nn.Parameter(own)  # fp32: the working weight's own chunk, updated in place
+                else:
+                    s.master = nn.Parameter(own.to(torch.float32, copy=True).contiguous())
+                    self._own_masters.append(s.master)
         if self.working_dtype != torch.float32:
             self._cast_working_weights()
-        for bucket in self.buckets:
-            for s in bucket.slots:
-                self.slots[id(s.param)] = s
-                s.param.register_post_accumulate_grad_hook(self._accumulate)
+        for s in self.all_slots():
+            self.slots[id(s.param)] = s
+            s.param.register_post_accumulate_grad_hook(self._accumulate)
         self.optimizer = self._build_optimizer([s.master for s in self.all_slots()], self.cfg)
         return self.optimizer
 
@@ -195,21 +224,17 @@ class Zero1:
         for s in self.all_slots():
             s.param = replaced.get(id(s.param), s.param)
 
-    def _placements(self, name: str, p: nn.Parameter, rows: int) -> tuple:
-        """The master chunk's placements over `ckpt_mesh` (sharding[, mp]): Shard(0) over sharding
-        applied to the TP-local tensor. Where TP shards dim 0 too, the chunks of a TP shard are
-        strided in the global tensor (FSDP2's _StridedShard, which DCP understands)."""
+    def _layout(self, p: nn.Parameter) -> tuple[str, tuple]:
+        """How ZeRO cuts a parameter's local tensor, and the master's placements over `ckpt_mesh`
+        (sharding[, mp]): Shard over sharding on top of the parameter's own TP placement."""
         if self.mp == 1:
-            return (Shard(0),)
+            return "rows", (Shard(0),)
         tp = p.placements[0] if isinstance(p, DTensor) else Replicate()
         if isinstance(tp, Shard) and tp.dim == 0:
-            if rows % self.d:
-                raise ValueError(
-                    f"{name}: its tensor-parallel shard has {rows} rows, not divisible by the sharding "
-                    f"degree {self.d} (ZeRO-1 under mp cuts dim-0-sharded parameters evenly)"
-                )
-            return (_StridedShard(0, split_factor=self.mp), Shard(0))
-        return (Shard(0), tp)
+            if p.dim() >= 2:
+                return "cols", (Shard(1), tp)
+            return "whole", (Replicate(), tp)
+        return "rows", (Shard(0), tp)
 
     def all_slots(self) -> Iterator[_Slot]:
         for bucket in self.buckets:
@@ -217,7 +242,7 @@ class Zero1:
 
     @torch.no_grad()
     def _accumulate(self, p: nn.Parameter) -> None:
-        """Add p's fresh gradient into the fp32 buffer, chunk r into row r, and drop it."""
+        """Add p's fresh gradient into the fp32 buffer, rank r's piece into row r, and drop it."""
         g = p.grad
         if g is None:
             return
@@ -226,17 +251,13 @@ class Zero1:
                 g = g.redistribute(p.device_mesh, p.placements)
             g = g._local_tensor
         s = self.slots[id(p)]
-        bucket = s.bucket
-        rows = bucket.grad.view(self.d, bucket.row)
-        flat = g.reshape(-1)
-        if s.rows == s.chunk * self.d:  # even: one strided add
-            rows[:, s.offset : s.offset + s.width].add_(flat.view(self.d, s.width))
+        rows = s.bucket.rows(s.bucket.grad)
+        if s.mode == "rows" and s.shape[0] == s.chunk * self.d:  # even chunks: one strided add
+            rows[:, s.offset : s.offset + s.width].add_(g.reshape(self.d, s.width))
         else:
             for r in range(self.d):
-                n = s.valid(r) * s.row_numel
-                if n:
-                    start = r * s.width
-                    rows[r, s.offset : s.offset + n].add_(flat[start : start + n])
+                if s.valid(r):
+                    s.region(rows[r], r).add_(s.piece(g, r))
         p.grad = None
 
     @torch.no_grad()
@@ -258,10 +279,11 @@ class Zero1:
             out.div_(self.grad_divisor)
             bucket.shard_grad = out
             for s in bucket.slots:
-                s.master.grad = out[s.offset : s.offset + s.mine * s.row_numel].view(s.master.shape)
+                s.master.grad = s.region(out, self.rank)
 
     def squared_norms(self) -> torch.Tensor:
-        """[sum of squares of the mp-replicated chunks, of the mp-sharded ones], this rank's share."""
+        """[sum of squares of the mp-replicated pieces, of the mp-sharded ones], this rank's share
+        (a piece every sharding rank holds whole counts on sharding rank 0 only)."""
         out = []
         for sharded in (False, True):
             grads = [
@@ -269,7 +291,8 @@ class Zero1:
                 for s in self.all_slots()
                 if s.master.grad is not None
                 and s.master.numel()
-                and any(isinstance(pl, (Shard, _StridedShard)) for pl in s.placements[1:]) == sharded
+                and (s.mode != "whole" or self.rank == 0)
+                and any(isinstance(pl, Shard) for pl in s.placements[1:]) == sharded
             ]
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
             if grads:
@@ -289,26 +312,24 @@ class Zero1:
         self.build()
         for bucket in self.buckets:
             send = torch.zeros(bucket.row, dtype=bucket.dtype, device=bucket.grad.device)
-            slots = [s for s in bucket.slots if s.mine]
+            slots = [s for s in bucket.slots if s.master.numel()]
             if slots:
                 torch._foreach_copy_(
-                    [send[s.offset : s.offset + s.mine * s.row_numel] for s in slots],
-                    [s.master.detach().reshape(-1) for s in slots],
+                    [s.region(send, self.rank) for s in slots], [s.master.detach() for s in slots]
                 )
             out = torch.empty(self.d * bucket.row, dtype=bucket.dtype, device=send.device)
             if self.d > 1:
                 dist.all_gather_single(out, send, group=self.group)
             else:
                 out.copy_(send)
-            rows = out.view(self.d, bucket.row)
+            rows = bucket.rows(out)
             dst, src = [], []
             for s in bucket.slots:
-                flat = _local(s.param).detach().view(-1)
-                for r in range(self.d):
-                    n = s.valid(r) * s.row_numel
-                    if n:
-                        dst.append(flat[r * s.width : r * s.width + n])
-                        src.append(rows[r, s.offset : s.offset + n])
+                local = _local(s.param).detach()
+                for r in [self.rank] if s.mode == "whole" else range(self.d):
+                    if s.valid(r) and local.numel():
+                        dst.append(s.piece(local, r))
+                        src.append(s.region(rows[r], r))
             if dst:
                 torch._foreach_copy_(dst, src)
             del send, out
@@ -356,5 +377,4 @@ class Zero1:
         grads = [b.grad for b in self.buckets] + [
             b.shard_grad for b in self.buckets if b.shard_grad is not None
         ]
-        masters = [b.masters for b in self.buckets if b.masters is not None]
-        return {"grads": grads, "optimizer": masters}
+        return {"grads": grads, "optimizer": list(self._own_masters)}
