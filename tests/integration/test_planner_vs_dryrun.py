@@ -33,7 +33,7 @@ LAYOUTS = {
         "train.micro_batch_size=2",
     ),
     # ZeRO-1 (runtime/zero1.py) with mixed precision on TP shards: 16-bit working weights, fp32
-    # gradient buffer, fp32 masters + AdamW state over sharding 2 (measured: memory -0.67%, the
+    # gradient buffer, fp32 masters + AdamW state over sharding 2 (measured: memory +0.38%; the
     # column-parallel biases every sharding rank keeps whole)
     "sh2_mp2_stage1_bf16": (
         "strategy=hybrid",

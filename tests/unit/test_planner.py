@@ -89,8 +89,7 @@ def test_zero1_memory_and_traffic_by_hand(precision, working, master):
     """ZeRO-1 (runtime/zero1.py, Megatron's distributed optimizer) on dp 2 x sharding 4: working
     weights (2 B under bf16, 4 B under fp32) and the fp32 gradient buffer whole; fp32 masters (bf16
     only: under fp32 the working weights are their own) and AdamW's two moments over d = 4 --
-    Megatron's 6 + 12/d and 8 + 8/d bytes per parameter. At the optimizer step the reduced fp32
-    gradient shard (4/d) is alive too. Per step: reduce-scatter of the fp32 gradients and
+    Megatron's 6 + 12/d and 8 + 8/d bytes per parameter (the reduce-scatter is in place). Per step: reduce-scatter of the fp32 gradients and
     all-gather of the working weights over sharding, all-reduce of the shard over dp."""
     cfg, plan = plan_of(
         "recipe=gpt/tiny",

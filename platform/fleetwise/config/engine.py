@@ -23,9 +23,8 @@ ZeRO-1 is Megatron-LM's distributed optimizer, written with plain collectives (n
 weights whole (16-bit under bf16/fp16), one fp32 gradient accumulation buffer whole, fp32 master
 weights and optimizer state sharded over `sharding`; per step one reduce-scatter of the gradients
 (+ an all-reduce of the shards across dp replicas) and one all-gather of the updated weights.
-Bytes per parameter with Adam: 6 + 16/d under bf16/fp16 (Megatron's 6 + 12/d, plus the reduced
-fp32 gradient shard, 4/d, which Megatron reduces in place), 8 + 12/d under fp32 (the master is the
-working weight itself). It works on TP shards and under every pipeline schedule.
+Bytes per parameter with Adam: Megatron's 6 + 12/d under bf16/fp16 and 8 + 8/d under fp32 (the
+master is the working weight itself; the reduce-scatter works in place in the gradient buffer). It works on TP shards and under every pipeline schedule.
 """
 
 from __future__ import annotations

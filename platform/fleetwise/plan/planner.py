@@ -301,9 +301,8 @@ def _rank_memory(
     step_grads = (0.0 if offloaded else FP32 * p / sh) if engine == "fsdp" else mem.grads
     mem.step_temporaries = (FP32 * p / (sh if engine != "ddp" else 1)) if k == 2 else 0.0
     if engine == "zero1":
-        # the reduced fp32 gradient shard lives from the reduce-scatter to the step's end; after
-        # the update one bucket's all-gather (its shard in, the whole bucket out, working dtype)
-        step_grads += FP32 * p / sh
+        # (the reduce-scatter is in place in the gradient buffer); after the update one bucket's
+        # all-gather: its shard in, the whole bucket out, in the working dtype
         bucket = min(p, ZERO1_BUCKET_ELEMENTS)
         gather = (2 if mixed else FP32) * bucket * (1 + 1 / sh)
         mem.step_temporaries = max(mem.step_temporaries, gather)

@@ -8,10 +8,9 @@ What a rank holds, d = the sharding degree (bytes per parameter, Adam):
 | gradient buffer (whole)  | 4 (fp32 accumulation)         | 4                                   |
 | master weights           | 4/d (fp32)                    | 0 (the working weights' own slice)  |
 | optimizer state          | 8/d                           | 8/d                                 |
-| reduced gradient shard   | 4/d (from reduce to step end) | 4/d                                 |
 
-i.e. Megatron's 6 + 12/d with bf16 and 8 + 8/d with fp32 (+ 4/d for the reduced shard, which
-Megatron reduces in place inside its buffer).
+i.e. Megatron's 6 + 12/d with bf16 and 8 + 8/d with fp32 (the gradients are reduce-scattered in
+place: each rank's reduced piece is its own row of the buffer).
 
 Layout. Every parameter (its local tensor: a tensor-parallel shard under mp) is cut into d
 pieces along dim 0, c = ceil(rows / d) rows each -- torch.chunk's rule, DTensor Shard's and
@@ -120,7 +119,9 @@ class _Bucket:
         self.slots, self.dtype, self.d = slots, dtype, d
         self.row = sum(s.width for s in slots)  # S
         self.grad = torch.zeros(d * self.row, dtype=torch.float32, device=device)  # fp32, whole
-        self.shard_grad: torch.Tensor | None = None  # this rank's reduced row, reduce .. zero_grad
+        self.shard_grad: torch.Tensor | None = (
+            None  # this rank's reduced row (of `grad`), reduce .. zero_grad
+        )
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(self.d, self.row)
@@ -269,11 +270,11 @@ class Zero1:
                 if s.param.grad is not None:
                     self._accumulate(s.param)
         for bucket in self.buckets:
-            out = torch.empty(bucket.row, dtype=torch.float32, device=bucket.grad.device)
+            # in place, as Megatron: this rank's row of the buffer receives the sum (NCCL and gloo
+            # both take an output that is the rank's slice of the input)
+            out = bucket.rows(bucket.grad)[self.rank]
             if self.d > 1:
                 dist.reduce_scatter_single(out, bucket.grad, group=self.group)
-            else:
-                out.copy_(bucket.grad)
             if self.dp_group is not None:
                 dist.all_reduce(out, group=self.dp_group)
             out.div_(self.grad_divisor)
