@@ -136,6 +136,53 @@ def test_a_4d_checkpoint_resumes_under_another_layout(hybrid_checkpoint, target)
     assert worst < 2e-6  # the SGD bound of every layout (measured <= 1.2e-7; it was 5e-6)
 
 
+# a global batch of 12: 2 or 3 data-parallel ranks (and one process) do the same micro-batches
+ZERO1 = (
+    "train.global_batch_size=12",
+    "strategy=hybrid",
+    "strategy.sharding_degree=2",
+    "strategy.sharding_stage=1",
+    "strategy.mp_degree=2",
+    "hardware.devices_per_node=4",
+)
+ZERO1_TARGETS = {
+    # 3 ranks: uneven chunks (64 rows in 22 + 21 + 21), and no mp: the strided TP chunks regrouped
+    "sharding3_stage1": (
+        "train.global_batch_size=12",
+        "strategy=sharding",
+        "strategy.sharding_degree=3",
+        "strategy.sharding_stage=1",
+        "hardware.devices_per_node=3",
+    ),
+    "single": ("train.global_batch_size=12", "strategy=dp", "hardware.devices_per_node=1"),
+}
+
+
+def test_zero1_resume_is_bit_identical_and_reshards(tmp_path):
+    """ZeRO-1 (runtime/zero1.py) saves its fp32 master chunks and their AdamW state as DTensors
+    under the names every engine uses: the same layout resumes bit-exactly (masters, moments, step
+    count, LR schedule), and another sharding degree or one process continues within AdamW's
+    tolerance (reduction order differs)."""
+    src = tmp_path / "zero1"
+    train(tmp_path, src, *ZERO1, "checkpoint.interval=3")
+    a, pa = losses(src), final_params(src)
+    same = tmp_path / "same"
+    truncated_copy(src, same, keep_step=3)
+    train(tmp_path, same, *ZERO1, "checkpoint.interval=3", "checkpoint.resume=auto")
+    b, pb = losses(same), final_params(same)
+    assert [b[s] for s in (4, 5, 6)] == [a[s] for s in (4, 5, 6)]
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    for name, target in ZERO1_TARGETS.items():
+        dst = tmp_path / name
+        truncated_copy(src, dst, keep_step=3)
+        train(tmp_path, dst, *target, "checkpoint.resume=auto")
+        b, pb = losses(dst), final_params(dst)
+        assert [b[s] for s in (4, 5, 6)] == pytest.approx([a[s] for s in (4, 5, 6)], abs=1e-5), name
+        worst = max((pa[k] - pb[k]).abs().max().item() for k in pa)
+        print(f"zero1 -> {name}: max |param diff| {worst:.2e}")
+        assert worst < 2e-5, (name, worst)
+
+
 @pytest.mark.parametrize("mode", ["raise", "exit", "sigkill"])
 def test_a_crashed_rank_is_restarted_and_finishes_like_an_uninterrupted_run(uninterrupted, tmp_path, mode):
     _, full = uninterrupted

@@ -23,6 +23,8 @@ CASES = {
     "dp2_bf16": ("strategy=dp", "hardware.devices_per_node=2", "train.precision=bf16"),
     "dp2_fp16": ("strategy=dp", "hardware.devices_per_node=2", "train.precision=fp16"),
     "sharding1_zero": (*SHARDING, "strategy.sharding_stage=1"),
+    # ZeRO-1's 16-bit working weights and GradScaler on its fp32 master gradients
+    "sharding1_zero_fp16": (*SHARDING, "strategy.sharding_stage=1", "train.precision=fp16"),
     "sharding2_bf16": (*SHARDING, "strategy.sharding_stage=2", "train.precision=bf16"),
     "sharding3": (*SHARDING, "strategy.sharding_stage=3"),
     "sharding2_offload": (*SHARDING, "strategy.sharding_stage=2", "strategy.offload=true"),

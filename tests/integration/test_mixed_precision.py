@@ -121,6 +121,8 @@ def test_bf16_and_fp16_train_like_one_process_of_the_same_precision(tmp_path):
         "fp32": train("fp32", "strategy=dp", procs=1),
         "bf16_one": train("bf16_one", "strategy=dp", *bf16, procs=1),
         "bf16_fsdp2": train("bf16_fsdp2", "strategy=sharding", "strategy.sharding_stage=2", *bf16, procs=2),
+        # ZeRO-1 (runtime/zero1.py): bf16 working weights under autocast, fp32 masters and gradients
+        "bf16_zero1": train("bf16_zero1", "strategy=sharding", "strategy.sharding_stage=1", *bf16, procs=2),
         "fp16_one": train_unvalidated(
             tmp_path / "fp16_one",
             *base,
@@ -146,6 +148,7 @@ def test_bf16_and_fp16_train_like_one_process_of_the_same_precision(tmp_path):
 
     print({k: f"{worst(a, b):.2e}" for k, (a, b) in {
         "bf16 fsdp-one": ("bf16_fsdp2", "bf16_one"), "fp16 ddp-one": ("fp16_ddp2", "fp16_one"),
+        "bf16 zero1-one": ("bf16_zero1", "bf16_one"),
         "bf16-fp32": ("bf16_one", "fp32"), "bf16 fsdp-fp32": ("bf16_fsdp2", "fp32"),
         "fp16-fp32": ("fp16_one", "fp32"), "fp16 ddp-fp32": ("fp16_ddp2", "fp32"),
     }.items()})  # fmt: skip
@@ -153,8 +156,9 @@ def test_bf16_and_fp16_train_like_one_process_of_the_same_precision(tmp_path):
     for name, values in loss.items():
         assert values[-1] < values[0] - 0.01, (name, values)  # it trains
     assert worst("bf16_fsdp2", "bf16_one") < 3e-4
+    assert worst("bf16_zero1", "bf16_one") < 3e-4
     assert worst("fp16_ddp2", "fp16_one") < 2e-5
-    for name in ("bf16_one", "bf16_fsdp2", "fp16_one", "fp16_ddp2"):
+    for name in ("bf16_one", "bf16_fsdp2", "bf16_zero1", "fp16_one", "fp16_ddp2"):
         assert worst(name, "fp32") < 5e-4, name
         # the 16-bit run really ran in 16 bits: it differs from fp32 by more than fp32's noise
         assert worst(name, "fp32") > 1e-6, name

@@ -82,6 +82,30 @@ def gpt_ref(tmp_path_factory):
 GPT_LAYOUTS = {
     "dp2_ddp": (("strategy=dp",), 2),
     "sharding2_stage1_zero": (("strategy=sharding", "strategy.sharding_stage=1"), 2),
+    # ZeRO-1 (runtime/zero1.py) on TP shards (a colwise dim-0 shard: _StridedShard chunks, the norm
+    # summed over mp for sharded weights only) and under a zero-bubble schedule (weight gradients
+    # set outside the hooks; summed over micro-batches, divided once)
+    "sh2_mp2_stage1_sequence_parallel": (
+        (
+            "strategy=hybrid",
+            "strategy.sharding_degree=2",
+            "strategy.sharding_stage=1",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+        ),
+        4,
+    ),
+    "pp2_sh2_stage1_zero_bubble": (
+        (
+            "strategy=hybrid",
+            "strategy.pp_degree=2",
+            "strategy.sharding_degree=2",
+            "strategy.sharding_stage=1",
+            "strategy.schedule=interleaved_zero_bubble",
+            "strategy.virtual_stages=2",
+        ),
+        4,
+    ),
     "sharding2_stage2": (("strategy=sharding", "strategy.sharding_stage=2"), 2),
     "sharding2_stage3_recompute_full": (
         (

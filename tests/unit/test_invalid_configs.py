@@ -108,10 +108,6 @@ CASES = [
     (("strategy=sharding", "strategy.sharding_stage=4"), "strategy.sharding_stage"),
     (("strategy.offload=true",), "strategy.offload"),
     (("strategy=sharding", "strategy.sharding_stage=1", "strategy.offload=true"), "strategy.offload"),
-    (
-        (*HYB, "strategy.sharding_degree=2", "strategy.sharding_stage=1", "strategy.mp_degree=2"),
-        "strategy.sharding_stage",
-    ),
     (("strategy.recompute=some",), "strategy.recompute"),
     (("recipe=ctr/tiny", "strategy=dp", "strategy.recompute=full"), "strategy.recompute"),
     # --- parameter server

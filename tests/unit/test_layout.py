@@ -42,7 +42,6 @@ def test_engine_sub_meshes():
     assert Layout(dp=2, sharding=2).fsdp_dims == ("dp", "sharding")  # HSDP
     assert Layout(sharding=4).fsdp_dims == ("sharding",)
     assert Layout.grad_sync_dims("ddp") == ("dp",)
-    assert Layout.grad_sync_dims("zero1") == ("dp", "sharding")
 
 
 def test_resolve_derives_the_auto_degree_and_names_every_factor():

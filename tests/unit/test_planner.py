@@ -74,12 +74,43 @@ def test_sharding_stages_shrink_model_states():
     for stage in (1, 2, 3):
         _, plan = plan_of("recipe=gpt/gpt3_1.3b", f"strategy.sharding_stage={stage}")
         totals[stage] = plan.memory_bytes
-    # stage 1 and 2/3 all shard the AdamW state 8 ways
-    assert totals[1]["optimizer"] == totals[2]["optimizer"] == totals[3]["optimizer"]
+    # stage 1 and 2/3 all shard the AdamW state 8 ways; ZeRO-1 counts its fp32 masters there too
+    # (bf16: 4 + 8 bytes over 8 ranks; FSDP's sharded fp32 parameters are under params)
+    assert totals[2]["optimizer"] == totals[3]["optimizer"]
+    assert totals[1]["optimizer"] == pytest.approx(totals[2]["optimizer"] * 12 / 8, rel=1e-9)
     # stage 1 keeps whole fp32 gradients, stages 2/3 an eighth of them
     assert totals[1]["grads"] == 8 * totals[2]["grads"]
     # stage 3 gathers two layers at a time instead of the whole model
     assert totals[3]["params"] < totals[2]["params"]
+
+
+@pytest.mark.parametrize(("precision", "working", "master"), [("fp32", 4, 0), ("bf16", 2, 4)])
+def test_zero1_memory_and_traffic_by_hand(precision, working, master):
+    """ZeRO-1 (runtime/zero1.py, Megatron's distributed optimizer) on dp 2 x sharding 4: working
+    weights (2 B under bf16, 4 B under fp32) and the fp32 gradient buffer whole; fp32 masters (bf16
+    only: under fp32 the working weights are their own) and AdamW's two moments over d = 4 --
+    Megatron's 6 + 12/d and 8 + 8/d bytes per parameter (the reduce-scatter is in place). Per step: reduce-scatter of the fp32 gradients and
+    all-gather of the working weights over sharding, all-reduce of the shard over dp."""
+    cfg, plan = plan_of(
+        "recipe=gpt/tiny",
+        "strategy=hybrid",
+        "strategy.dp_degree=2",
+        "strategy.sharding_degree=4",
+        "strategy.sharding_stage=1",
+        "hardware.devices_per_node=8",
+        f"train.precision={precision}",
+        "hardware.has_bf16=true",
+    )
+    p, d = 234_880, 4
+    m = plan.memory_bytes
+    assert plan.engine == "zero1"
+    assert m["params"] == working * p
+    assert m["grads"] == 4 * p
+    assert m["optimizer"] == (master + 8) * p / d
+    assert working * p + 4 * p + m["optimizer"] == {"fp32": 8 + 8 / d, "bf16": 6 + 12 / d}[precision] * p
+    comm = plan.comm_bytes_per_step
+    assert comm["sharding"] == int((d - 1) / d * (4 * p + working * p))
+    assert comm["dp"] == int(2 * (2 - 1) / 2 * 4 * p / d)
 
 
 def test_tensor_and_pipeline_parallel_divide_parameters():

@@ -7,7 +7,7 @@ model in), so that both always agree. No torch import here.
 |-----------------------------------------|---------|-----------------------------------------------------------|
 | dp = sharding = 1                       | none    | plain module                                              |
 | dp > 1, no sharding, mp = pp = 1        | ddp     | DistributedDataParallel (no_sync while accumulating)      |
-| sharding_stage 1 (ZeRO-1), mp = pp = 1  | zero1   | DDP over dp×sharding + ZeroRedundancyOptimizer (sharding) |
+| sharding_stage 1 (ZeRO-1), any mp / pp  | zero1   | fleetwise's distributed optimizer (runtime/zero1.py)      |
 | sharding_stage 2 (ZeRO-2)               | fsdp    | fully_shard(reshard_after_forward=False) on (dp, sharding) |
 | sharding_stage 3 (ZeRO-3)               | fsdp    | fully_shard(reshard_after_forward=True) on (dp, sharding)  |
 | dp > 1 with mp > 1 or pp > 1, no sharding | fsdp  | fully_shard on (dp, sharding=1): HSDP that only replicates |
@@ -17,12 +17,23 @@ paper (which keeps whole parameters on every rank): parameters are gathered once
 kept until the backward is done, instead of being re-gathered for the backward as in stage 3.
 DDP cannot wrap DTensor (tensor-parallel) parameters, and it cannot follow a pipeline schedule's
 interleaved forwards and backwards, which is why dp combined with mp or pp goes through FSDP (as in
-torchtitan), and why ZeRO-1 (built on DDP) is refused with mp or pp.
+torchtitan).
+
+ZeRO-1 is Megatron-LM's distributed optimizer, written with plain collectives (no DDP): working
+weights whole (16-bit under bf16/fp16), one fp32 gradient accumulation buffer whole, fp32 master
+weights and optimizer state sharded over `sharding`; per step one reduce-scatter of the gradients
+(+ an all-reduce of the shards across dp replicas) and one all-gather of the updated weights.
+Bytes per parameter with Adam: Megatron's 6 + 12/d under bf16/fp16 and 8 + 8/d under fp32 (the
+master is the working weight itself; the reduce-scatter works in place in the gradient buffer). It works on TP shards and under every pipeline schedule.
 """
 
 from __future__ import annotations
 
 from fleetwise.config.layout import Layout
+
+# ZeRO-1's buckets (runtime/zero1.py): at most this many elements each (the whole-size all-gather
+# output of the step's end is one bucket's); one reduce-scatter and one all-gather per bucket
+ZERO1_BUCKET_ELEMENTS = 2**26
 
 
 def dp_engine(layout: Layout, sharding_stage: int | None) -> str:

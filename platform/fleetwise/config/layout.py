@@ -98,9 +98,9 @@ class Layout:
 
     @staticmethod
     def grad_sync_dims(engine: str) -> tuple[str, ...]:
-        """DDP's gradient all-reduce: across dp replicas; under ZeRO-1 across every rank that
-        reads different samples (dp × sharding), whose optimizer state is sharded over `sharding`."""
-        return ("dp", "sharding") if engine == "zero1" else ("dp",)
+        """DDP's gradient all-reduce: across dp replicas. (ZeRO-1 is no DDP: runtime/zero1.py
+        reduce-scatters over `sharding` and all-reduces the shards over `dp` itself.)"""
+        return ("dp",)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The job's 4D DeviceMesh, named by MESH_DIMS (called collectively by every rank)."""

@@ -3,7 +3,7 @@
 Everything here is arithmetic on the validated config (no torch). Sources of the formulas:
 - Memory of model states: ZeRO (Rajbhandari et al. 2020, section 3): fp32 params 4 B, grads 4 B,
   optimizer k·4 B per parameter, divided by the sharding degree as each stage shards them; mapped
-  onto what FSDP2 / DDP / ZeroRedundancyOptimizer actually keep (see config/engine.py).
+  onto what FSDP2 / DDP / fleetwise's ZeRO-1 actually keep (see config/engine.py).
 - Activations: Korthikanti et al. 2022 per-layer accounting, redone for this engine (plan/units.py),
   times the micro-batches each pipeline schedule keeps in flight (plan/pipeline.py).
 - FLOPs: 2 FLOPs per multiply-add, training = 3 × forward (Kaplan et al. 2020; Narayanan et al.
@@ -25,10 +25,16 @@ Everything here is arithmetic on the validated config (no torch). Sources of the
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from fleetwise.config.engine import dp_engine, optimizer_state_factor, reshard_after_forward
+from fleetwise.config.engine import (
+    ZERO1_BUCKET_ELEMENTS,
+    dp_engine,
+    optimizer_state_factor,
+    reshard_after_forward,
+)
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy, PSStrategy
@@ -173,7 +179,8 @@ def _act_bytes(precision: str, engine: str) -> tuple[int, int]:
     the parameters instead (no autocast, see the trainer), so everything runs in 16 bits."""
     if precision == "fp32":
         return FP32, FP32
-    return (2, 2) if engine == "fsdp" else (2, FP32)
+    # ZeRO-1's working weights are 16-bit: the embedding's output, and so the residual stream, is too
+    return (2, 2) if engine in ("fsdp", "zero1") else (2, FP32)
 
 
 def _rank_memory(
@@ -208,10 +215,16 @@ def _rank_memory(
         # Under a pipeline schedule FSDP accumulates unsharded gradients until the last micro-batch.
         mem.grads = grads_sharded + (FP32 * p if pipelined else 0.0)
         mem.optimizer = 0.0 if offloaded else k * FP32 * p / sh
+    elif engine == "zero1":
+        # runtime/zero1.py: 16-bit working weights and the fp32 gradient buffer whole; fp32 masters
+        # (under fp32 the working weights are their own masters) and optimizer state sharded
+        mem.params = (2 if mixed else FP32) * p
+        mem.grads = FP32 * p
+        mem.optimizer = (k + (1 if mixed else 0)) * FP32 * p / sh
     else:
         mem.params = FP32 * p + (2 * p if mixed else 0.0)  # + autocast's low-precision weight cache
         mem.grads = FP32 * p
-        mem.optimizer = k * FP32 * p / (sh if engine == "zero1" else 1)
+        mem.optimizer = k * FP32 * p
 
     split_bytes, whole_bytes = _act_bytes(cfg.train.precision, engine)
     flight = chunks_in_flight(s.schedule, layout.pp, s.virtual_stages if pipelined else 1, n, rank)
@@ -243,10 +256,12 @@ def _rank_memory(
             transient = max(transient, known[1])
     if pipelined:
         mem.pipeline_buffers = _pipeline_buffers(chunks, local, flight, n, b, s.schedule) * whole_bytes
-    if accumulating and engine != "fsdp":
+    if (accumulating and engine != "fsdp") or engine == "zero1":
         # a parameter's fresh gradient before autograd adds it into .grad (FSDP reduce-scatters
-        # each unit's gradients instead, its buffers are in `working`)
-        transient = max(transient, FP32 * max((u.largest_on_rank(mp) for u in units), default=0.0))
+        # each unit's gradients instead, its buffers are in `working`; ZeRO-1's hook adds it into
+        # its fp32 buffer, in every micro-batch)
+        fresh = FP32 if (engine != "zero1" or not mixed) else 2
+        transient = max(transient, fresh * max((u.largest_on_rank(mp) for u in units), default=0.0))
     mem.activations = acts + transient
     # Every rank loads its share of the step's batch at once. On a GPU it stays in host memory and
     # each micro-batch is copied over in turn, except under a pipeline schedule, which takes the
@@ -259,7 +274,7 @@ def _rank_memory(
     grads_live = mem.grads if (accumulating or engine in ("ddp", "zero1")) else 0.0
     # gloo's all-reduce of a DDP bucket works on a copy of it (measured: +4 B per parameter at the
     # backward peak); NCCL reduces the bucket in place
-    comm_copy = FP32 * p if engine in ("ddp", "zero1") and cfg.hardware.backend == "gloo" else 0.0
+    comm_copy = FP32 * p if engine == "ddp" and cfg.hardware.backend == "gloo" else 0.0
     mem.comm_buffers = comm_copy
     phases = [
         (
@@ -291,6 +306,12 @@ def _rank_memory(
     step_params = resting if engine == "fsdp" else mem.params
     step_grads = (0.0 if offloaded else FP32 * p / sh) if engine == "fsdp" else mem.grads
     mem.step_temporaries = (FP32 * p / (sh if engine != "ddp" else 1)) if k == 2 else 0.0
+    if engine == "zero1":
+        # (the reduce-scatter is in place in the gradient buffer); after the update one bucket's
+        # all-gather: its shard in, the whole bucket out, in the working dtype
+        bucket = min(p, ZERO1_BUCKET_ELEMENTS)
+        gather = (2 if mixed else FP32) * bucket * (1 + 1 / sh)
+        mem.step_temporaries = max(mem.step_temporaries, gather)
     phases.append(
         (
             "optimizer step",
@@ -654,8 +675,10 @@ def _overlap_window(engine: str, layout: Layout, n: int, compute: float) -> floa
       behind the unit before it: the whole compute.
     `compute` is the step's compute on the slowest stage (all its micro-batches)."""
     per_micro = compute / max(1, n)
-    if engine in ("ddp", "zero1"):
+    if engine == "ddp":
         return (2 / 3) * per_micro
+    if engine == "zero1":  # its reduce-scatter and all-gather run after the backward, not behind it
+        return 0.0
     if engine == "fsdp" and layout.pp > 1:
         return per_micro
     return compute
@@ -715,10 +738,13 @@ def _comm(
         vol["dp"] = 2 * (dp - 1) / dp * grad_bytes  # one all-reduce per step (no_sync while accumulating)
         calls["dp"] = 1
     elif engine == "zero1":
-        group = dp * sh
-        vol["dp"] = 2 * (group - 1) / group * grad_bytes
-        vol["sharding"] = (sh - 1) / sh * FP32 * p  # broadcast of each rank's updated partition
-        calls["dp"], calls["sharding"] = 1, sh  # one bucket broadcast from each owner
+        # per bucket: reduce-scatter of the fp32 gradients, all-gather of the updated working
+        # weights (16-bit under mixed precision), all-reduce of the gradient shard across dp
+        buckets = max(1, math.ceil(p / ZERO1_BUCKET_ELEMENTS))
+        vol["sharding"] = (sh - 1) / sh * (grad_bytes + gather * p)
+        calls["sharding"] = 2 * buckets
+        vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh
+        calls["dp"] = buckets if dp > 1 else 0
     elif engine == "fsdp":
         gathers = 1 if (not reshard_after_forward(s.sharding_stage) or pp > 1) else 2
         scatters = 1 if pp > 1 else n  # pipelined FSDP reduce-scatters once, after the last micro-batch

@@ -31,7 +31,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 from fleetwise import rundir
 from fleetwise.config.layout import Layout
@@ -84,15 +88,20 @@ def model_state(parts) -> dict[str, torch.Tensor]:
     return {f"model.{k}": v for k, v in state.items()}
 
 
-def load_model_state(parts, state: dict[str, torch.Tensor]) -> None:
-    """Each part takes its own entries of a loaded `model.*` state."""
-    prefix_free = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+def load_model_state(parts, state: dict[str, torch.Tensor], skip: set[str] = frozenset()) -> None:
+    """Each part takes its own entries of a loaded `model.*` state (but those in `skip`, which
+    were loaded in place elsewhere: ZeRO-1's masters)."""
+    prefix_free = {
+        k[len("model.") :]: v for k, v in state.items() if k.startswith("model.") and k not in skip
+    }
     for part in parts:
-        own = get_model_state_dict(part)
-        set_model_state_dict(part, {k: prefix_free[k] for k in own})
+        own = {k for k in get_model_state_dict(part) if k in prefix_free}
+        set_model_state_dict(
+            part, {k: prefix_free[k] for k in own}, options=StateDictOptions(strict=not skip)
+        )
 
 
-def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Optimizer state is created lazily by the first step; make it exist (with lr 0, so parameters
     do not move) so that a checkpoint can be loaded into it in place."""
     if opt.state:
@@ -116,7 +125,7 @@ def optimizer_state(parts, optimizers: list[torch.optim.Optimizer]) -> dict[str,
     not created yet (before the first step) is created, so that a checkpoint loads into it."""
     out: dict[str, torch.Tensor] = {}
     for part, opt in zip(parts, optimizers, strict=True):
-        _init_optimizer_state(opt)
+        init_optimizer_state(opt)
         names = {id(p): model_name(n) for n, p in part.named_parameters()}
         for p, st in opt.state.items():
             for key, value in st.items():

@@ -94,7 +94,7 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
 
-def state_tensors(modules: list, optimizers: list, stages: list = ()) -> list[torch.Tensor]:
+def state_tensors(modules: list, optimizers: list, stages: list = (), extra: list = ()) -> list[torch.Tensor]:
     """Tensors that outlive a step: parameters, buffers, gradients, optimizer state, and the
     receive buffers of pipeline stages (runtime/pipeline_stage.py: those handed out and the free ones)."""
     out: list[torch.Tensor] = []
@@ -104,6 +104,7 @@ def state_tensors(modules: list, optimizers: list, stages: list = ()) -> list[to
             if p.grad is not None:
                 out.append(p.grad)
         out.extend(m.buffers())
+    out.extend(extra)  # an engine's own buffers (ZeRO-1's gradient buffers and fp32 masters)
     for opt in optimizers:
         for state in opt.state.values():
             out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
@@ -131,7 +132,7 @@ class TensorPeak:
         self.reserved = 0  # CUDA: running max of the allocator's reserved bytes (0 elsewhere)
 
     @contextlib.contextmanager
-    def measure(self, modules: list, optimizers: list, stages: list = ()) -> Iterator[None]:
+    def measure(self, modules: list, optimizers: list, stages: list = (), extra: list = ()) -> Iterator[None]:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             yield
@@ -142,7 +143,7 @@ class TensorPeak:
             yield
             return
         self.samples -= 1
-        tracker = LiveTensorBytes(state_tensors(modules, optimizers, stages))
+        tracker = LiveTensorBytes(state_tensors(modules, optimizers, stages, extra))
         with tracker:
             yield
         self.peak = max(self.peak, tracker.peak)

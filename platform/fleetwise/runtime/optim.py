@@ -11,15 +11,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fleetwise.config.run import OptimConfig, TrainConfig
+from fleetwise.runtime.zero1 import Zero1
 
 
-def build_optimizer(
-    params: list[nn.Parameter], cfg: OptimConfig, *, zero_group=None
-) -> torch.optim.Optimizer:
-    """Weight decay applies to matrices (ndim >= 2), not to biases and norms (as in GPT-2/nanoGPT).
-
-    zero_group: shard the optimizer state across this process group (ZeRO stage 1, with
-    ZeroRedundancyOptimizer: each rank updates its share of the parameters and broadcasts it)."""
+def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Weight decay applies to matrices (ndim >= 2), not to biases and norms (as in GPT-2/nanoGPT)."""
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     if cfg.name == "adamw":
@@ -36,19 +32,6 @@ def build_optimizer(
         )
         if g["params"]
     ]
-    if zero_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        # parameters_as_bucket_view: after the step each rank broadcasts its partition as one
-        # bucket, instead of one broadcast per parameter tensor (latency-bound on gloo)
-        return ZeroRedundancyOptimizer(
-            groups,
-            optimizer_class=cls,
-            process_group=zero_group,
-            parameters_as_bucket_view=True,
-            lr=cfg.lr,
-            **kwargs,
-        )
     return cls(groups, lr=cfg.lr, **kwargs)
 
 
@@ -72,16 +55,62 @@ class Optimizers:
     """One optimizer and LR scheduler per model part (pipeline chunk), stepped together -- as
     torchtitan does: torch.distributed.checkpoint's optimizer state dicts are per module and keyed
     by parameter name, so each part saves and loads its own share and a checkpoint reshards across
-    pipeline layouts."""
+    pipeline layouts.
 
-    def __init__(self, parts: list[nn.Module], optim: OptimConfig, train: TrainConfig, *, zero_group=None):
-        self.parts = parts
-        self.optimizers = [
-            build_optimizer([p for p in part.parameters() if p.requires_grad], optim, zero_group=zero_group)
-            for part in parts
-        ]
-        self.schedulers = [build_scheduler(o, optim, train) for o in self.optimizers]
-        self.zero = zero_group is not None
+    zero_mesh: ZeRO-1 (runtime/zero1.py): each part's optimizer is a `Zero1`, whose inner torch
+    optimizer steps fp32 master chunks; built at the first step (`build`), so that the dry run
+    allocates its buffers as fake tensors."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        optim: OptimConfig,
+        train: TrainConfig,
+        *,
+        zero_mesh=None,
+        working_dtype: torch.dtype = torch.float32,
+        grad_divisor: int = 1,
+    ):
+        self.parts, self.optim, self.train = parts, optim, train
+        self.zero: list[Zero1] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._schedulers: list = []
+        if zero_mesh is not None:
+            self.zero = [
+                Zero1(
+                    part,
+                    optim,
+                    zero_mesh,
+                    working_dtype=working_dtype,
+                    grad_divisor=grad_divisor,
+                    build_optimizer=build_optimizer,
+                )
+                for part in parts
+            ]
+        else:
+            self.build()
+
+    def build(self) -> None:
+        if self._optimizers:
+            return
+        if self.zero:
+            self._optimizers = [z.build() for z in self.zero]
+        else:
+            self._optimizers = [
+                build_optimizer([p for p in part.parameters() if p.requires_grad], self.optim)
+                for part in self.parts
+            ]
+        self._schedulers = [build_scheduler(o, self.optim, self.train) for o in self._optimizers]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        self.build()
+        return self._optimizers
+
+    @property
+    def schedulers(self) -> list:
+        self.build()
+        return self._schedulers
 
     @property
     def lr(self) -> float:
@@ -94,6 +123,8 @@ class Optimizers:
             else:
                 opt.step()
             sched.step()
+        for z in self.zero:  # the updated masters back into every rank's working weights
+            z.gather()
 
     def skip(self) -> None:
         """A skipped step still advances the schedule (the step number is what it follows)."""
@@ -111,10 +142,37 @@ class Optimizers:
     def zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        for z in self.zero:
+            z.zero_grad()
 
     def local(self) -> list[torch.optim.Optimizer]:
-        """The optimizers that hold state on this rank (ZeRO wraps a local one)."""
-        return [getattr(o, "optim", o) for o in self.optimizers]
+        """The optimizers that hold state on this rank."""
+        return self.optimizers
+
+    # --- ZeRO-1: the gradients live in the engine's buffers, not in the parameters' .grad -------
+    def reduce_grads(self) -> None:
+        for z in self.zero:
+            z.reduce()
+
+    def zero_grad_norm(self, mesh, pp_group, device: torch.device) -> torch.Tensor:
+        """Global L2 norm of the reduced gradient chunks: summed over `sharding` (disjoint chunks),
+        over `mp` for the chunks of tensor-parallel shards (not for replicated weights, which every
+        mp rank holds the same), over `pp` (disjoint stages); never over `dp` (replicas)."""
+        sq = torch.stack([z.squared_norms() for z in self.zero]).sum(0).to(device)
+        if mesh["sharding"].size() > 1:
+            dist.all_reduce(sq, group=mesh["sharding"].get_group())
+        replicated, sharded = sq[0], sq[1:2].clone()
+        if mesh["mp"].size() > 1:
+            dist.all_reduce(sharded, group=mesh["mp"].get_group())
+        total_sq = (replicated + sharded[0]).reshape(())
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            dist.all_reduce(total_sq, group=pp_group)
+        return total_sq.sqrt()
+
+    def zero_clip_(self, max_norm: float, total: torch.Tensor) -> None:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for z in self.zero:
+            z.clip_(coef)
 
 
 def grad_norm(params: list[nn.Parameter], pp_group=None, device: torch.device | None = None) -> torch.Tensor:

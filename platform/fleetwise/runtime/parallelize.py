@@ -168,7 +168,9 @@ def _data_parallel(
     assert isinstance(s, CollectiveStrategy)
     if engine == "none":
         return part
-    if engine in ("ddp", "zero1"):
+    if engine == "zero1":  # no wrapper: runtime/zero1.py hooks the gradients (the optimizer is built later)
+        return part
+    if engine == "ddp":
         group = process_group(mesh, Layout.grad_sync_dims(engine))
         # gradient_as_bucket_view: grads live in DDP's buckets, no second copy of the gradients
         return DistributedDataParallel(
@@ -227,5 +229,6 @@ def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device:
     n = cfg.train.accumulate_steps
     # scale_grads divides by the micro-batch count, so gradients are the mean over micro-batches
     # (the same objective as one process averaging the same micro-batches).
+    # (ZeRO-1 accumulates gradients in its own buffers, out of the schedule's sight: it divides there)
     stage = pm.stages if s.schedule not in ("GPipe", "1F1B") else pm.stages[0]
-    pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.pipeline_loss, scale_grads=True)
+    pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.pipeline_loss, scale_grads=pm.engine != "zero1")

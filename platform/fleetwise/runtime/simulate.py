@@ -374,13 +374,22 @@ def state_bytes(trainer) -> dict[str, int]:
         return n
 
     params = list(trainer.model.parameters())
-    out = {"params": total(params), "grads": total(p.grad for p in params if p.grad is not None)}
+    # ZeRO-1's own: the gradient buffers, and the fp32 masters (optimizer state, as in Megatron)
+    engine = {"grads": [], "optimizer": []}
+    for z in trainer.optimizers.zero:
+        for key, tensors in z.tensors().items():
+            engine[key] += tensors
+    out = {"params": total(params)}
+    out["grads"] = total([p.grad for p in params if p.grad is not None] + engine["grads"])
     out["optimizer"] = total(
-        v
-        for opt in trainer.optimizers.local()
-        for s in opt.state.values()
-        for v in s.values()
-        if torch.is_tensor(v)
+        [
+            v
+            for opt in trainer.optimizers.local()
+            for s in opt.state.values()
+            for v in s.values()
+            if torch.is_tensor(v)
+        ]
+        + engine["optimizer"]
     )
     out["buffers"] = total(b for part in trainer.model.parts for b in part.buffers())
     return out

@@ -179,17 +179,6 @@ def sharding_options(ctx: Context) -> Iterator[Problem]:
             "offload is implemented by FSDP (sharding_stage 2 or 3), not stage 1",
             "set strategy.sharding_stage=2 or 3",
         )
-    if s.sharding_stage == 1 and lay is not None and (lay.mp_enabled or lay.pp_enabled):
-        why = (
-            f"cannot shard tensor-parallel parameters (mp_degree={lay.mp})"
-            if lay.mp_enabled
-            else f"rides on DDP, which cannot follow a pipeline schedule (pp_degree={lay.pp})"
-        )
-        yield Problem(
-            "strategy.sharding_stage",
-            f"sharding_stage=1 (DDP + ZeroRedundancyOptimizer) {why}",
-            "use strategy.sharding_stage=2 (FSDP keeps parameters whole between forward and backward)",
-        )
 
 
 @rule
