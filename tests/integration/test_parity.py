@@ -128,6 +128,21 @@ GPT_LAYOUTS = {
         ),
         4,
     ),
+    # torch.compile per block, with FSDP2 + selective checkpointing and with TP + SP (torchtitan's
+    # order: TP, AC, compile, FSDP); inductor's fused kernels round like eager to SGD_TOL here
+    "compile_sharding2_stage3_selective": (
+        (
+            "strategy=sharding",
+            "strategy.sharding_stage=3",
+            "strategy.recompute=selective",
+            "train.compile=true",
+        ),
+        2,
+    ),
+    "compile_mp2_sequence_parallel": (
+        ("strategy=mp", "strategy.mp_degree=2", "strategy.sequence_parallel=true", "train.compile=true"),
+        2,
+    ),
     "hybrid_pp2_sh2_mp2": (
         (
             "strategy=hybrid",
