@@ -52,6 +52,11 @@ def test_a_bad_config_or_rank_spec_exits_2_before_anything_starts(tmp_path):
     assert "dryrun: rank" not in r.stderr  # nothing was simulated
     r = run_cli("dryrun", "recipe=gpt/tiny", "strategy=dp", "hardware.devices_per_node=2", cwd=tmp_path)
     assert r.returncode == 2 and "DistributedDataParallel" in r.stderr  # not simulated yet: said so
+    # torch.compile cannot run under the dry run's counting mode: refused, not run eagerly instead
+    r = run_cli(
+        "dryrun", "recipe=gpt/tiny", "strategy=sharding", "train.compile=true", "--json", cwd=tmp_path
+    )
+    assert r.returncode == 2 and json.loads(r.stdout)["errors"][0]["loc"] == "train.compile"
 
 
 # Known gap: with two chunks per rank the dry run's peak is 6.4% below the real run's (3,814,792 vs

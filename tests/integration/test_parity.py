@@ -9,6 +9,8 @@ looser tolerance.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import final_params, read_metrics, run_cli
@@ -161,6 +163,10 @@ def test_gpt_layout_equals_single_process(tmp_path, gpt_ref, name):
     overrides, procs = GPT_LAYOUTS[name]
     got = run(tmp_path, name, "recipe=gpt/tiny", *overrides, *SGD, procs=procs)
     assert_same(gpt_ref, got, SGD_TOL)
+    if "train.compile=true" in overrides:  # the blocks ran compiled (fullgraph), not eagerly
+        log = (tmp_path / name / "logs" / "rank_0.log").read_text()
+        found = re.search(r"torch.compile: (\d+) graph\(s\) compiled for the blocks, (\d+) graph break", log)
+        assert found and int(found[1]) >= 1 and int(found[2]) == 0, log[-2000:]
 
 
 def test_hybrid_adamw_equals_single_process_within_tolerance(tmp_path):
