@@ -18,6 +18,15 @@ LAYOUTS = {
     "sharding2_stage2": (("strategy=sharding", "strategy.sharding_stage=2"), 2),
     "sharding2_stage3": (("strategy=sharding", "strategy.sharding_stage=3"), 2),
     "mp2_sequence_parallel": (("strategy=mp", "strategy.mp_degree=2", "strategy.sequence_parallel=true"), 2),
+    "mp2_sequence_parallel_selective": (
+        (
+            "strategy=mp",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "strategy.recompute=selective",
+        ),
+        2,
+    ),
     "pp2_1F1B": (("strategy=pp", "strategy.schedule=1F1B"), 2),
     "hybrid_pp2_sharding2_mp2": (
         (
