@@ -45,8 +45,8 @@ TARGETS = {
 # GPT whose step takes >= 0.5 s here (6 layers, d=768: 42.5M parameters in the blocks), where they
 # can neither hide nor dominate. model -> (overrides, steps, quick steps); WARMUP steps are excluded.
 OVERHEAD_MODELS = {
-    "gpt/tiny": (["recipe=gpt/tiny"], 40, 20),
-    "resnet/tiny": (["recipe=resnet/tiny"], 40, 20),
+    "gpt/tiny": (["recipe=gpt/tiny"], 30, 20),
+    "resnet/tiny": (["recipe=resnet/tiny"], 30, 20),
     "gpt d=768 L=6": (
         [
             "recipe=gpt/tiny",
@@ -58,7 +58,7 @@ OVERHEAD_MODELS = {
             "train.global_batch_size=4",
             "train.micro_batch_size=2",
         ],
-        10,
+        8,
         6,
     ),
 }
