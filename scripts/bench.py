@@ -34,13 +34,35 @@ PY = sys.executable
 WARMUP = 3  # steps excluded from step times: 1-2 carry the exact memory tracker, 3 settles
 SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu", "auto", "multihost", "scale")
 TARGETS = {
-    "overhead_ratio": 1.03,
+    "overhead_ratio": 1.02,
     "memory_error": 0.10,
     "time_error": 0.25,
     "total_s": 600,
     "auto_within": 0.10,  # strategy=auto: the chosen layout's measured step within 10 % of the best measured
     "auto_spearman": 0.8,  # rank correlation of planned and measured step times over the top 5
 }
+# The overhead suite: two tiny models (tens of ms a step, where fixed per-step costs dominate) and a
+# GPT whose step takes >= 0.5 s here (6 layers, d=768: 42.5M parameters in the blocks), where they
+# can neither hide nor dominate. model -> (overrides, steps, quick steps); WARMUP steps are excluded.
+OVERHEAD_MODELS = {
+    "gpt/tiny": (["recipe=gpt/tiny"], 30, 20),
+    "resnet/tiny": (["recipe=resnet/tiny"], 30, 20),
+    "gpt d=768 L=6": (
+        [
+            "recipe=gpt/tiny",
+            "model.num_layers=6",
+            "model.hidden_size=768",
+            "model.num_attention_heads=12",
+            "model.ffn_hidden_size=3072",
+            "model.seq_len=64",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+        ],
+        8,
+        6,
+    ),
+}
+OVERHEAD_REPS = 5  # interleaved repetitions of each (model, ranks) pair (not --quick)
 # strategy=auto on real ranks: gpt/tiny and a ~20M-parameter GPT (6 layers, d=512: 12·d²·L = 18.9M
 # in the blocks, + embeddings)
 AUTO_MODELS = {
@@ -184,13 +206,18 @@ class Bench:
         return {"measured": self.calibration["measured"], "profile": self.calibration["profile"]}
 
     def overhead(self) -> dict:
-        steps = 20 if self.quick else 40
+        """fleetwise train against the plain loop on the same resolved config, interleaved
+        (fleetwise, plain, fleetwise, ...). Per model and rank count: the median step-time ratio and
+        the fixed per-step cost (fleetwise step - plain step, ms), medians over the repetitions."""
+        reps = self.reps if self.quick else max(self.reps, OVERHEAD_REPS)
+        load = [os.getloadavg()[0]]
         rows = []
-        for recipe in ("gpt/tiny", "resnet/tiny"):
+        for model, (base, steps, quick_steps) in OVERHEAD_MODELS.items():
             for ranks in (1, 2):
-                overrides = [f"recipe={recipe}", f"hardware.devices_per_node={ranks}", f"train.steps={steps}"]
+                n = quick_steps if self.quick else steps
+                overrides = [*base, f"hardware.devices_per_node={ranks}", f"train.steps={n}"]
                 fw_step, pl_step, fw_int, pl_int = [], [], [], []
-                for _ in range(self.reps):  # interleaved: fleetwise, plain, fleetwise, plain, ...
+                for _ in range(reps):  # interleaved: fleetwise, plain, fleetwise, plain, ...
                     run_dir, records, _ = self.train(overrides)
                     fw_step.append(median_step(records))
                     fw_int.append(median_interval(records))
@@ -199,9 +226,10 @@ class Bench:
                     pl_int.append(median_interval(plain))
                 ratios = [a / b for a, b in zip(fw_step, pl_step, strict=True)]
                 interval = [a / b for a, b in zip(fw_int, pl_int, strict=True)]
+                fixed = [(a - b) * 1e3 for a, b in zip(fw_int, pl_int, strict=True)]
                 rows.append(
                     {
-                        "model": recipe,
+                        "model": model,
                         "ranks": ranks,
                         "fleetwise_step_s": statistics.median(fw_step),
                         "plain_step_s": statistics.median(pl_step),
@@ -211,10 +239,20 @@ class Bench:
                         "interval_ratio": statistics.median(interval),
                         "interval_ratio_min": min(interval),
                         "interval_ratio_max": max(interval),
+                        # the wall time between step ends (everything the loop does), fleetwise - plain
+                        "fixed_ms": statistics.median(fixed),
+                        "fixed_ms_min": min(fixed),
+                        "fixed_ms_max": max(fixed),
                         "met": statistics.median(ratios) <= TARGETS["overhead_ratio"],
                     }
                 )
-        return {"target": f"step-time ratio <= {TARGETS['overhead_ratio']}", "reps": self.reps, "rows": rows}
+                load.append(os.getloadavg()[0])
+        return {
+            "target": f"step-time ratio <= {TARGETS['overhead_ratio']}",
+            "reps": reps,
+            "load_average": {"min": min(load), "max": max(load)},
+            "rows": rows,
+        }
 
     def compute(self) -> dict:
         model = ["model.num_layers=6", "model.hidden_size=512", "model.num_attention_heads=8",
@@ -540,13 +578,16 @@ def markdown(results: dict) -> str:
         out.append(f"\nGEMM efficiency by FLOPs per GEMM, all threads: {curve}; one thread: {curve1}\n")
     if "overhead" in s:
         o = s["overhead"]
+        la = o.get("load_average", {})
         out.append(
-            f"\n## 1. Overhead: fleetwise train / plain PyTorch loop ({o['reps']} interleaved reps; target ≤ {TARGETS['overhead_ratio']})\n"
+            f"\n## 1. Overhead: fleetwise train / plain PyTorch loop ({o['reps']} interleaved reps; target ≤ {TARGETS['overhead_ratio']}; "
+            f"1-min load average {la.get('min', 0):.2f}–{la.get('max', 0):.2f} on {os.cpu_count()} cores; {o.get('wall_s', 0):.0f} s)\n"
         )
-        out.append(table(["model", "ranks", "fleetwise step", "plain step", "step ratio (min–max)", "per-step wall ratio (min–max)", "met"],
+        out.append(table(["model", "ranks", "fleetwise step", "plain step", "step ratio (min–max)", "per-step wall ratio (min–max)", "fixed per-step cost (min–max)", "met"],
                          [[r["model"], str(r["ranks"]), f"{r['fleetwise_step_s'] * 1e3:.1f} ms", f"{r['plain_step_s'] * 1e3:.1f} ms",
                            f"{r['ratio']:.3f} ({r['ratio_min']:.3f}–{r['ratio_max']:.3f})",
-                           f"{r['interval_ratio']:.3f} ({r['interval_ratio_min']:.3f}–{r['interval_ratio_max']:.3f})", ok(r["met"])]
+                           f"{r['interval_ratio']:.3f} ({r['interval_ratio_min']:.3f}–{r['interval_ratio_max']:.3f})",
+                           f"{r['fixed_ms']:+.1f} ms ({r['fixed_ms_min']:+.1f}–{r['fixed_ms_max']:+.1f})", ok(r["met"])]
                           for r in o["rows"]]))  # fmt: skip
     if "compute" in s:
         out.append("\n## 2. Compute efficiency (achieved / calibrated peak matmul FLOP/s)\n")

@@ -344,6 +344,19 @@ def cmd_dryrun(argv: list[str]) -> int:
                 "dry-run the layout with ZeRO-1 or FSDP instead (strategy.sharding_stage=1, 2 or 3), or use `fleetwise plan`",
             )
         )
+    if pf.cfg is not None and pf.cfg.train.compile:
+        # dynamo refuses to trace under the dry run's counting dispatch mode (it would run the blocks
+        # eagerly: a second path), and the FLOPs/bytes it counts per op are not visible inside a
+        # compiled graph; refused rather than reported for a program the job would not run
+        problems.append(
+            Problem(
+                "train.compile",
+                "dryrun cannot simulate train.compile=true: torch.compile does not trace under the dispatch "
+                "mode that counts the dry run's FLOPs and collective bytes, and hides the ops inside its graphs",
+                "dry-run the eager model (train.compile=false): the same parameters, gradients, optimizer state "
+                "and saved activations; compiled blocks usually hold less (fused elementwise ops)",
+            )
+        )
     if args.steps < 1:
         problems.append(Problem("--steps", f"--steps {args.steps}: at least one step", "use --steps 2"))
     ranks: list[int] = []

@@ -18,6 +18,15 @@ LAYOUTS = {
     "sharding2_stage2": (("strategy=sharding", "strategy.sharding_stage=2"), 2),
     "sharding2_stage3": (("strategy=sharding", "strategy.sharding_stage=3"), 2),
     "mp2_sequence_parallel": (("strategy=mp", "strategy.mp_degree=2", "strategy.sequence_parallel=true"), 2),
+    "mp2_sequence_parallel_selective": (
+        (
+            "strategy=mp",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "strategy.recompute=selective",
+        ),
+        2,
+    ),
     "pp2_1F1B": (("strategy=pp", "strategy.schedule=1F1B"), 2),
     "hybrid_pp2_sharding2_mp2": (
         (
@@ -52,6 +61,11 @@ def test_a_bad_config_or_rank_spec_exits_2_before_anything_starts(tmp_path):
     assert "dryrun: rank" not in r.stderr  # nothing was simulated
     r = run_cli("dryrun", "recipe=gpt/tiny", "strategy=dp", "hardware.devices_per_node=2", cwd=tmp_path)
     assert r.returncode == 2 and "DistributedDataParallel" in r.stderr  # not simulated yet: said so
+    # torch.compile cannot run under the dry run's counting mode: refused, not run eagerly instead
+    r = run_cli(
+        "dryrun", "recipe=gpt/tiny", "strategy=sharding", "train.compile=true", "--json", cwd=tmp_path
+    )
+    assert r.returncode == 2 and json.loads(r.stdout)["errors"][0]["loc"] == "train.compile"
 
 
 # Two chunks per rank: torch's multi-stage schedules keep every send's Work (and so the tensor

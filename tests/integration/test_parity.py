@@ -9,6 +9,8 @@ looser tolerance.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import final_params, read_metrics, run_cli
@@ -152,6 +154,21 @@ GPT_LAYOUTS = {
         ),
         4,
     ),
+    # torch.compile per block, with FSDP2 + selective checkpointing and with TP + SP (torchtitan's
+    # order: TP, AC, compile, FSDP); inductor's fused kernels round like eager to SGD_TOL here
+    "compile_sharding2_stage3_selective": (
+        (
+            "strategy=sharding",
+            "strategy.sharding_stage=3",
+            "strategy.recompute=selective",
+            "train.compile=true",
+        ),
+        2,
+    ),
+    "compile_mp2_sequence_parallel": (
+        ("strategy=mp", "strategy.mp_degree=2", "strategy.sequence_parallel=true", "train.compile=true"),
+        2,
+    ),
     "hybrid_pp2_sh2_mp2": (
         (
             "strategy=hybrid",
@@ -170,6 +187,10 @@ def test_gpt_layout_equals_single_process(tmp_path, gpt_ref, name):
     overrides, procs = GPT_LAYOUTS[name]
     got = run(tmp_path, name, "recipe=gpt/tiny", *overrides, *SGD, procs=procs)
     assert_same(gpt_ref, got, SGD_TOL)
+    if "train.compile=true" in overrides:  # the blocks ran compiled (fullgraph), not eagerly
+        log = (tmp_path / name / "logs" / "rank_0.log").read_text()
+        found = re.search(r"torch.compile: (\d+) graph\(s\) compiled for the blocks, (\d+) graph break", log)
+        assert found and int(found[1]) >= 1 and int(found[2]) == 0, log[-2000:]
 
 
 def test_hybrid_adamw_equals_single_process_within_tolerance(tmp_path):

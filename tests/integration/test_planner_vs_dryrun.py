@@ -24,6 +24,14 @@ LAYOUTS = {
         "strategy.sequence_parallel=true",
         "hardware.devices_per_node=2",
     ),
+    # selective recompute keeps the reduce-scatters' outputs and gathers the norms' outputs again
+    "mp2_sequence_parallel_selective": (
+        "strategy=mp",
+        "strategy.mp_degree=2",
+        "strategy.sequence_parallel=true",
+        "strategy.recompute=selective",
+        "hardware.devices_per_node=2",
+    ),
     # 16 micro-batches: the dry run samples two small counts and scales (checked against --exact)
     "pp2_1F1B_16mb": (
         "strategy=pp",
@@ -63,6 +71,7 @@ KNOWN = {
         "sh2_mp2_stage1_bf16",
         "mp",
     ): 0.045,  # planner -4.2%: the same all-reduces, fp32 beside 16-bit activations
+    ("mp2_sequence_parallel_selective", "mp"): 0.03,  # the same loss all-reduces
 }
 
 

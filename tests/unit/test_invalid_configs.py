@@ -136,6 +136,8 @@ CASES = [
     (("train.precision=bf16",), "train.precision"),
     (("train.precision=fp16",), "train.precision"),
     (("train.precision=fp8",), "train.precision"),
+    (("train.compile=maybe",), "train.compile"),
+    (("recipe=ctr/tiny", "train.compile=true"), "train.compile"),  # ps trainers run eagerly
     (("recipe=ernie/ernie_base", "train.precision=bf16"), "train.precision"),
     (("hardware.backend=nccl",), "hardware.backend"),
     (("hardware.backend=mpi",), "hardware.backend"),

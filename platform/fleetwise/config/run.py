@@ -67,6 +67,11 @@ class TrainConfig(Section):
     warmup_steps_excluded: int = Field(
         2, ge=0, description="Leading steps left out of throughput summaries (start-up, allocator warm-up)."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each transformer block (after tensor parallelism and activation "
+        "checkpointing, before FSDP/DDP, as torchtitan does); the first steps pay the compile time.",
+    )
 
 
 class LaunchConfig(Section):

@@ -125,7 +125,8 @@ def transformer_block(m: TransformerModel, *, post_ln: bool = False) -> Unit:
         # selective checkpointing keeps matmul and attention outputs and recomputes norms and GELU
         split=3 * s * h + s * h + a * s + s * f,
         sp=s * h,  # block input
-        whole=2 * s * h,  # out-proj and fc2 outputs (row-parallel partial sums)
+        # out-proj and fc2 outputs, reduced (reduce-scatter / all-reduce) when tensor-parallel
+        reduced=2 * s * h,
     )
     full = Acts(sp=s * h)  # only the block input; the block is recomputed during backward
     attn = 2 * 2 * s * s * h  # QK^T and scores·V, counted as full (non-causal) matmuls
@@ -138,6 +139,9 @@ def transformer_block(m: TransformerModel, *, post_ln: bool = False) -> Unit:
         attn_flops=attn,
         # pre-LN: fc2 feeds only the residual add; post-LN: its sum feeds ln2, which saves it
         recompute_skipped_flops=0 if post_ln else 2 * s * f * h,
+        # under TP, selective recompute re-runs the out-projection (the second norm needs the
+        # residual after it) and, post-LN, fc2 (the second norm reads its sum)
+        selective_tp_recompute_flops=2 * s * h * h + (2 * s * f * h if post_ln else 0),
         acts={"none": none, "selective": selective, "full": full},
         mp_allreduces=2,
         boundary_elements=s * h,

@@ -240,6 +240,7 @@ def _rank_memory(
                     (a.split / mp) * split_bytes
                     + (a.sp / mp if s.sequence_parallel else a.sp) * whole_bytes
                     + a.whole * whole_bytes
+                    + (a.reduced / mp if s.sequence_parallel else a.reduced) * split_bytes
                 )
                 peak = b * u.transient.elements(mp, s.sequence_parallel) * FP32
                 if s.recompute != "none" and u.kind == "block":  # one block re-materialised in backward
@@ -387,15 +388,18 @@ def _flops_per_sample(cfg: RunConfig, units: list[Unit]) -> float:
     return 3 * sum(u.fwd_flops for u in units)
 
 
-def _device_flops_per_sample(u: Unit, recompute: str) -> float:
+def _device_flops_per_sample(u: Unit, recompute: str, mp: int = 1) -> float:
     """FLOPs a device computes for one sample through unit `u` (before the mp split), as torch's
     FlopCounterMode counts them: matmuls forward once and backward twice; flash attention forward
     once and backward 2.5 times (it recomputes the scores); full recompute re-runs a block's
-    forward up to the last tensor its backward needs (`recompute_skipped_flops`)."""
+    forward up to the last tensor its backward needs (`recompute_skipped_flops`); selective
+    recompute under TP re-runs the row-parallel matmuls it keeps the reduced outputs of."""
     dense = u.fwd_flops - u.attn_flops
     done = 3 * dense + 3.5 * u.attn_flops
     if recompute == "full" and u.kind == "block":
         done += u.fwd_flops - u.recompute_skipped_flops
+    if recompute == "selective" and mp > 1:
+        done += u.selective_tp_recompute_flops
     return done
 
 
@@ -549,7 +553,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                     if key is not None:
                         gemm_memo[key] = fraction
                 gemm += n * passes * flops / (peak * fraction)
-                done += n * b * _device_flops_per_sample(u, s.recompute) / layout.mp
+                done += n * b * _device_flops_per_sample(u, s.recompute, layout.mp) / layout.mp
         device_flops.append(done)
         redo_ops = sum(u.fwd_ops for u in redo)
         ops = sum(u.fwd_ops for u in units) + redo_ops
@@ -762,6 +766,11 @@ def _comm(
             )
             per_micro += count * per_call
             calls["mp"] += count * n
+            if s.recompute == "selective" and s.sequence_parallel and u.kind == "block":
+                # the recompute gathers the norms' outputs again (as Megatron does; half an
+                # all-reduce each); the reduce-scatters' outputs are kept (runtime/recompute.py)
+                per_micro += 0.5 * u.mp_allreduces * per_call
+                calls["mp"] += u.mp_allreduces * n
         vol["mp"] = n * 2 * (mp - 1) / mp * per_micro
     if pp > 1:
         local_chunks = max(1, len(chunks) // pp)

@@ -22,18 +22,23 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Acts:
     """Saved activation elements per sample: `split` is divided by mp, `sp` by mp only under
-    sequence parallelism, `whole` is kept in full by every mp rank."""
+    sequence parallelism, `whole` is kept in full by every mp rank. `reduced`: the outputs of
+    row-parallel matmuls after their reduction (reduce-scatter under sequence parallelism, else
+    all-reduce; the matmul's own output without tensor parallelism): divided by mp only under
+    sequence parallelism like `sp`, but in the compute dtype like `split` (the matmul's)."""
 
     split: float = 0.0
     sp: float = 0.0
     whole: float = 0.0
+    reduced: float = 0.0
 
     def elements(self, mp: int, sequence_parallel: bool) -> float:
-        return self.split / mp + (self.sp / mp if sequence_parallel else self.sp) + self.whole
+        seq = self.sp + self.reduced
+        return self.split / mp + (seq / mp if sequence_parallel else seq) + self.whole
 
     @property
     def total(self) -> float:
-        return self.split + self.sp + self.whole
+        return self.split + self.sp + self.whole + self.reduced
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class Unit:
     # non-reentrant checkpoint stops recomputing once the last tensor backward needs is back
     # (a transformer block's fc2: its output is saved by nothing)
     recompute_skipped_flops: float = 0.0
+    # per sample, FLOPs selective recompute re-runs under tensor parallelism: the row-parallel
+    # matmuls whose reduced output is kept instead of their partial sums (runtime/recompute.py)
+    selective_tp_recompute_flops: float = 0.0
     mp_allreduces: int = 0  # tensor-parallel all-reduces of a (seq, hidden) activation per forward
     boundary_elements: float = 0.0  # elements per sample sent to the next pipeline stage
     # aten ops the forward of one micro-batch dispatches (views included; the head counts its

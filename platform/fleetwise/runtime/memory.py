@@ -10,7 +10,8 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 
@@ -27,11 +28,18 @@ class LiveTensorBytes(TorchDispatchMode):
     once); a weakref finaliser subtracts a storage when it is freed, and in-place storage resizes
     (FSDP2's way of freeing and re-allocating unsharded parameters) are followed. Tensors alive before the
     step (parameters, gradients, optimizer state) are registered up front. DTensors are counted by
-    their local shard: that is what this rank holds."""
+    their local shard: that is what this rank holds.
+
+    torch.compile'd blocks (train.compile) run as one fused kernel sequence the mode does not see
+    (`ignore_compile_internals`: dynamo refuses to compile under any other mode); what they keep
+    for backward is still counted, through a saved-tensors hook, so the peak misses only the
+    transient buffers inside one compiled block."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         super().__init__()
         self.live: dict[int, int] = {}
+        # the dry run counts fake tensors (they are its whole model); a real run holds none
+        self.fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
         self.current = 0
         self.peak = 0
         for t in tensors:
@@ -43,6 +51,8 @@ class LiveTensorBytes(TorchDispatchMode):
         if isinstance(t, DTensor):
             t = t._local_tensor
         if t.device.type != "cpu" or t.is_meta:
+            return
+        if not self.fake and is_fake(t):  # torch.compile's tracing tensors, not this rank's memory
             return
         try:
             storage = t.untyped_storage()
@@ -70,6 +80,14 @@ class LiveTensorBytes(TorchDispatchMode):
         self.live[key] = nbytes
         self.peak = max(self.peak, self.current)
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def _saved(self, t: torch.Tensor) -> torch.Tensor:
+        self._track(t)
+        return t
+
     def __enter__(self):
         tracker, resize = self, torch.UntypedStorage.resize_
 
@@ -80,11 +98,15 @@ class LiveTensorBytes(TorchDispatchMode):
 
         self._resize = resize
         torch.UntypedStorage.resize_ = resize_and_track
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._saved, lambda t: t)
+        self._hooks.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
-        return super().__exit__(*exc)
+        out = super().__exit__(*exc)
+        self._hooks.__exit__(*exc)
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -1,6 +1,6 @@
 """Apply the layout to the model, in one fixed order (torchtitan's): split into pipeline chunks
-first, then per chunk tensor parallelism -> activation checkpointing -> data parallelism
-(FSDP2 / DDP), and finally the pipeline stages and their schedule.
+first, then per chunk tensor parallelism -> activation checkpointing -> torch.compile of each
+block -> data parallelism (FSDP2 / DDP), and finally the pipeline stages and their schedule.
 
 TP must see whole modules before FSDP shards them; activation checkpointing wraps the blocks
 before FSDP so that FSDP's per-block units contain the checkpointed region; the pipeline stage
@@ -120,7 +120,11 @@ def parallelize(
         # 3. activation checkpointing of each block
         if s.recompute != "none":
             apply_recompute(part, s.recompute)
-        # 4. data parallel. FSDP shards meta parameters (each rank then allocates 1/n of them);
+        # 4. compile each block: after TP and AC, so one graph holds the block's DTensor ops and its
+        # checkpointed region; before FSDP/DDP, whose hooks stay outside the graph
+        if cfg.train.compile:
+            compile_blocks(part)
+        # 5. data parallel. FSDP shards meta parameters (each rank then allocates 1/n of them);
         # DDP broadcasts real values when it is built, so its part is allocated before.
         if engine != "fsdp":
             allocate(part)
@@ -132,6 +136,16 @@ def parallelize(
     if layout.pp > 1:
         _build_pipeline(pm, cfg, mesh, device)
     return pm
+
+
+def compile_blocks(part: nn.Module) -> None:
+    """torch.compile every block of `part.layers`, in place (`Module.compile`: parameter and state-dict
+    names stay those of eager). Per block rather than the whole model: the blocks are alike, so dynamo
+    traces one and reuses its code for the others (the graph guards on the block's shapes, not on its
+    parameters' identity: inline_inbuilt_nn_modules), and the embedding and head stay eager; fullgraph:
+    a graph break inside a block is an error, not a silently slower run."""
+    for block in part.layers.values():
+        block.compile(fullgraph=True)
 
 
 def memory_format(cfg: RunConfig, device: torch.device) -> torch.memory_format:

@@ -3,7 +3,14 @@
 full:      keep only each block's input; recompute the whole block during backward.
 selective: keep the outputs of matmuls and attention (the expensive ops) and recompute the cheap
            ones (layer norms, GELU, residual adds, layout copies) -- the op-level selective
-           checkpointing of PyTorch's `create_selective_checkpoint_contexts`.
+           checkpointing of PyTorch's `create_selective_checkpoint_contexts`. Under tensor
+           parallelism a row-parallel matmul (attention out-projection, fc2) outputs a partial
+           sum of the full (s, h) activation on every rank; its reduced result (reduce-scatter
+           under sequence parallelism: s/t rows; all-reduce otherwise) is kept instead, and the
+           matmul re-runs in backward where the recompute reaches it (the out-projection: the
+           second layer norm needs the residual after it; a pre-LN block's fc2 never, since
+           recompute stops at the last tensor backward needs). Keeping the partial sums cost
+           2·s·h per layer on every rank: at t=8 with SP, 52 instead of 24 bytes·s·b·h/t.
 """
 
 from __future__ import annotations
@@ -28,8 +35,25 @@ SAVE_OPS = {
 }
 
 
+# the reductions that finish a row-parallel matmul (functional collectives, as DTensor issues them)
+REDUCED_OPS = {
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+}
+
+
+def _partial_sum(op, args) -> bool:
+    """A matmul whose input is sharded along the contracted (last) dim: a row-parallel linear."""
+    from torch.distributed.tensor import DTensor
+
+    x = args[1] if op is _aten.addmm.default else args[0]
+    return isinstance(x, DTensor) and any(p.is_shard(x.ndim - 1) for p in x.placements)
+
+
 def _policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in REDUCED_OPS or (op in SAVE_OPS and not _partial_sum(op, args)):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_recompute(model: nn.Module, mode: str) -> None:

@@ -440,6 +440,15 @@ class Trainer:
                     self.cfg.train.accumulate_steps,
                     "; ".join(f"chunk {st.stage_index}: {st.buffer_sets()}" for st in self.model.stages),
                 )
+            if step == 1 and self.cfg.train.compile:
+                from torch._dynamo.utils import counters
+
+                # a test reads this line: compiled graphs > 0 proves the blocks did not run eagerly
+                log.info(
+                    "torch.compile: %d graph(s) compiled for the blocks, %d graph break(s)",
+                    counters["stats"]["unique_graphs"],
+                    sum(counters["graph_break"].values()),
+                )
             if records:
                 log.info(format_step(records[-1], steps))
             if ck.enabled and (step == steps or (ck.interval and step % ck.interval == 0)):

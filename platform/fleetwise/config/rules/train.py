@@ -70,6 +70,17 @@ def precision_supported(ctx: Context) -> Iterator[Problem]:
 
 
 @rule
+def compile_supported(ctx: Context) -> Iterator[Problem]:
+    if ctx.cfg.train.compile and isinstance(ctx.cfg.strategy, PSStrategy):
+        yield Problem(
+            "train.compile",
+            "train.compile=true compiles the blocks of a collective strategy's model; strategy=ps runs its "
+            "trainers eagerly (the dense part is small; the embeddings live on the servers)",
+            "set train.compile=false with strategy=ps, or use a collective strategy (dp, sharding, …)",
+        )
+
+
+@rule
 def backend_matches_device(ctx: Context) -> Iterator[Problem]:
     hw = ctx.cfg.hardware
     if hw.device_type == "cpu" and hw.backend == "nccl":
