@@ -257,7 +257,8 @@ class Bench:
         }
 
     # Two hosts (network namespaces, scripts/netns_hosts.py) on a link shaped like 1 Gbit/s
-    # Ethernet with 0.5 ms each way (tc netem); the plan is told the same through hardware keys.
+    # Ethernet with 0.5 ms each way (the user-space switch scripts/netns_link.py); the plan is told
+    # the same through hardware keys (latency: the round trip).
     LINK = {"rate": "1gbit", "delay": "0.5ms", "inter_node_gbps": 0.125, "inter_node_latency_us": 1000}
     MULTIHOST = [
         ("dp across 2 hosts", ["recipe=gpt/tiny", "strategy=dp"]),
@@ -281,11 +282,10 @@ class Bench:
                 row = {"config": name}
                 for shaped in (False, True):
                     keys = []
-                    if shaped:  # the plan is told what the link really got (no delay without netem)
+                    if shaped:
                         applied = hosts.shape(link["rate"], link["delay"])
-                        keys = [f"hardware.inter_node_gbps={link['inter_node_gbps']}"]
-                        if applied["delay"]:
-                            keys.append(f"hardware.inter_node_latency_us={link['inter_node_latency_us']}")
+                        keys = [f"hardware.inter_node_gbps={link['inter_node_gbps']}",
+                                f"hardware.inter_node_latency_us={link['inter_node_latency_us']}"]  # fmt: skip
                     args = [*overrides, *keys, "hardware=local", "hardware.nodes=2", "hardware.devices_per_node=1",
                             f"train.steps={steps}", f"launch.rdzv_endpoint={hosts.addrs[0]}:29555"]  # fmt: skip
                     self.runs += 1
@@ -323,8 +323,8 @@ class Bench:
                     row[f"{key}_planned_s"] = plan["step_time_s"]
                 row["measured_link_s"] = row["shaped_measured_s"] - row["unshaped_measured_s"]
                 row["planned_link_s"] = row["shaped_planned_s"] - row["unshaped_planned_s"]
+                row["shaper"] = hosts.unshape()
                 rows.append(row)
-                hosts.unshape()
         return {"link": link, "applied": applied, "load_average": os.getloadavg(), "rows": rows}
 
     PLANNER = [
@@ -605,12 +605,9 @@ def markdown(results: dict) -> str:
         else:
             lk = mh["link"]
             ap = mh["applied"]
-            delay = (
-                f" + {ap['delay']} each way" if ap.get("delay") else " (no delay: this kernel has no netem)"
-            )
-            latency = f", inter_node_latency_us={lk['inter_node_latency_us']}" if ap.get("delay") else ""
-            out.append(f"network namespaces, tc {ap.get('qdisc')} {ap.get('rate')}{delay} on every host's link; plan: "
-                       f"hardware.inter_node_gbps={lk['inter_node_gbps']}{latency} · "
+            out.append(f"network namespaces, every link {ap.get('rate')} + {ap.get('delay')} each way "
+                       f"({ap.get('shaper')}, MTU {ap.get('mtu')}); plan: hardware.inter_node_gbps={lk['inter_node_gbps']}, "
+                       f"inter_node_latency_us={lk['inter_node_latency_us']} · "
                        f"load average {mh['load_average'][0]:.1f}\n")  # fmt: skip
             out.append(table(["config", "unshaped: plan", "measured", "shaped: plan", "measured", "link cost: plan", "measured"],
                              [[r["config"], f"{r['unshaped_planned_s'] * 1e3:.1f} ms", f"{r['unshaped_measured_s'] * 1e3:.1f} ms",
