@@ -214,14 +214,22 @@ def test_gpt_trains_dp_and_pp_across_three_hosts_with_one_hosts_losses(netns_hos
     one process training the same 18-sample batches."""
     batch = ("recipe=gpt/tiny", "hardware.devices_per_node=1", "train.global_batch_size=18")
     ref = tmp_path / "ref"
-    r = run_cli("train", *batch, "train.steps=3", "tracking.enabled=false", f"run.dir={ref}", cwd=tmp_path)
+    one_core = {**os.environ, "OMP_NUM_THREADS": "1"}  # 6 ranks on this machine: no oversubscription
+    r = run_cli(
+        "train",
+        *batch,
+        "train.steps=3",
+        "tracking.enabled=false",
+        f"run.dir={ref}",
+        cwd=tmp_path,
+        env=one_core,
+    )
     assert r.returncode == 0, r.stderr
     hosts = netns_hosts(3)
     jobs = {
         "dp": (*batch, "strategy=dp"),
         "pp": (*batch, "strategy=pp", "strategy.pp_degree=3", "strategy.layer_split=[2,1,1]"),
     }
-    one_core = {**os.environ, "OMP_NUM_THREADS": "1"}  # 6 ranks on this machine: no oversubscription
     procs = {
         (name, rank): _node(
             hosts, rank, tmp_path / f"{name}{rank}", *overrides, port=PORT + k, nodes=3, env=one_core
@@ -423,4 +431,49 @@ def test_a_shaped_link_has_its_latency_and_rate_and_calibrate_measures_it(netns_
     stats = hosts.unshape()
     assert stats["frames"] > 1000 and stats["bytes"] > 2 * (16 << 20), stats
     assert _rtt_and_rate(hosts)[0] < 1e-3
+    assert hosts.leftover() == {}
+
+
+def test_a_host_coming_back_rejoins_the_running_job(netns_hosts, tmp_path):
+    """launch.nnodes=1:2: host 0 starts the job alone (1 rank; checkpoints every step), host 1 is
+    started once it trains -- as a lost host brought back. torch sees a node waiting, restarts the
+    group with both (a membership change, no restart spent), the ranks resume from the last
+    checkpoint with 2 ranks, and every step's loss equals an uninterrupted 1-process run. Without
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE (launcher) the joiner waited for a MASTER_ADDR no one
+    published in the new round and both failed on a 60 s store timeout."""
+    common = ("recipe=gpt/tiny", "train.steps=40", "hardware.devices_per_node=1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 threads spin-wait for minutes on a busy machine
+    ref = tmp_path / "ref"
+    r = run_cli("train", *common, "tracking.enabled=false", f"run.dir={ref}", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    hosts = netns_hosts(2)
+    run = tmp_path / "rejoin"
+    args = [
+        FLEETWISE, "train", *common, "hardware.nodes=2", "launch.nnodes=1:2", "launch.rdzv_last_call_s=3",
+        "checkpoint.enabled=true", "checkpoint.interval=1", "tracking.enabled=false",
+        f"launch.rdzv_endpoint={hosts.addrs[0]}:{PORT}", f"run.dir={run}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start(host: int) -> subprocess.Popen:
+        out = (tmp_path / f"host{host}.out").open("w")
+        return hosts.popen(
+            host, [*args, f"launch.node_rank={host}"], stdout=out, stderr=out, cwd=tmp_path, env=env
+        )
+
+    first = start(0)
+    metrics = run / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 180, "host 0 to train")
+    back = time.time()
+    second = start(1)
+    said = {h: (tmp_path / f"host{h}.out") for h in (0, 1)}
+    assert first.wait(480) == 0 and second.wait(60) == 0, [said[h].read_text()[-3000:] for h in (0, 1)]
+    records = read_metrics(run)
+    by_step = {m["step"]: m for m in records}  # steps re-run after the restart count last
+    sizes = [by_step[s]["job/world_size"] for s in range(1, 41)]
+    assert sizes[0] == 1 and sizes[-1] == 2 and sizes == sorted(sizes), sizes
+    assert [by_step[s]["train/loss"] for s in range(1, 41)] == pytest.approx(_losses(ref), abs=1e-5)
+    assert "resumed from" in (run / "logs" / "rank_1.log").read_text()
+    joined = min(m["time"] for m in records if m["job/world_size"] == 2)
+    print(f"host back at 0 s: first 2-rank step after {joined - back:.1f} s")
     assert hosts.leftover() == {}
