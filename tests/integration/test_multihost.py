@@ -474,6 +474,18 @@ def test_a_host_coming_back_rejoins_the_running_job(netns_hosts, tmp_path):
     assert sizes[0] == 1 and sizes[-1] == 2 and sizes == sorted(sizes), sizes
     assert [by_step[s]["train/loss"] for s in range(1, 41)] == pytest.approx(_losses(ref), abs=1e-5)
     assert "resumed from" in (run / "logs" / "rank_1.log").read_text()
+    # the timeline, seconds after host 1 was started: host 0's last 1-rank step (its group is then
+    # stopped), the 2-rank group's rank 0 started, its first step (a checkpointed step re-run)
+    alone = max(m["time"] for m in records if m["job/world_size"] == 1)
     joined = min(m["time"] for m in records if m["job/world_size"] == 2)
-    print(f"host back at 0 s: first 2-rank step after {joined - back:.1f} s")
+    log0 = (run / "logs" / "rank_0.log").read_text()
+    started = re.search(r"^\S+ (\d\d:\d\d:\d\d),(\d+) rank0 rank 0/2 on cpu", log0, re.M)
+    assert started, log0[-2000:]
+    timeline = {
+        "last 1-rank step": _clock(alone) - _clock(back),
+        "2-rank group started": _clock(".".join(started.groups())) - _clock(back),
+        "first 2-rank step": _clock(joined) - _clock(back),
+    }
+    print("host back, seconds after its start:", {k: round(v, 1) for k, v in timeline.items()})
+    assert timeline["last 1-rank step"] <= timeline["2-rank group started"] <= timeline["first 2-rank step"]
     assert hosts.leftover() == {}
