@@ -342,7 +342,8 @@ class Bench:
                 row["planned_link_s"] = row["shaped_planned_s"] - row["unshaped_planned_s"]
                 row["shaper"] = hosts.unshape()
                 rows.append(row)
-        return {"link": link, "applied": applied, "per_host": node, "load_average": os.getloadavg(), "rows": rows}
+        load = os.getloadavg()
+        return {"link": link, "applied": applied, "per_host": node, "load_average": load, "rows": rows}
 
     PLANNER = [
         ("dp, 1 rank", ["recipe=gpt/tiny", "hardware.devices_per_node=1"]),
