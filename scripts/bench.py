@@ -295,7 +295,8 @@ class Bench:
         }
 
     # Two hosts (network namespaces, scripts/netns_hosts.py) on a link shaped like 1 Gbit/s
-    # Ethernet with 0.5 ms each way (tc netem); the plan is told the same through hardware keys.
+    # Ethernet with 0.5 ms each way (the user-space switch scripts/netns_link.py); the plan is told
+    # the same through hardware keys (latency: the round trip).
     LINK = {"rate": "1gbit", "delay": "0.5ms", "inter_node_gbps": 0.125, "inter_node_latency_us": 1000}
     MULTIHOST = [
         ("dp across 2 hosts", ["recipe=gpt/tiny", "strategy=dp"]),
@@ -314,17 +315,33 @@ class Bench:
         link = self.LINK
         steps = WARMUP + (4 if self.quick else 10)
         rows, applied = [], {}
+        # The two "hosts" share this machine's cores: each node gets its half (OMP_NUM_THREADS; the
+        # launcher would give each all of them) and the plan is told so (its cores, their peak and
+        # GEMM curve). Without it the 2 ranks' 2x cores threads oversubscribe the machine and the
+        # step takes many times the plan -- the cross-host gap the rate-only bench first reported.
+        cores = os.cpu_count() or 1
+        per_host = max(1, cores // 2)
+        prof = self.calibration["profile"] if getattr(self, "calibration", None) else None
+        env = self.env | {"OMP_NUM_THREADS": str(per_host)}
+        node = [f"hardware.host_cores={per_host}"]
+        if prof:
+            one = per_host == 1 and prof.get("gemm_efficiency_one_thread")
+            peak = self.calibration["measured"]["single_thread_flops"] / 1e12 if per_host == 1 else (
+                prof["peak_tflops"]["fp32"] * per_host / cores)  # fmt: skip
+            curve = prof["gemm_efficiency_one_thread"] if one else prof.get("gemm_efficiency")
+            node.append(f"hardware.peak_tflops.fp32={peak:.6g}")
+            if curve:
+                node.append("hardware.gemm_efficiency=[" + ",".join(f"[{f},{e}]" for f, e in curve) + "]")
         with nh.Hosts(2) as hosts:
             for name, overrides in self.MULTIHOST:
                 row = {"config": name}
                 for shaped in (False, True):
                     keys = []
-                    if shaped:  # the plan is told what the link really got (no delay without netem)
+                    if shaped:
                         applied = hosts.shape(link["rate"], link["delay"])
-                        keys = [f"hardware.inter_node_gbps={link['inter_node_gbps']}"]
-                        if applied["delay"]:
-                            keys.append(f"hardware.inter_node_latency_us={link['inter_node_latency_us']}")
-                    args = [*overrides, *keys, "hardware=local", "hardware.nodes=2", "hardware.devices_per_node=1",
+                        keys = [f"hardware.inter_node_gbps={link['inter_node_gbps']}",
+                                f"hardware.inter_node_latency_us={link['inter_node_latency_us']}"]  # fmt: skip
+                    args = [*overrides, *keys, "hardware=local", *node, "hardware.nodes=2", "hardware.devices_per_node=1",
                             f"train.steps={steps}", f"launch.rdzv_endpoint={hosts.addrs[0]}:29555"]  # fmt: skip
                     self.runs += 1
                     dirs = [
@@ -342,7 +359,7 @@ class Bench:
                                 f"launch.node_rank={i}",
                                 f"run.dir={dirs[i]}",
                             ],
-                            env=self.env,
+                            env=env,
                             cwd=ROOT,
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT,
@@ -361,9 +378,10 @@ class Bench:
                     row[f"{key}_planned_s"] = plan["step_time_s"]
                 row["measured_link_s"] = row["shaped_measured_s"] - row["unshaped_measured_s"]
                 row["planned_link_s"] = row["shaped_planned_s"] - row["unshaped_planned_s"]
+                row["shaper"] = hosts.unshape()
                 rows.append(row)
-                hosts.unshape()
-        return {"link": link, "applied": applied, "load_average": os.getloadavg(), "rows": rows}
+        load = os.getloadavg()
+        return {"link": link, "applied": applied, "per_host": node, "load_average": load, "rows": rows}
 
     PLANNER = [
         ("dp, 1 rank", ["recipe=gpt/tiny", "hardware.devices_per_node=1"]),
@@ -646,12 +664,10 @@ def markdown(results: dict) -> str:
         else:
             lk = mh["link"]
             ap = mh["applied"]
-            delay = (
-                f" + {ap['delay']} each way" if ap.get("delay") else " (no delay: this kernel has no netem)"
-            )
-            latency = f", inter_node_latency_us={lk['inter_node_latency_us']}" if ap.get("delay") else ""
-            out.append(f"network namespaces, tc {ap.get('qdisc')} {ap.get('rate')}{delay} on every host's link; plan: "
-                       f"hardware.inter_node_gbps={lk['inter_node_gbps']}{latency} · "
+            out.append(f"network namespaces, every link {ap.get('rate')} + {ap.get('delay')} each way "
+                       f"({ap.get('shaper')}, MTU {ap.get('mtu')}); plan: hardware.inter_node_gbps={lk['inter_node_gbps']}, "
+                       f"inter_node_latency_us={lk['inter_node_latency_us']}; each host {mh.get('per_host', ['?'])[0]} "
+                       f"(OMP_NUM_THREADS to match) · "
                        f"load average {mh['load_average'][0]:.1f}\n")  # fmt: skip
             out.append(table(["config", "unshaped: plan", "measured", "shaped: plan", "measured", "link cost: plan", "measured"],
                              [[r["config"], f"{r['unshaped_planned_s'] * 1e3:.1f} ms", f"{r['unshaped_measured_s'] * 1e3:.1f} ms",

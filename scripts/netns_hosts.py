@@ -8,7 +8,8 @@ Try a multi-node fleetwise job on one machine (root, or CAP_NET_ADMIN + CAP_SYS_
 
 runs the command once per host, inside that host's namespace, with {rank}, {addr} (this host's
 address) and {addr0} (host 0's) filled in, waits for all of them and exits with the first non-zero
-exit status (`--shape 1gbit,0.5ms`, given before the host count, shapes every host's link). Without
+exit status (`--shape 1gbit,0.5ms`, given before the host count, gives every link between hosts
+1 Gbit/s each way and 0.5 ms one way, through the user-space switch scripts/netns_link.py). Without
 a command it creates the hosts, prints how to enter them (`ip netns exec NAME
 ...`) and keeps them until Ctrl-C or SIGTERM.
 
@@ -25,6 +26,7 @@ SIGKILL leaves its namespaces behind, and the next run removes those of dead cre
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import os
 import re
@@ -38,7 +40,8 @@ from pathlib import Path
 PREFIX = "fwns"  # every namespace this tool creates: fwns<creator pid>x<random>-<role>
 _NAME = re.compile(rf"^{PREFIX}(\d+)x[0-9a-f]+-")
 IP = "/usr/sbin/ip" if Path("/usr/sbin/ip").exists() else "ip"
-TC = "/usr/sbin/tc" if Path("/usr/sbin/tc").exists() else "tc"
+LINK_SCRIPT = Path(__file__).with_name("netns_link.py")
+SHAPED_MTU = 65000
 
 
 class NetnsUnavailable(RuntimeError):
@@ -110,7 +113,8 @@ class Hosts:
 
     hosts.names[i], hosts.addrs[i] ("10.77.0.<i+1>"), hosts.iface ("eth0", the same on every host);
     hosts.popen(i, argv, ...) starts a process in host i; hosts.link(i, up) takes its link down or
-    up; hosts.shape(rate, delay) shapes every host's link with tc netem; hosts.leftover() lists
+    up; hosts.shape(rate, delay) shapes every link (scripts/netns_link.py), hosts.unshape() undoes it;
+    hosts.leftover() lists
     processes still inside any namespace; close() kills them all and deletes the namespaces."""
 
     iface = "eth0"
@@ -126,6 +130,7 @@ class Hosts:
         self.prefix_len = prefix_len
         self.procs: list[subprocess.Popen] = []
         self._created: list[str] = []
+        self.shaper: subprocess.Popen | None = None
 
     def __enter__(self) -> Hosts:
         why = probe()
@@ -146,18 +151,28 @@ class Hosts:
         self._add_ns(self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
-        for i, (ns, addr) in enumerate(zip(self.names, self.addrs, strict=True)):
+        for i, ns in enumerate(self.names):
             self._add_ns(ns)
-            port = f"p{i}"
-            # both ends are born in the switch; one moves into the host and becomes its eth0
-            _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", f"h{i}")
-            _ip("-n", self.switch, "link", "set", f"h{i}", "netns", ns)
-            _ip("-n", ns, "link", "set", f"h{i}", "name", self.iface)
-            _ip("-n", ns, "addr", "add", f"{addr}/{self.prefix_len}", "dev", self.iface)
-            _ip("-n", ns, "link", "set", self.iface, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", self.switch, "link", "set", port, "master", "br0")
-            _ip("-n", self.switch, "link", "set", port, "up")
+            self._plug_veth(i)
+
+    def _plug_veth(self, i: int) -> None:
+        """Host i's eth0 as one end of a veth pair whose other end is port p<i> of the bridge."""
+        ns, port = self.names[i], f"p{i}"
+        # both ends are born in the switch; one moves into the host and becomes its eth0
+        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", f"h{i}")
+        _ip("-n", self.switch, "link", "set", f"h{i}", "netns", ns)
+        self._configure_eth0(i, f"h{i}")
+        _ip("-n", self.switch, "link", "set", port, "master", "br0")
+        _ip("-n", self.switch, "link", "set", port, "up")
+
+    def _configure_eth0(self, i: int, dev: str, mtu: int | None = None) -> None:
+        ns = self.names[i]
+        _ip("-n", ns, "link", "set", dev, "name", self.iface)
+        if mtu:
+            _ip("-n", ns, "link", "set", self.iface, "mtu", str(mtu))
+        _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/{self.prefix_len}", "dev", self.iface)
+        _ip("-n", ns, "link", "set", self.iface, "up")
 
     def _add_ns(self, ns: str) -> None:
         _ip("netns", "add", ns)
@@ -176,31 +191,59 @@ class Hosts:
         return subprocess.run(self.command(i, argv), **kwargs)
 
     def link(self, i: int, up: bool) -> None:
-        """Take host i's cable out (down) or plug it back in (up): its switch port."""
-        _ip("-n", self.switch, "link", "set", f"p{i}", "up" if up else "down")
+        """Take host i's cable out (down) or plug it back in (up): its switch port (on a shaped
+        link, the host's eth0, as a NIC sees a pulled cable)."""
+        if self.shaper is None:
+            _ip("-n", self.switch, "link", "set", f"p{i}", "up" if up else "down")
+        else:
+            _ip("-n", self.names[i], "link", "set", self.iface, "up" if up else "down")
 
-    def shape(self, rate: str = "1gbit", delay: str = "0.5ms") -> dict:
-        """Every host's outgoing traffic at `rate` with `delay` added (tc netem on each eth0):
-        between two hosts a packet sees one delay, a round trip two; traffic inside a host (lo)
-        is not shaped. A kernel without netem (sch_netem) gets the rate alone (tbf) and no delay.
-        Returns what was applied: {"qdisc", "rate", "delay" (None without netem)}."""
-        applied = {"qdisc": "netem", "rate": rate, "delay": delay}
-        for ns in self.names:
-            tc = [IP, "netns", "exec", ns, TC, "qdisc", "replace", "dev", self.iface, "root"]
-            r = subprocess.run(
-                tc + ["netem", "delay", delay, "rate", rate, "limit", "100000"], capture_output=True
-            )
-            if r.returncode != 0:
-                applied = {"qdisc": "tbf", "rate": rate, "delay": None}
-                subprocess.run(tc + ["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"], check=True)
-        return applied
+    def shape(self, rate: str = "1gbit", delay: str = "0.5ms", mtu: int = SHAPED_MTU) -> dict:
+        """Every link between hosts at `rate` each way with `delay` one way (a round trip sees two);
+        traffic inside a host (lo) is not shaped. The kernel is not asked (tc netem is missing
+        from many, this CI's included): each host's eth0 becomes a TAP device served by
+        scripts/netns_link.py, a user-space switch in the switch namespace that delays and
+        paces every frame. `mtu` is the links' MTU (large: Python forwards ~50k frames/s at
+        best). Returns what was applied: {"shaper", "rate", "delay", "mtu"}."""
+        self.unshape()
+        for ns in self.names:  # deleting one end of a veth pair deletes both
+            _ip("-n", ns, "link", "del", self.iface)
+        taps = [f"t{i}" for i in range(self.n)]
+        argv = [sys.executable, str(LINK_SCRIPT), "--rate", rate, "--delay", delay, "--mtu", str(mtu), *taps]
+        self.shaper = subprocess.Popen(
+            [IP, "netns", "exec", self.switch, *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        ready = self.shaper.stdout.readline().strip()
+        if ready != "ready":
+            err = self.shaper.communicate(timeout=10)[1]
+            self.shaper = None
+            raise RuntimeError(f"netns_link.py did not start: {err.strip() or ready}")
+        for i, (ns, tap) in enumerate(zip(self.names, taps, strict=True)):
+            _ip("-n", self.switch, "link", "set", tap, "netns", ns)  # its open file keeps working
+            self._configure_eth0(i, tap, mtu)
+        return {"shaper": "netns_link.py", "rate": rate, "delay": delay, "mtu": mtu}
 
-    def unshape(self) -> None:
-        """Back to unshaped links (the default qdisc)."""
-        for ns in self.names:
-            subprocess.run(
-                [IP, "netns", "exec", ns, TC, "qdisc", "del", "dev", self.iface, "root"], capture_output=True
-            )
+    def unshape(self) -> dict | None:
+        """Back to plain veth links on the bridge; returns the shaper's counters (frames, bytes,
+        dropped, longest queueing wait) when the links were shaped."""
+        if self.shaper is None:
+            return None
+        self.shaper.terminate()
+        try:
+            err = self.shaper.communicate(timeout=10)[1]
+        except subprocess.TimeoutExpired:
+            self.shaper.kill()
+            err = self.shaper.communicate()[1]
+        self.shaper = None
+        m = re.search(r"netns_link: (\{.*\})", err)
+        stats = ast.literal_eval(m.group(1)) if m else None
+        for i, ns in enumerate(self.names):  # the TAP devices went with the shaper's files
+            _ip("-n", ns, "link", "del", self.iface, check=False)
+            self._plug_veth(i)
+        return stats
 
     def leftover(self) -> dict[str, list[int]]:
         """Processes still inside any of the namespaces (name -> pids)."""
@@ -212,6 +255,9 @@ class Hosts:
         return out
 
     def close(self) -> None:
+        if self.shaper is not None:  # killed with the switch namespace's processes below
+            self.procs.append(self.shaper)
+            self.shaper = None
         for ns in self._created:
             kill_all_in(ns)
         for proc in self.procs:  # the `ip netns exec` children we started, reaped
@@ -230,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("hosts", type=int, help="number of hosts (namespaces)")
     parser.add_argument(
-        "--shape", metavar="RATE,DELAY", help="e.g. 1gbit,0.5ms: tc netem on every host's link"
+        "--shape",
+        metavar="RATE,DELAY",
+        help="e.g. 1gbit,0.5ms: every link between hosts at RATE each way, DELAY one way",
     )
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help="-- ARGV run once per host ({rank}, {addr}, {addr0})"

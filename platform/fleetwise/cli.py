@@ -544,11 +544,49 @@ def cmd_calibrate(argv: list[str]) -> int:
     )
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p.add_argument("--no-comm", action="store_true", help="skip the 2-process all-reduce measurement")
+    link = p.add_argument_group(
+        "the link between nodes: run the same command on every node at once (one process each)"
+    )
+    link.add_argument("--nodes", type=int, default=1, help="machines taking part (> 1: measure the link)")
+    link.add_argument("--node-rank", type=int, default=0, help="this machine's rank (0: hosts the store)")
+    link.add_argument("--endpoint", help="HOST:PORT, HOST being node 0's address (as launch.rdzv_endpoint)")
+    link.add_argument(
+        "--link-only", action="store_true", help="measure only the link; update the profile's inter-node keys"
+    )
     args = p.parse_args(argv)
-    from fleetwise.launcher.calibrate import calibrate, profile, profile_yaml
-
-    cal = calibrate(comm=not args.no_comm)
     out = Path(args.out) if args.out else user_config_dir() / "hardware" / f"{args.name}.yaml"
+    problems = []
+    if args.nodes > 1 and not args.endpoint:
+        problems.append("--nodes > 1 needs --endpoint HOST:PORT (node 0's address and a free port)")
+    if not 0 <= args.node_rank < max(1, args.nodes):
+        problems.append(
+            f"--node-rank {args.node_rank}: must be 0..{args.nodes - 1} with --nodes {args.nodes}"
+        )
+    if args.link_only and args.nodes < 2:
+        problems.append("--link-only measures the link between nodes: give --nodes N (N > 1) and --endpoint")
+    if args.link_only and not out.exists():
+        problems.append(
+            f"--link-only updates an existing profile: {out} does not exist (run without --link-only)"
+        )
+    if problems:
+        for problem in problems:
+            print(f"✗ fleetwise calibrate: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    from fleetwise.launcher.calibrate import calibrate, inter_node_speed, profile, profile_yaml, update_link
+
+    link_args = {"nodes": args.nodes, "node_rank": args.node_rank, "endpoint": args.endpoint}
+    if args.link_only:
+        speed = inter_node_speed(**link_args)
+        out.write_text(update_link(out, speed))
+        if args.json:
+            print(json.dumps({"measured": speed, "path": str(out)}, indent=2))
+        else:
+            print(
+                f"✓ between nodes: latency {speed['inter_node_latency_us']:,.0f} µs, bandwidth "
+                f"{speed['inter_node_gbps']:.3f} GB/s; written to {out}"
+            )
+        return EXIT_OK
+    cal = calibrate(comm=not args.no_comm, link=link_args if args.nodes > 1 else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile_yaml(cal, args.name))
     if args.json:

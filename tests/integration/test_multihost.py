@@ -5,6 +5,7 @@ derives the rest from the route to the endpoint. Skipped only where namespaces c
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -95,9 +96,18 @@ def test_the_script_tears_down_on_sigterm_and_cleans_up_after_sigkill(tmp_path):
     assert ns not in _namespaces() and not any(_alive(p) for p in pids)
 
 
-def _node(hosts, host: int, run_dir: Path, *overrides: str, node_rank=None, port: int = PORT):
-    """`fleetwise train` on `host` as node `node_rank` (default: the host's number) of a 2-node job
-    whose rendezvous is on host 0, as a user types it on each machine of a cluster."""
+def _node(
+    hosts,
+    host: int,
+    run_dir: Path,
+    *overrides: str,
+    node_rank=None,
+    port: int = PORT,
+    nodes: int = 2,
+    env=None,
+):
+    """`fleetwise train` on `host` as node `node_rank` (default: the host's number) of a `nodes`-node
+    job whose rendezvous is on host 0, as a user types it on each machine of a cluster."""
     return hosts.popen(
         host,
         [
@@ -106,7 +116,7 @@ def _node(hosts, host: int, run_dir: Path, *overrides: str, node_rank=None, port
             *overrides,
             "train.steps=3",
             "tracking.enabled=false",
-            "hardware.nodes=2",
+            f"hardware.nodes={nodes}",
             f"launch.node_rank={host if node_rank is None else node_rank}",
             f"launch.rdzv_endpoint={hosts.addrs[0]}:{port}",
             f"run.dir={run_dir}",
@@ -115,6 +125,7 @@ def _node(hosts, host: int, run_dir: Path, *overrides: str, node_rank=None, port
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=env,
     )
 
 
@@ -194,6 +205,45 @@ def test_ctr_ps_with_servers_on_one_host_and_trainers_on_the_other(netns_hosts, 
     assert "TP_SOCKET_IFNAME=eth0" in (servers / "logs" / "launcher.log").read_text()
     assert _losses(trainers) == pytest.approx(_losses(ref), abs=1e-6)
     assert len(_losses(trainers)) == 3
+    assert hosts.leftover() == {}
+
+
+def test_gpt_trains_dp_and_pp_across_three_hosts_with_one_hosts_losses(netns_hosts, tmp_path):
+    """Three hosts, one rank each, two jobs at once: dp 3 (global batch 18 = 3 x 3 micro-batches of
+    2) and a 3-stage pipeline (layers split 2,1,1: stage 0 -> host 1 -> host 2 -> back). Both equal
+    one process training the same 18-sample batches."""
+    batch = ("recipe=gpt/tiny", "hardware.devices_per_node=1", "train.global_batch_size=18")
+    ref = tmp_path / "ref"
+    one_core = {**os.environ, "OMP_NUM_THREADS": "1"}  # 6 ranks on this machine: no oversubscription
+    r = run_cli(
+        "train",
+        *batch,
+        "train.steps=3",
+        "tracking.enabled=false",
+        f"run.dir={ref}",
+        cwd=tmp_path,
+        env=one_core,
+    )
+    assert r.returncode == 0, r.stderr
+    hosts = netns_hosts(3)
+    jobs = {
+        "dp": (*batch, "strategy=dp"),
+        "pp": (*batch, "strategy=pp", "strategy.pp_degree=3", "strategy.layer_split=[2,1,1]"),
+    }
+    procs = {
+        (name, rank): _node(
+            hosts, rank, tmp_path / f"{name}{rank}", *overrides, port=PORT + k, nodes=3, env=one_core
+        )
+        for k, (name, overrides) in enumerate(jobs.items())
+        for rank in range(3)
+    }
+    outs = {key: p.communicate(timeout=480)[0] for key, p in procs.items()}
+    assert {key: p.returncode for key, p in procs.items()} == dict.fromkeys(procs, 0), outs
+    for name in jobs:
+        assert _losses(tmp_path / f"{name}0") == pytest.approx(_losses(ref), abs=1e-5), name
+        assert [_ranks(tmp_path / f"{name}{rank}") for rank in range(3)] == [[0], [1], [2]]
+    plan = json.loads((tmp_path / "pp0" / "plan.json").read_text())
+    assert plan["mesh"] == {"pp": 3, "dp": 1, "sharding": 1, "mp": 1}
     assert hosts.leftover() == {}
 
 
@@ -299,4 +349,143 @@ def test_a_lost_host_the_survivor_restarts_from_the_checkpoint_and_finishes(netn
     assert mlrun.info.status == "FINISHED"
     attempts = [(m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "job/attempt")]
     assert (2, 0.0) in attempts and (3, 1.0) in attempts
+    assert hosts.leftover() == {}
+
+
+_PING_PONG = """
+import socket, statistics, sys, time
+role, addr, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if role == "server":
+    s = socket.create_server((addr, 5001))
+    c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for _ in range(50):
+        c.sendall(c.recv(1))
+    got = 0
+    while got < nbytes:
+        got += len(c.recv(1 << 20))
+    c.sendall(b"k")
+else:
+    for _ in range(200):
+        try:
+            c = socket.create_connection((addr, 5001))
+            break
+        except OSError:
+            time.sleep(0.05)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(50):
+        start = time.perf_counter()
+        c.sendall(b"x")
+        c.recv(1)
+        rtts.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    c.sendall(bytes(nbytes))
+    c.recv(1)
+    print(statistics.median(rtts), nbytes * 8 / (time.perf_counter() - start))
+"""
+
+
+def _rtt_and_rate(hosts) -> tuple[float, float]:
+    """TCP between host 1 and host 0: median round trip of 1 byte (s), and bits/s of 8 MB."""
+    argv = [sys.executable, "-c", _PING_PONG]
+    server = hosts.popen(0, [*argv, "server", hosts.addrs[0], str(8 << 20)])
+    r = hosts.run(
+        1, [*argv, "client", hosts.addrs[0], str(8 << 20)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0 and server.wait(30) == 0, r.stderr
+    rtt, rate = map(float, r.stdout.split())
+    return rtt, rate
+
+
+def test_a_shaped_link_has_its_latency_and_rate_and_calibrate_measures_it(netns_hosts, tmp_path):
+    """hosts.shape(400mbit, 2ms): every frame between hosts goes through scripts/netns_link.py,
+    4 ms a round trip, 400 Mbit/s at most; `fleetwise calibrate --link-only --nodes 2`, run on both
+    hosts as on two machines, writes a profile whose inter-node keys match that link; unshaped
+    (veth) again, the round trip is back under a millisecond."""
+    hosts = netns_hosts(2)
+    applied = hosts.shape("400mbit", "2ms")
+    assert applied["rate"] == "400mbit" and applied["delay"] == "2ms"
+    rtt, rate = _rtt_and_rate(hosts)
+    assert 4e-3 <= rtt <= 12e-3 and 0.5 * 400e6 <= rate <= 1.02 * 400e6, (rtt, rate)
+
+    profiles = [tmp_path / f"node{i}.yaml" for i in range(2)]
+    procs = []
+    for i, profile in enumerate(profiles):
+        profile.write_text((REPO / "conf" / "hardware" / "cpu.yaml").read_text())
+        argv = [FLEETWISE, "calibrate", "--link-only", "--nodes", "2", "--node-rank", str(i),
+                "--endpoint", f"{hosts.addrs[0]}:{PORT}", "--out", str(profile)]  # fmt: skip
+        procs.append(hosts.popen(i, argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    import yaml
+
+    measured = [yaml.safe_load(p.read_text()) for p in profiles]
+    assert measured[0] == measured[1]  # both nodes wrote the same link
+    latency_us, gbps = measured[0]["inter_node_latency_us"], measured[0]["inter_node_gbps"]
+    # a 4-byte all-reduce of 2 ranks: a send each way, at least one round trip; 16 MiB at <= the rate
+    assert 4000 <= latency_us <= 12000 and 0.5 * 0.05 <= gbps <= 1.02 * 0.05, (latency_us, gbps)
+    assert "measured by fleetwise calibrate" in profiles[0].read_text()
+    assert measured[0]["intra_node_gbps"] == 1.3  # the rest of the profile as it was
+
+    stats = hosts.unshape()
+    assert stats["frames"] > 1000 and stats["bytes"] > 2 * (16 << 20), stats
+    assert _rtt_and_rate(hosts)[0] < 1e-3
+    assert hosts.leftover() == {}
+
+
+def test_a_host_coming_back_rejoins_the_running_job(netns_hosts, tmp_path):
+    """launch.nnodes=1:2: host 0 starts the job alone (1 rank; checkpoints every step), host 1 is
+    started once it trains -- as a lost host brought back. torch sees a node waiting, restarts the
+    group with both (a membership change, no restart spent), the ranks resume from the last
+    checkpoint with 2 ranks, and every step's loss equals an uninterrupted 1-process run. Without
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE (launcher) the joiner waited for a MASTER_ADDR no one
+    published in the new round and both failed on a 60 s store timeout."""
+    common = ("recipe=gpt/tiny", "train.steps=40", "hardware.devices_per_node=1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 threads spin-wait for minutes on a busy machine
+    ref = tmp_path / "ref"
+    r = run_cli("train", *common, "tracking.enabled=false", f"run.dir={ref}", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    hosts = netns_hosts(2)
+    run = tmp_path / "rejoin"
+    args = [
+        FLEETWISE, "train", *common, "hardware.nodes=2", "launch.nnodes=1:2", "launch.rdzv_last_call_s=3",
+        "checkpoint.enabled=true", "checkpoint.interval=1", "tracking.enabled=false",
+        f"launch.rdzv_endpoint={hosts.addrs[0]}:{PORT}", f"run.dir={run}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start(host: int) -> subprocess.Popen:
+        out = (tmp_path / f"host{host}.out").open("w")
+        return hosts.popen(
+            host, [*args, f"launch.node_rank={host}"], stdout=out, stderr=out, cwd=tmp_path, env=env
+        )
+
+    first = start(0)
+    metrics = run / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 180, "host 0 to train")
+    back = time.time()
+    second = start(1)
+    said = {h: (tmp_path / f"host{h}.out") for h in (0, 1)}
+    assert first.wait(480) == 0 and second.wait(60) == 0, [said[h].read_text()[-3000:] for h in (0, 1)]
+    records = read_metrics(run)
+    by_step = {m["step"]: m for m in records}  # steps re-run after the restart count last
+    sizes = [by_step[s]["job/world_size"] for s in range(1, 41)]
+    assert sizes[0] == 1 and sizes[-1] == 2 and sizes == sorted(sizes), sizes
+    assert [by_step[s]["train/loss"] for s in range(1, 41)] == pytest.approx(_losses(ref), abs=1e-5)
+    assert "resumed from" in (run / "logs" / "rank_1.log").read_text()
+    # the timeline, seconds after host 1 was started: host 0's last 1-rank step (its group is then
+    # stopped), the 2-rank group's rank 0 started, its first step (a checkpointed step re-run)
+    alone = max(m["time"] for m in records if m["job/world_size"] == 1)
+    joined = min(m["time"] for m in records if m["job/world_size"] == 2)
+    log0 = (run / "logs" / "rank_0.log").read_text()
+    started = re.search(r"^\S+ (\d\d:\d\d:\d\d),(\d+) rank0 rank 0/2 on cpu", log0, re.M)
+    assert started, log0[-2000:]
+    timeline = {
+        "last 1-rank step": _clock(alone) - _clock(back),
+        "2-rank group started": _clock(".".join(started.groups())) - _clock(back),
+        "first 2-rank step": _clock(joined) - _clock(back),
+    }
+    print("host back, seconds after its start:", {k: round(v, 1) for k, v in timeline.items()})
+    assert timeline["last 1-rank step"] <= timeline["2-rank group started"] <= timeline["first 2-rank step"]
     assert hosts.leftover() == {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import compose
+from conftest import compose, run_cli
 
 from fleetwise.launcher import hostnet, launch
 
@@ -115,3 +115,25 @@ def test_inter_node_latency_prices_only_the_collectives_that_cross_nodes():
     )
     inside = ("hardware.devices_per_node=2",)
     assert comm(*inside)["comm_dp"] == comm(*inside, "hardware.inter_node_latency_us=5000")["comm_dp"]
+
+
+def test_calibrate_link_options_are_checked_and_only_the_link_keys_change(tmp_path):
+    """`fleetwise calibrate --nodes N`: a missing endpoint, a rank out of range and --link-only
+    without a profile are each listed, exit 2, before anything is measured; update_link rewrites the
+    two inter-node keys of a profile (adding one it lacks) and keeps every other line."""
+    r = run_cli(
+        "calibrate", "--nodes", "2", "--node-rank", "2", "--link-only", "--out", str(tmp_path / "no.yaml")
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--endpoint HOST:PORT" in r.stderr and "--node-rank 2: must be 0..1" in r.stderr
+    assert f"{tmp_path / 'no.yaml'} does not exist" in r.stderr
+    from fleetwise.launcher.calibrate import update_link
+
+    profile = tmp_path / "p.yaml"
+    profile.write_text("# mine\nname: x\ninter_node_gbps: 1.25  # 10 GbE\ncomm_latency_us: 210\n")
+    text = update_link(profile, {"inter_node_gbps": 0.123456, "inter_node_latency_us": 1454.44})
+    assert text.splitlines()[:2] == ["# mine", "name: x"] and "comm_latency_us: 210" in text
+    import yaml
+
+    loaded = yaml.safe_load(text)
+    assert (loaded["inter_node_gbps"], loaded["inter_node_latency_us"]) == (0.1235, 1454.4)

@@ -1,17 +1,24 @@
-"""torchrun for a single-node job, with every store it hosts listening on loopback only.
+"""torchrun, with every store it hosts listening on loopback only (single node), and telling the
+ranks the rendezvous round of their group (every job).
 
 `python -m fleetwise.launcher.agent TORCHRUN_ARGS…` is `python -m torch.distributed.run` except that
 torch's TCPStore servers (the c10d rendezvous store and the store the ranks share) listen on
 127.0.0.1. torch binds them to every interface whatever host it is given, and they are
 unauthenticated: on a single-node job anyone who reaches the machine could join the rendezvous or
 write the keys the ranks read. TCPStore accepts an already-listening socket (`master_listen_fd`);
-this module hands it one bound to loopback. Multi-node jobs need a reachable store and use plain
-torchrun (trusted network, see the README).
+this module hands it one bound to loopback. Multi-node jobs need a reachable store
+(`--any-interface`, the first argument: torch's binds; trusted network, see the README).
+
+Every group the agent starts gets FLEETWISE_RDZV_ROUND (runtime/mesh.py's ROUND_VAR): the round is
+the same on every node, 0 only for the job's first group, so a group re-formed because a lost node
+came back -- which torch does not count as a restart -- still resumes from the checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 
 LOOPBACK = "127.0.0.1"
 _ARGS = (
@@ -56,8 +63,28 @@ def install() -> None:
     c10d_rendezvous_backend.TCPStore = store  # the rendezvous store
 
 
+def export_round() -> None:
+    """Before each group starts, its rendezvous round into the environment the ranks inherit."""
+    from torch.distributed.elastic.agent.server import api
+
+    from fleetwise.runtime.mesh import ROUND_VAR
+
+    rendezvous = api.SimpleElasticAgent._rendezvous
+
+    def _rendezvous(self, worker_group):
+        rendezvous(self, worker_group)
+        state = getattr(getattr(worker_group.spec.rdzv_handler, "_state_holder", None), "state", None)
+        os.environ[ROUND_VAR] = str(getattr(state, "round", 0))
+
+    api.SimpleElasticAgent._rendezvous = _rendezvous
+
+
 if __name__ == "__main__":
-    install()
+    if sys.argv[1:2] == ["--any-interface"]:
+        del sys.argv[1]
+    else:
+        install()
+    export_round()
     from torch.distributed.run import main
 
     main()

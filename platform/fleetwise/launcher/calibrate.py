@@ -30,6 +30,9 @@ What is measured (all on the current machine, nothing looked up):
   those 2 processes against the plain chain, less its collectives' latency, per forward op; and
   FSDP2 (a unit per block) the same way, per unit pass and parameter tensor; and how much slower
   host work gets when both processes run it in lockstep than when one runs it alone.
+- the link between nodes (`--nodes N --node-rank R --endpoint HOST:PORT`, the same command on
+  every node, HOST being node 0's address): one process per node, gloo over the interface of the
+  route to HOST, all-reduce of 4 bytes (inter_node_latency_us) and of 16 MiB (inter_node_gbps).
 On a GPU the peak is bf16 (and fp32/TF32) on device 0, and the per-op overhead is not charged
 (kernels queue asynchronously behind the GPU's work).
 """
@@ -96,6 +99,8 @@ class Calibration:
     selective_checkpoint_op_us: float = 0.0
     has_bf16: bool | None = None  # native bf16 (None: a GPU is assumed to have it, a CPU not)
     host_link_gbps: float | None = None  # GPU: pinned host -> device copy bandwidth
+    inter_node_gbps: float | None = None  # all-reduce between nodes, one rank per node (--nodes N)
+    inter_node_latency_us: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -491,6 +496,50 @@ def allreduce_speed(backend: str, world: int = 2) -> dict[str, float]:
     return {"allreduce_latency_us": latency * 1e6, "allreduce_gbps": bandwidth / 1e9, **probes}
 
 
+def inter_node_speed(nodes: int, node_rank: int, endpoint: str, timeout_s: float = 300.0) -> dict[str, float]:
+    """Latency (µs) and bandwidth (GB/s per direction) of a gloo all-reduce between `nodes`
+    machines, this process being node `node_rank`'s one rank; they meet at `endpoint` HOST:PORT,
+    where node 0 hosts the store. gloo uses the interface of the kernel's route to HOST (as
+    `fleetwise train` does) unless GLOO_SOCKET_IFNAME is set. Keyed by Calibration's field names."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fleetwise.launcher.hostnet import interface_env, node_network
+
+    net = node_network(endpoint)
+    os.environ.update(interface_env(net, os.environ))
+    host, _, port = endpoint.rpartition(":")
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        host.strip("[]"), int(port), nodes, is_master=node_rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    dist.init_process_group("gloo", store=store, rank=node_rank, world_size=nodes, timeout=timeout)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = {}
+        for nbytes, reps in ((LATENCY_BYTES, 100), (BANDWIDTH_BYTES, 8)):
+            t = torch.ones(nbytes // 4)
+            for _ in range(2):
+                dist.all_reduce(t)
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - start)
+            results[nbytes] = _slowest(statistics.median(times))
+        dist.barrier()
+    finally:
+        torch.set_num_threads(threads)
+        dist.destroy_process_group()
+    latency = results[LATENCY_BYTES]
+    moved = 2 * (nodes - 1) / nodes * BANDWIDTH_BYTES
+    bandwidth = moved / max(results[BANDWIDTH_BYTES] - latency, 1e-9)
+    return {"inter_node_latency_us": latency * 1e6, "inter_node_gbps": bandwidth / 1e9}
+
+
 def _cpu_host_costs(peak: float) -> dict[str, Any]:
     """The host costs the planner charges on a CPU (at the current thread count), keyed by
     Calibration's field names."""
@@ -545,8 +594,10 @@ def _memory_gib(device: torch.device) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
-def calibrate(*, comm: bool = True) -> Calibration:
-    """Measure this machine (CPU, or GPU 0 when CUDA is available)."""
+def calibrate(*, comm: bool = True, link: dict[str, Any] | None = None) -> Calibration:
+    """Measure this machine (CPU, or GPU 0 when CUDA is available); with `link` (inter_node_speed's
+    nodes, node_rank, endpoint) first the link between the nodes, run on every node at once."""
+    inter = inter_node_speed(**link) if link else {}
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -599,6 +650,7 @@ def calibrate(*, comm: bool = True) -> Calibration:
         has_bf16=has_bf16 if cuda else False,
         **host,
         **comm_speed,
+        **inter,
     )
 
 
@@ -629,7 +681,9 @@ def profile(cal: Calibration, name: str = "local") -> dict[str, Any]:
         "device_overhead_gib": 0.0 if cpu else 1.6,
         "fragmentation": 0.0 if cpu else 0.05,
         "intra_node_gbps": round(cal.allreduce_gbps, 3) if cal.allreduce_gbps else (2.0 if cpu else 450.0),
-        "inter_node_gbps": 1.25 if cpu else 50.0,  # not measurable from one machine: 10 GbE / 400 Gb/s NDR
+        # measured by `fleetwise calibrate --nodes N ...` on every node; else 10 GbE / 400 Gb/s NDR
+        "inter_node_gbps": round(cal.inter_node_gbps, 4) if cal.inter_node_gbps else (1.25 if cpu else 50.0),
+        "inter_node_latency_us": round(cal.inter_node_latency_us, 1) if cal.inter_node_latency_us else None,
         "shared_compute": cpu,
         "host_cores": cal.cores if cpu else None,
         "matmul_efficiency": round(cal.matmul_efficiency, 4),
@@ -645,6 +699,20 @@ def profile(cal: Calibration, name: str = "local") -> dict[str, Any]:
     return out
 
 
+def update_link(path: Path, speed: dict[str, float]) -> str:
+    """A profile file's text with its inter-node keys set to a measurement (inter_node_speed's),
+    the rest of the file (comments included) as it was."""
+    import re
+
+    text = path.read_text()
+    for key, digits in (("inter_node_gbps", 4), ("inter_node_latency_us", 1)):
+        line = f"{key}: {round(speed[key], digits)}  # measured by fleetwise calibrate --nodes"
+        text, found = re.subn(rf"(?m)^{key}:.*$", line, text)
+        if not found:
+            text = text.rstrip("\n") + "\n" + line + "\n"
+    return text
+
+
 def profile_yaml(cal: Calibration, name: str = "local") -> str:
     import yaml
 
@@ -657,4 +725,9 @@ def profile_yaml(cal: Calibration, name: str = "local") -> str:
         f"# all-reduce ({cal.backend}, 2 processes): latency {cal.allreduce_latency_us:.0f} us, "
         f"bandwidth {cal.allreduce_gbps:.2f} GB/s. Select it with hardware={name}.\n"
     )
+    if cal.inter_node_gbps:
+        header += (
+            f"# between nodes (gloo, one process per node): latency {cal.inter_node_latency_us:.0f} us, "
+            f"bandwidth {cal.inter_node_gbps:.3f} GB/s.\n"
+        )
     return header + yaml.safe_dump(profile(cal, name), sort_keys=False)

@@ -237,7 +237,7 @@ def torchrun_command(cfg: RunConfig, run_dir: Path, net: NodeNet | None = None) 
             "--local-addr=127.0.0.1",
         ]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", nproc]
+        cmd = [sys.executable, "-m", AGENT, "--any-interface", nproc]
         cmd += [
             f"--nnodes={launch.nnodes}",
             f"--node-rank={launch.node_rank}",
@@ -354,6 +354,14 @@ def launch_job(
         env["GLOO_SOCKET_IFNAME"] = "lo"  # one node: the ranks' gloo mesh on loopback, off the network
     if net is not None:  # several nodes: every library on the interface that reaches node 0
         env.update(interface_env(net, env))
+        # torch shares the rendezvous TCPStore with the workers and publishes MASTER_ADDR/PORT only
+        # in the round where a node first became rank 0: a node joining a later round (a lost host
+        # coming back) waits for them under the new round's prefix that no one writes, and the group
+        # dies on a 60 s store timeout (role_info / MASTER_ADDR). Not shared, rank 0 publishes them
+        # every round and the ranks' own store lives on rank 0's node. Not for ps: its RPC shutdown
+        # needs the store after trainer 0 (rank 0, its host without the agent's) has exited.
+        if cfg.strategy.name != "ps":
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     rank0_log = Follower(rundir.rank_log(run_dir, 0))
     fold = TracebackFold()  # a traceback stays in the log; the failure report leads with the cause
     metrics = Follower(rundir.metrics_path(run_dir))

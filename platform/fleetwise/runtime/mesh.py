@@ -14,6 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fleetwise.config.run import RunConfig
 
+# The rendezvous round of this worker group, exported by fleetwise's torchrun agent: 0 for the
+# job's first group, more for every group formed again -- after a failure (a restart) and after a
+# membership change (a node came back), which torch does not count as a restart.
+ROUND_VAR = "FLEETWISE_RDZV_ROUND"
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -22,6 +27,12 @@ class DistEnv:
     local_rank: int
     device: torch.device
     restart: int  # torchrun's restart count of this worker group (0 on the first attempt)
+    round: int = 0  # the rendezvous round (ROUND_VAR): > 0 whenever the group was formed again
+
+    @property
+    def regrouped(self) -> bool:
+        """This group replaces an earlier one of the same job (resume from its checkpoint)."""
+        return self.restart > 0 or self.round > 0
 
 
 def exit_finished(code: int = 0) -> None:
@@ -44,6 +55,7 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    group_round = int(os.environ.get(ROUND_VAR, "0"))
     if cfg.hardware.device_type == "cuda":
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
@@ -57,13 +69,13 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
         timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
         dist.init_process_group(
             backend=process_group_backend(cfg),
-            store=attempt_store(rank, world, restart, timeout),
+            store=attempt_store(rank, world, f"{restart}_{group_round}", timeout),
             rank=rank,
             world_size=world,
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-    return DistEnv(rank, world, local, device, restart)
+    return DistEnv(rank, world, local, device, restart, group_round)
 
 
 def process_group_backend(cfg: RunConfig) -> str:
@@ -77,7 +89,7 @@ def process_group_backend(cfg: RunConfig) -> str:
     return backend
 
 
-def attempt_store(rank: int, world: int, restart: int, timeout: timedelta) -> dist.Store:
+def attempt_store(rank: int, world: int, restart: int | str, timeout: timedelta) -> dist.Store:
     """The rendezvous store of this attempt, under a prefix of its own.
 
     Why: torchrun's c10d rendezvous shares one TCPStore (hosted by the agent) across restarts,

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         joined - imported,
         built - joined,
     )
-    resume = find_resume(cfg, run_dir, restarting=env.restart > 0)
+    resume = find_resume(cfg, run_dir, restarting=env.regrouped)
     if resume is not None:
         trainer.resume(resume)
     trainer.fit()
