@@ -193,14 +193,23 @@ def _rank_memory(
     gather_bytes = 2 if mixed else FP32  # FSDP MixedPrecisionPolicy gathers in the compute dtype
     if engine == "fsdp":
         if reshard_after_forward(s.sharding_stage) and not pipelined:
-            biggest = max((u.params_on_rank(mp) for u in units), default=0.0)
-            working = 2 * gather_bytes * biggest  # the unit in use and the prefetched next one
+            # each block is an FSDP unit; the rest of the chunk (embedding, head, final norm) is
+            # the root unit, which FSDP2 never reshards after forward (its parameters are needed
+            # again first in backward): in backward the root, the block in use and the prefetched
+            # next one are gathered at once
+            blocks = [u.params_on_rank(mp) for u in units if u.kind == "block"]
+            root = p - sum(blocks)
+            working = gather_bytes * (root + 2 * max(blocks, default=0.0))
         else:  # stage 2 / replication, and any pipelined FSDP (kept gathered across micro-batches)
             working = gather_bytes * p
         mem.params = resting + working
         grads_sharded = 0.0 if offloaded else FP32 * p / sh
-        # Under a pipeline schedule FSDP accumulates unsharded gradients until the last micro-batch.
-        mem.grads = grads_sharded + (FP32 * p if pipelined else 0.0)
+        # Under a pipeline schedule FSDP2 accumulates unsharded gradients (in the fp32 reduce
+        # dtype) over the micro-batches and reduce-scatters them once, after the last backward
+        # (torch.distributed.pipelining's REDUCE_GRAD), freeing each unit's unsharded gradients as
+        # its sharded ones appear; the optimizer's zero_grad left no sharded gradients behind: one
+        # fp32 copy of the chunk's gradients at most.
+        mem.grads = FP32 * p if pipelined else grads_sharded
         mem.optimizer = 0.0 if offloaded else k * FP32 * p / sh
     else:
         mem.params = FP32 * p + (2 * p if mixed else 0.0)  # + autocast's low-precision weight cache
