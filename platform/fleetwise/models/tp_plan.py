@@ -66,4 +66,10 @@ def _block_plan(prefix: str, act, sequence_parallel: bool, pre_ln: bool) -> dict
         )
         plan[f"{prefix}.ln1"] = SequenceParallel()
         plan[f"{prefix}.ln2"] = SequenceParallel()
+    else:
+        # the attention input as one replicated DTensor: the q, k and v projections' partial input
+        # gradients add up before a single all-reduce (each would all-reduce its own otherwise)
+        plan[f"{prefix}.attn"] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+        )
     return plan

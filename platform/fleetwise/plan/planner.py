@@ -206,14 +206,23 @@ def _rank_memory(
     gather_bytes = 2 if mixed else FP32  # FSDP MixedPrecisionPolicy gathers in the compute dtype
     if engine == "fsdp":
         if reshard_after_forward(s.sharding_stage) and not pipelined:
-            biggest = max((u.params_on_rank(mp) for u in units), default=0.0)
-            working = 2 * gather_bytes * biggest  # the unit in use and the prefetched next one
+            # each block is an FSDP unit; the rest of the chunk (embedding, head, final norm) is
+            # the root unit, which FSDP2 never reshards after forward (its parameters are needed
+            # again first in backward): in backward the root, the block in use and the prefetched
+            # next one are gathered at once
+            blocks = [u.params_on_rank(mp) for u in units if u.kind == "block"]
+            root = p - sum(blocks)
+            working = gather_bytes * (root + 2 * max(blocks, default=0.0))
         else:  # stage 2 / replication, and any pipelined FSDP (kept gathered across micro-batches)
             working = gather_bytes * p
         mem.params = resting + working
         grads_sharded = 0.0 if offloaded else FP32 * p / sh
-        # Under a pipeline schedule FSDP accumulates unsharded gradients until the last micro-batch.
-        mem.grads = grads_sharded + (FP32 * p if pipelined else 0.0)
+        # Under a pipeline schedule FSDP2 accumulates unsharded gradients (in the fp32 reduce
+        # dtype) over the micro-batches and reduce-scatters them once, after the last backward
+        # (torch.distributed.pipelining's REDUCE_GRAD), freeing each unit's unsharded gradients as
+        # its sharded ones appear; the optimizer's zero_grad left no sharded gradients behind: one
+        # fp32 copy of the chunk's gradients at most.
+        mem.grads = FP32 * p if pipelined else grads_sharded
         mem.optimizer = 0.0 if offloaded else k * FP32 * p / sh
     elif engine == "zero1":
         # runtime/zero1.py: 16-bit working weights and the fp32 gradient buffer whole; fp32 masters
@@ -419,6 +428,55 @@ def _pp_bytes_of_rank(
     return out
 
 
+def _mp_comm(cfg: RunConfig, layout: Layout, units: list[Unit], n: int, engine: str) -> tuple[float, int]:
+    """Tensor-parallel bytes a device sends per step, and calls, for its `units` (the DTensor plans
+    of models/tp_plan.py, counted in the dry run's collectives). Per (seq, hidden) all-reduce of a
+    block (`mp_allreduces`): forward, the row-parallel output (matmul dtype); backward, the
+    column-parallel input's gradient (residual-stream dtype: autocast casts inside the linear).
+    With sequence parallelism each becomes an all-gather + reduce-scatter pair of half the bytes
+    each (forward: gather the norm output, scatter the partial sum; backward the reverse). The
+    embedding's vocabulary-parallel output is all-reduced in forward (and, split along the
+    sequence, gathered in backward); the column-parallel head all-reduces its input gradient
+    (sequence parallel: gathers its input, scatters the gradient). Full recompute re-runs a
+    block's forward collectives."""
+    s = cfg.strategy
+    assert isinstance(s, CollectiveStrategy)
+    mp, b, sp = layout.mp, cfg.train.micro_batch_size, s.sequence_parallel
+    act, residual = _act_bytes(cfg.train.precision, engine)
+    half = (mp - 1) / mp  # an all-gather's or a reduce-scatter's share of the full tensor
+    hidden = max((u.boundary_elements for u in units), default=0.0)
+    vol, calls = 0.0, 0.0
+    for u in units:
+        size = b * (u.boundary_elements or hidden)
+        if u.kind == "block":
+            k = 2 * u.mp_allreduces
+            vol += u.mp_allreduces * 2 * half * (act + residual) * size
+            if s.recompute == "full":
+                # torch's checkpoint stops recomputing once the saved tensors are back: a pre-LN
+                # block's fc2 (`recompute_skipped_flops`) and its all-reduce / reduce-scatter are
+                # not re-run; the gathers before attention and MLP are
+                sums = u.mp_allreduces - (1 if u.recompute_skipped_flops else 0)
+                vol += (
+                    half * (u.mp_allreduces * residual + sums * act) if sp else 2 * half * sums * act
+                ) * size
+                k += sums
+            elif s.recompute == "selective" and sp:
+                # the recompute gathers the norms' outputs again (as Megatron does); the
+                # reduce-scatters' outputs are kept (runtime/recompute.py)
+                vol += u.mp_allreduces * half * residual * size
+                k += u.mp_allreduces / 2  # one call each (k counts pairs under SP)
+        elif u.kind == "embedding":
+            k = u.mp_allreduces * (2 if sp else 1)
+            vol += u.mp_allreduces * (2 + sp) * half * residual * size
+        elif u.kind == "head":
+            k = 2 if sp else 1
+            vol += 2 * half * residual * size
+        else:
+            k = 0
+        calls += k * (2 if sp and u.kind == "block" else 1)
+    return n * vol, int(n * calls)
+
+
 def _stage_comm(
     cfg: RunConfig,
     layout: Layout,
@@ -433,7 +491,11 @@ def _stage_comm(
     parameter traffic for its own parameters `p`, pipeline traffic for its own chunks."""
     vol, _ = _comm(cfg, layout, chunks, ranks, p, n, engine)
     residual = _act_bytes(cfg.train.precision, engine)[1]
+    # under sequence parallelism a stage sends its output's sequence shard
+    residual /= layout.mp if cfg.strategy.sequence_parallel else 1
     vol["pp"] = _pp_bytes_of_rank(chunks, ranks, rank, n, cfg.train.micro_batch_size, residual)
+    if layout.mp > 1:
+        vol["mp"] = _mp_comm(cfg, layout, _rank_units(chunks, ranks, rank), n, engine)[0]
     return {d: int(v) for d, v in vol.items()}
 
 
@@ -758,24 +820,12 @@ def _comm(
         vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh  # HSDP: all-reduce of the shards across replicas
         calls["dp"] = n_units if dp > 1 else 0
     if mp > 1:
-        per_micro = 0.0
-        for u in worst_units:
-            per_call = b * u.boundary_elements * act
-            count = 2 * u.mp_allreduces + (
-                u.mp_allreduces if (s.recompute == "full" and u.kind == "block") else 0
-            )
-            per_micro += count * per_call
-            calls["mp"] += count * n
-            if s.recompute == "selective" and s.sequence_parallel and u.kind == "block":
-                # the recompute gathers the norms' outputs again (as Megatron does; half an
-                # all-reduce each); the reduce-scatters' outputs are kept (runtime/recompute.py)
-                per_micro += 0.5 * u.mp_allreduces * per_call
-                calls["mp"] += u.mp_allreduces * n
-        vol["mp"] = n * 2 * (mp - 1) / mp * per_micro
+        vol["mp"], calls["mp"] = _mp_comm(cfg, layout, worst_units, n, engine)
     if pp > 1:
         local_chunks = max(1, len(chunks) // pp)
         boundary = max((u.boundary_elements for u in worst_units), default=0.0)
-        vol["pp"] = n * local_chunks * 2 * b * boundary * residual  # activations forward, gradients back
+        # activations forward, gradients back (under sequence parallelism: the sequence shard)
+        vol["pp"] = n * local_chunks * 2 * b * boundary * residual / (mp if s.sequence_parallel else 1)
         calls["pp"] = n * local_chunks * 2
     return vol, calls
 
