@@ -112,7 +112,7 @@ def test_plan_that_does_not_fit_shows_remedies(fleetwise_bin):
         fleetwise_bin,
         "plan",
         "recipe=gpt/gpt3_175b",
-        "strategy.pp_degree=8",
+        "strategy.pp_degree=4",
         "strategy.recompute=none",
         "--json",
     )
@@ -120,7 +120,7 @@ def test_plan_that_does_not_fit_shows_remedies(fleetwise_bin):
     assert r.returncode == 0 and plan["fits"] is False
     assert plan["remedies"] and any(x["fits"] for x in plan["remedies"])
     r = run(
-        fleetwise_bin, "validate", "recipe=gpt/gpt3_175b", "strategy.pp_degree=8", "strategy.recompute=none"
+        fleetwise_bin, "validate", "recipe=gpt/gpt3_175b", "strategy.pp_degree=4", "strategy.recompute=none"
     )
     assert r.returncode == 2 and "remedies" in r.stderr
 

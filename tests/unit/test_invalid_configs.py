@@ -168,7 +168,7 @@ CASES = [
     (("plan.memory_check=maybe",), "plan.memory_check"),
     # --- memory: the plan does not fit
     (
-        ("recipe=gpt/gpt3_175b", "strategy.pp_degree=8", "strategy.recompute=none"),
+        ("recipe=gpt/gpt3_175b", "strategy.pp_degree=4", "strategy.recompute=none"),
         "hardware.memory_per_device_gib",
     ),
     (("recipe=gpt/gpt3_6.7b", "strategy=dp", "strategy.mp_degree=1"), "hardware.memory_per_device_gib"),
@@ -325,14 +325,14 @@ def test_unknown_key_suggests_the_close_one():
 
 
 def test_memory_problem_lists_numbers_and_remedies_and_can_be_waived():
-    problems = _validate(["recipe=gpt/gpt3_175b", "strategy.pp_degree=8", "strategy.recompute=none"])
+    problems = _validate(["recipe=gpt/gpt3_175b", "strategy.pp_degree=4", "strategy.recompute=none"])
     (p,) = problems
     assert "GiB" in p.msg and "strategy.recompute=full" in p.hint and "plan.memory_check=warn" in p.hint
     assert (
         _validate(
             [
                 "recipe=gpt/gpt3_175b",
-                "strategy.pp_degree=8",
+                "strategy.pp_degree=4",
                 "strategy.recompute=none",
                 "plan.memory_check=warn",
             ]
