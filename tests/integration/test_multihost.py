@@ -208,10 +208,11 @@ def test_ctr_ps_with_servers_on_one_host_and_trainers_on_the_other(netns_hosts, 
     assert hosts.leftover() == {}
 
 
-def test_gpt_trains_dp_and_pp_across_three_hosts_with_one_hosts_losses(netns_hosts, tmp_path):
-    """Three hosts, one rank each, two jobs at once: dp 3 (global batch 18 = 3 x 3 micro-batches of
-    2) and a 3-stage pipeline (layers split 2,1,1: stage 0 -> host 1 -> host 2 -> back). Both equal
-    one process training the same 18-sample batches."""
+def test_gpt_and_ctr_train_across_three_hosts_with_one_hosts_losses(netns_hosts, tmp_path):
+    """Three hosts, one rank each, three jobs at once: dp 3 (global batch 18 = 3 x 3 micro-batches
+    of 2) and a 3-stage pipeline (layers split 2,1,1: stage 0 -> host 1 -> host 2 -> back), both
+    equal to one process training the same 18-sample batches; and ctr/tiny on the parameter server
+    with its trainers on hosts 0 and 1 and its server on host 2, equal to the same job on one host."""
     batch = ("recipe=gpt/tiny", "hardware.devices_per_node=1", "train.global_batch_size=18")
     ref = tmp_path / "ref"
     one_core = {**os.environ, "OMP_NUM_THREADS": "1"}  # 6 ranks on this machine: no oversubscription
@@ -225,10 +226,22 @@ def test_gpt_trains_dp_and_pp_across_three_hosts_with_one_hosts_losses(netns_hos
         env=one_core,
     )
     assert r.returncode == 0, r.stderr
+    ps = ("recipe=ctr/tiny", "strategy.num_servers=1", "hardware.devices_per_node=1")
+    r = run_cli(
+        "train",
+        *ps,
+        "train.steps=3",
+        "tracking.enabled=false",
+        f"run.dir={tmp_path / 'ps_ref'}",
+        cwd=tmp_path,
+        env=one_core,
+    )
+    assert r.returncode == 0, r.stderr
     hosts = netns_hosts(3)
     jobs = {
         "dp": (*batch, "strategy=dp"),
         "pp": (*batch, "strategy=pp", "strategy.pp_degree=3", "strategy.layer_split=[2,1,1]"),
+        "ps": (*ps, "strategy.allow_remote_servers=true"),
     }
     procs = {
         (name, rank): _node(
@@ -240,8 +253,11 @@ def test_gpt_trains_dp_and_pp_across_three_hosts_with_one_hosts_losses(netns_hos
     outs = {key: p.communicate(timeout=480)[0] for key, p in procs.items()}
     assert {key: p.returncode for key, p in procs.items()} == dict.fromkeys(procs, 0), outs
     for name in jobs:
-        assert _losses(tmp_path / f"{name}0") == pytest.approx(_losses(ref), abs=1e-5), name
+        want = _losses(tmp_path / "ps_ref" if name == "ps" else ref)
+        assert _losses(tmp_path / f"{name}0") == pytest.approx(want, abs=1e-5), name
         assert [_ranks(tmp_path / f"{name}{rank}") for rank in range(3)] == [[0], [1], [2]]
+    assert "[server0]" in (tmp_path / "ps2" / "logs" / "rank_2.log").read_text()
+    assert "[trainer1]" in (tmp_path / "ps1" / "logs" / "rank_1.log").read_text()
     plan = json.loads((tmp_path / "pp0" / "plan.json").read_text())
     assert plan["mesh"] == {"pp": 3, "dp": 1, "sharding": 1, "mp": 1}
     assert hosts.leftover() == {}
