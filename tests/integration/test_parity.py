@@ -222,6 +222,19 @@ def test_ernie_tensor_and_data_parallel_equal_single_process(tmp_path):
         procs=4,
     )
     assert_same(ref, got, SGD_TOL)
+    # sequence parallel in a post-LN block: the norms hand back their sequence shard (tp_plan)
+    got = run(
+        tmp_path,
+        "mp2sp",
+        "recipe=ernie/tiny",
+        "data=synthetic",
+        "strategy=mp",
+        "strategy.mp_degree=2",
+        "strategy.sequence_parallel=true",
+        *SGD,
+        procs=2,
+    )
+    assert_same(ref, got, SGD_TOL)
 
 
 # BatchNorm normalises over each micro-batch in every layout, so the math is identical; it divides by

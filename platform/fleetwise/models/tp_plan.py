@@ -45,7 +45,9 @@ def ernie_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     if sequence_parallel:
         plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
         # the MLM transform runs on whole sequences
-        plan["head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan["head"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     return plan
 
 
@@ -64,8 +66,10 @@ def _block_plan(prefix: str, act, sequence_parallel: bool, pre_ln: bool) -> dict
         plan[f"{prefix}.mlp"] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
         )
-        plan[f"{prefix}.ln1"] = SequenceParallel()
-        plan[f"{prefix}.ln2"] = SequenceParallel()
+        # a post-LN block adds the norm's output to a sublayer's (plain, local) output: the norm
+        # must hand back its local sequence shard too, not a DTensor
+        plan[f"{prefix}.ln1"] = SequenceParallel(use_local_output=not pre_ln)
+        plan[f"{prefix}.ln2"] = SequenceParallel(use_local_output=not pre_ln)
     else:
         # the attention input as one replicated DTensor: the q, k and v projections' partial input
         # gradients add up before a single all-reduce (each would all-reduce its own otherwise)

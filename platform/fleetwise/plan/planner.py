@@ -474,6 +474,13 @@ def _mp_comm(cfg: RunConfig, layout: Layout, units: list[Unit], n: int, engine: 
         else:
             k = 0
         calls += k * (2 if sp and u.kind == "block" else 1)
+    if sp and engine in ("fsdp", "zero1"):
+        # the norms' replicated weights see one sequence shard, so their gradient is a partial
+        # sum: FSDP and ZeRO-1 take each micro-batch's gradient at once and all-reduce it over mp
+        # first (in the parameters' dtype: 16-bit under mixed precision). The embedding's
+        # replicated weights (positions) get a whole gradient: its output is all-reduced.
+        grad_bytes = 2 if cfg.train.precision != "fp32" else FP32
+        vol += 2 * half * grad_bytes * sum(u.params_whole for u in units if u.kind != "embedding")
     return n * vol, int(n * calls)
 
 
