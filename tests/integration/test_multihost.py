@@ -214,29 +214,20 @@ def test_gpt_and_ctr_train_across_three_hosts_with_one_hosts_losses(netns_hosts,
     equal to one process training the same 18-sample batches; and ctr/tiny on the parameter server
     with its trainers on hosts 0 and 1 and its server on host 2, equal to the same job on one host."""
     batch = ("recipe=gpt/tiny", "hardware.devices_per_node=1", "train.global_batch_size=18")
-    ref = tmp_path / "ref"
-    one_core = {**os.environ, "OMP_NUM_THREADS": "1"}  # 6 ranks on this machine: no oversubscription
-    r = run_cli(
-        "train",
-        *batch,
-        "train.steps=3",
-        "tracking.enabled=false",
-        f"run.dir={ref}",
-        cwd=tmp_path,
-        env=one_core,
-    )
-    assert r.returncode == 0, r.stderr
     ps = ("recipe=ctr/tiny", "strategy.num_servers=1", "hardware.devices_per_node=1")
-    r = run_cli(
-        "train",
-        *ps,
-        "train.steps=3",
-        "tracking.enabled=false",
-        f"run.dir={tmp_path / 'ps_ref'}",
-        cwd=tmp_path,
-        env=one_core,
-    )
-    assert r.returncode == 0, r.stderr
+    ref, ps_ref = tmp_path / "ref", tmp_path / "ps_ref"
+    one_core = {**os.environ, "OMP_NUM_THREADS": "1"}  # 6 ranks on this machine: no oversubscription
+    for overrides, run_dir in ((batch, ref), (ps, ps_ref)):  # the one-host references
+        r = run_cli(
+            "train",
+            *overrides,
+            "train.steps=3",
+            "tracking.enabled=false",
+            f"run.dir={run_dir}",
+            cwd=tmp_path,
+            env=one_core,
+        )
+        assert r.returncode == 0, r.stderr
     hosts = netns_hosts(3)
     jobs = {
         "dp": (*batch, "strategy=dp"),
@@ -253,7 +244,7 @@ def test_gpt_and_ctr_train_across_three_hosts_with_one_hosts_losses(netns_hosts,
     outs = {key: p.communicate(timeout=480)[0] for key, p in procs.items()}
     assert {key: p.returncode for key, p in procs.items()} == dict.fromkeys(procs, 0), outs
     for name in jobs:
-        want = _losses(tmp_path / "ps_ref" if name == "ps" else ref)
+        want = _losses(ps_ref if name == "ps" else ref)
         assert _losses(tmp_path / f"{name}0") == pytest.approx(want, abs=1e-5), name
         assert [_ranks(tmp_path / f"{name}{rank}") for rank in range(3)] == [[0], [1], [2]]
     assert "[server0]" in (tmp_path / "ps2" / "logs" / "rank_2.log").read_text()
