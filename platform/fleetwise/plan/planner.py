@@ -355,24 +355,20 @@ def _pipeline_buffers(
     there every output and every input gradient sent to another rank stays until the step ends.
     The rank's peak comes late in the step (measured in the dry run on gpt/tiny, pp 2, v 2: the
     gap grew by exactly one boundary tensor per send per micro-batch), so all n are counted."""
-    mine = set(local)
+    mine, held_sends = set(local), is_interleaved(schedule)
     total = 0.0
     for i, c in enumerate(local):
         held = min(n, flight.get(i, 1))
         activations, gradients = recv_buffer_sets(schedule, n, held)
         if c > 0:
-            total += max(0, activations - held) * b * chunks[c - 1][-1].boundary_elements
-        if c < len(chunks) - 1:
-            total += gradients * b * chunks[c][-1].boundary_elements
-        if not is_interleaved(schedule):
-            if c < len(chunks) - 1:
-                total += held * b * chunks[c][-1].boundary_elements
-            continue
+            received = max(0, activations - held)
+            # input gradients sent back; looped BFS peaks at the end of its all-forward phase, before any
+            if held_sends and c - 1 not in mine and schedule != "looped_BFS":
+                received += n
+            total += received * b * chunks[c - 1][-1].boundary_elements
         if c < len(chunks) - 1:  # outputs: sent to the next chunk's rank, or kept for the backward
-            total += (n if c + 1 not in mine else held) * b * chunks[c][-1].boundary_elements
-        # input gradients sent back; looped BFS peaks at the end of its all-forward phase, before any
-        if c > 0 and c - 1 not in mine and schedule != "looped_BFS":
-            total += n * b * chunks[c - 1][-1].boundary_elements
+            outputs = n if held_sends and c + 1 not in mine else held
+            total += (gradients + outputs) * b * chunks[c][-1].boundary_elements
     return total
 
 
