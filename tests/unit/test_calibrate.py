@@ -257,3 +257,36 @@ def test_activation_checkpointing_pays_its_machinery_per_recomputed_op(local_pro
     # 20 µs per op for full checkpointing, 50 µs for selective (its policy dispatch mode)
     assert host("full") - host("none") == pytest.approx(n * block_ops * (10 + 20) * 1e-6)
     assert host("selective") - host("none") == pytest.approx(n * block_ops * (10 + 50) * 1e-6)
+
+
+def test_zero1_and_fsdp_pay_the_backends_own_reduce_scatter_and_all_gather(local_profile):
+    """gloo's reduce-scatter and all-gather are slower per byte of ring volume than its all-reduce
+    (calibrate measures them): ZeRO-1's reduce-scatter + all-gather cost more than DDP's one
+    all-reduce of the same gradients, and ZeRO-1 also all-reduces the chunks' squared norm."""
+    from fleetwise.launcher.calibrate import Calibration, profile
+
+    written = profile(Calibration(**MEASURED, reduce_scatter_gbps=0.5, all_gather_gbps=0.75))
+    assert (written["reduce_scatter_gbps"], written["all_gather_gbps"]) == (0.5, 0.75)
+    assert profile(Calibration(**MEASURED))["reduce_scatter_gbps"] is None  # not measured: all-reduce's
+
+    def plan(*overrides):
+        cfg, problems = compose("recipe=gpt/tiny", "hardware=local", *overrides)
+        assert problems == []
+        return make_plan(cfg)
+
+    zero1 = ("strategy=sharding", "strategy.sharding_stage=1")
+    slow = ("hardware.reduce_scatter_gbps=0.5", "hardware.all_gather_gbps=0.75")
+    dp, z_same, z_slow = plan("strategy=dp"), plan(*zero1), plan(*zero1, *slow)
+    grads = 4 * dp.params
+    assert dp.time_s["comm_dp"] == pytest.approx(grads / 1.5e9 + 200e-6)
+    # same bytes as the all-reduce at its bandwidth; reduce-scatter, all-gather and the norm's all-reduce
+    assert z_same.time_s["comm_sharding"] == pytest.approx(grads / 1.5e9 + 3 * 200e-6)
+    assert z_slow.time_s["comm_sharding"] == pytest.approx(
+        0.5 * grads / 0.5e9 + 0.5 * grads / 0.75e9 + 3 * 200e-6
+    )
+    assert z_slow.comm_bytes_per_step == z_same.comm_bytes_per_step  # the bytes moved are the same
+    assert z_slow.step_time_s > dp.step_time_s  # DDP wins on gloo: ZeRO-1's smaller update does not pay
+    fsdp, fsdp_slow = plan("strategy=sharding", "strategy.sharding_stage=2"), plan("strategy=sharding", *slow)
+    n = 16 // 2 // 2  # micro-batches per rank: a gather (0.75 GB/s) and a reduce-scatter (0.5) each
+    extra = n * 0.5 * grads * (1 / 0.5e9 - 1 / 1.5e9 + 1 / 0.75e9 - 1 / 1.5e9)
+    assert fsdp_slow.time_s["comm_sharding"] - fsdp.time_s["comm_sharding"] == pytest.approx(extra)

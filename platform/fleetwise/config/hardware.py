@@ -73,6 +73,20 @@ class HardwareConfig(Section):
         description="Fixed cost of one collective call whose group spans nodes, microseconds (about a "
         "round trip between nodes, e.g. 1000 for a link with 0.5 ms each way; null: comm_latency_us).",
     )
+    reduce_scatter_gbps: float | None = Field(
+        None,
+        gt=0,
+        description="Bandwidth of a reduce-scatter, GB/s per direction on the ring volume ((n-1)/n of its "
+        "input), where it differs from an all-reduce's (gloo's is a plain all-reduce's cost or more; "
+        "calibrate measures it). null: intra_node_gbps (NCCL's ring reduce-scatter reaches all-reduce's "
+        "bus bandwidth).",
+    )
+    all_gather_gbps: float | None = Field(
+        None,
+        gt=0,
+        description="Bandwidth of an all-gather, GB/s per direction on the ring volume ((n-1)/n of its "
+        "output), where it differs from an all-reduce's (calibrate measures it). null: intra_node_gbps.",
+    )
     op_overhead_us: float = Field(
         0.0,
         ge=0,

@@ -25,7 +25,10 @@ What is measured (all on the current machine, nothing looked up):
   The efficiency curve and these three host costs are medians of many runs, not the best: the
   planner predicts a training step's median time, and a step meets the machine's noise too;
 - collective latency and bandwidth: all-reduce between 2 processes (gloo on CPU, nccl on GPU) of a
-  4-byte tensor (latency) and of 16 MiB (bandwidth, ring volume 2(n-1)/n of the buffer);
+  4-byte tensor (latency) and of 16 MiB (bandwidth, ring volume 2(n-1)/n of the buffer); and the
+  reduce-scatter of 16 MiB and the all-gather into 16 MiB (ring volume (n-1)/n) that ZeRO-1 and FSDP
+  run instead: gloo's are slower per byte than its all-reduce (a reduce-scatter costs a whole
+  all-reduce or more), NCCL's are not;
 - tensor-parallel overhead (CPU): the same tiny chain with column/row-parallel linears (DTensor) on
   those 2 processes against the plain chain, less its collectives' latency, per forward op; and
   FSDP2 (a unit per block) the same way, per unit pass and parameter tensor; and how much slower
@@ -99,6 +102,8 @@ class Calibration:
     selective_checkpoint_op_us: float = 0.0
     has_bf16: bool | None = None  # native bf16 (None: a GPU is assumed to have it, a CPU not)
     host_link_gbps: float | None = None  # GPU: pinned host -> device copy bandwidth
+    reduce_scatter_gbps: float | None = None  # ring volume (n-1)/n of the input, per direction
+    all_gather_gbps: float | None = None  # ring volume (n-1)/n of the output
     inter_node_gbps: float | None = None  # all-reduce between nodes, one rank per node (--nodes N)
     inter_node_latency_us: float | None = None
 
@@ -462,6 +467,7 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
             times.append(time.perf_counter() - start)
         # every rank's median; the slowest rank decides when the collective is done
         results[nbytes] = _slowest(statistics.median(times))
+    results.update(_shard_collectives(world, rank, device, sync))
     if backend == "gloo":  # on GPUs DTensor's host work overlaps the kernels
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -478,6 +484,32 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
     exit_finished()  # the probes' meshes keep process groups alive past destroy_process_group
 
 
+def _shard_collectives(world: int, rank: int, device, sync, reps: int = 10) -> dict[str, float]:
+    """Seconds (median, slowest rank) of a reduce-scatter of BANDWIDTH_BYTES and of an all-gather
+    into BANDWIDTH_BYTES, the collectives of ZeRO-1 and FSDP, keyed "reduce_scatter" / "all_gather"."""
+    import torch.distributed as dist
+
+    whole = torch.ones(BANDWIDTH_BYTES // 4, device=device)
+    piece = torch.ones(BANDWIDTH_BYTES // 4 // world, device=device)
+    ops = {
+        "reduce_scatter": lambda: dist.reduce_scatter_single(piece, whole),
+        "all_gather": lambda: dist.all_gather_single(whole, piece),
+    }
+    out = {}
+    for name, op in ops.items():
+        op()
+        sync()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            sync()
+            times.append(time.perf_counter() - start)
+        out[name] = _slowest(statistics.median(times))
+    return out
+
+
 def allreduce_speed(backend: str, world: int = 2) -> dict[str, float]:
     """Latency (µs) and bandwidth (GB/s per direction) of an all-reduce between `world` processes,
     and (gloo only) the extra µs per forward op of a tensor-parallel module between them, per FSDP
@@ -492,8 +524,13 @@ def allreduce_speed(backend: str, world: int = 2) -> dict[str, float]:
     latency = results[LATENCY_BYTES]
     moved = 2 * (world - 1) / world * BANDWIDTH_BYTES  # bytes each rank sends in a ring all-reduce
     bandwidth = moved / max(results[BANDWIDTH_BYTES] - latency, 1e-9)
+    # reduce-scatter and all-gather: ring volume (n-1)/n of the whole buffer, the planner's convention
+    shard = {
+        f"{name}_gbps": (world - 1) / world * BANDWIDTH_BYTES / max(results.pop(name) - latency, 1e-9) / 1e9
+        for name in ("reduce_scatter", "all_gather")
+    }
     probes = {k: v for k, v in results.items() if isinstance(k, str)}  # gloo: the DTensor/FSDP/co-run probes
-    return {"allreduce_latency_us": latency * 1e6, "allreduce_gbps": bandwidth / 1e9, **probes}
+    return {"allreduce_latency_us": latency * 1e6, "allreduce_gbps": bandwidth / 1e9, **shard, **probes}
 
 
 def inter_node_speed(nodes: int, node_rank: int, endpoint: str, timeout_s: float = 300.0) -> dict[str, float]:
@@ -688,6 +725,9 @@ def profile(cal: Calibration, name: str = "local") -> dict[str, Any]:
         "host_cores": cal.cores if cpu else None,
         "matmul_efficiency": round(cal.matmul_efficiency, 4),
         "comm_latency_us": round(cal.allreduce_latency_us, 1) if cal.allreduce_latency_us else 20.0,
+        # null (the all-reduce's bandwidth) where not measured
+        "reduce_scatter_gbps": round(cal.reduce_scatter_gbps, 3) if cal.reduce_scatter_gbps else None,
+        "all_gather_gbps": round(cal.all_gather_gbps, 3) if cal.all_gather_gbps else None,
         **{k: round(getattr(cal, k), 3) for k in HOST_COSTS},
     }
     if cal.host_link_gbps:
@@ -723,7 +763,8 @@ def profile_yaml(cal: Calibration, name: str = "local") -> str:
         f"# fp32 GEMM GFLOP/s by size (all threads): {gflops}; one thread: "
         f"{cal.single_thread_flops / 1e9:.1f}.\n"
         f"# all-reduce ({cal.backend}, 2 processes): latency {cal.allreduce_latency_us:.0f} us, "
-        f"bandwidth {cal.allreduce_gbps:.2f} GB/s. Select it with hardware={name}.\n"
+        f"bandwidth {cal.allreduce_gbps:.2f} GB/s (reduce-scatter {cal.reduce_scatter_gbps or 0:.2f}, "
+        f"all-gather {cal.all_gather_gbps or 0:.2f}). Select it with hardware={name}.\n"
     )
     if cal.inter_node_gbps:
         header += (

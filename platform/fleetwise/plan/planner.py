@@ -492,7 +492,7 @@ def _stage_comm(
 ) -> dict[str, int]:
     """Bytes a device of pipeline rank `rank` sends per step, by mesh dimension: gradient and
     parameter traffic for its own parameters `p`, pipeline traffic for its own chunks."""
-    vol, _ = _comm(cfg, layout, chunks, ranks, p, n, engine)
+    vol, _, _ = _comm(cfg, layout, chunks, ranks, p, n, engine)
     residual = _act_bytes(cfg.train.precision, engine)[1]
     # under sequence parallelism a stage sends its output's sequence shard
     residual /= layout.mp if cfg.strategy.sequence_parallel else 1
@@ -646,10 +646,10 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     compute = max(stage_time)
     pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
 
-    comm, calls = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
+    comm, calls, cost = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
     bw = {dim: _bandwidth(cfg, layout, dim) for dim in ("dp", "sharding", "mp", "pp")}
     comm_time = {
-        dim: (comm[dim] / bw[dim] + calls[dim] * _latency(cfg, layout, dim)) * hw.ranks_per_core
+        dim: (cost[dim] / bw[dim] + calls[dim] * _latency(cfg, layout, dim)) * hw.ranks_per_core
         for dim in comm
     }
     # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with compute on GPUs (NCCL runs
@@ -786,8 +786,12 @@ def _latency(cfg: RunConfig, layout: Layout, dim: str) -> float:
 
 def _comm(
     cfg: RunConfig, layout: Layout, chunks: list[list[Unit]], ranks: list[int], p: float, n: int, engine: str
-) -> tuple[dict[str, float], dict[str, int]]:
-    """Bytes one device sends per step, and collective calls, per mesh dimension (worst pp rank)."""
+) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
+    """Bytes one device sends per step, collective calls, and the bytes' cost in all-reduce bytes
+    (what moves at the profile's all-reduce bandwidth in the same time), per mesh dimension (worst pp
+    rank). The cost differs from the bytes where the backend's reduce-scatter or all-gather is
+    slower than its all-reduce per byte of ring volume (`reduce_scatter_gbps`, `all_gather_gbps`:
+    gloo's reduce-scatter costs more than its all-reduce of the same buffer; NCCL's do not differ)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     b = cfg.train.micro_batch_size
@@ -797,6 +801,10 @@ def _comm(
     vol = {"dp": 0.0, "sharding": 0.0, "mp": 0.0, "pp": 0.0}
     calls = {"dp": 0, "sharding": 0, "mp": 0, "pp": 0}
     grad_bytes = FP32 * p
+    hw = cfg.hardware
+    rs = hw.intra_node_gbps / (hw.reduce_scatter_gbps or hw.intra_node_gbps)  # per byte, vs all-reduce
+    ag = hw.intra_node_gbps / (hw.all_gather_gbps or hw.intra_node_gbps)
+    cost = {"sharding": 0.0}
     units_per_rank: list[list[Unit]] = [[] for _ in range(pp)]  # one pass (a search plans thousands)
     for c, r in enumerate(ranks):
         units_per_rank[r].extend(chunks[c])
@@ -811,7 +819,9 @@ def _comm(
         # weights (16-bit under mixed precision), all-reduce of the gradient shard across dp
         buckets = max(1, math.ceil(p / ZERO1_BUCKET_ELEMENTS))
         vol["sharding"] = (sh - 1) / sh * (grad_bytes + gather * p)
-        calls["sharding"] = 2 * buckets
+        cost["sharding"] = (sh - 1) / sh * (rs * grad_bytes + ag * gather * p)
+        # + the all-reduce of the gradient chunks' squared norm (runtime/optim.py: zero_grad_norm)
+        calls["sharding"] = 2 * buckets + 1 if sh > 1 else 0
         vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh
         calls["dp"] = buckets if dp > 1 else 0
     elif engine == "fsdp":
@@ -819,7 +829,9 @@ def _comm(
         scatters = 1 if pp > 1 else n  # pipelined FSDP reduce-scatters once, after the last micro-batch
         gathers_per_step = gathers if pp > 1 else gathers * n
         vol["sharding"] = (sh - 1) / sh * (gathers_per_step * gather * p + scatters * grad_bytes)
-        calls["sharding"] = (gathers_per_step + scatters) * n_units if sh > 1 else 0
+        cost["sharding"] = (sh - 1) / sh * (ag * gathers_per_step * gather * p + rs * scatters * grad_bytes)
+        # + the gradient norm's all-reduce of the shards' squared norms (DTensor's full_tensor)
+        calls["sharding"] = (gathers_per_step + scatters) * n_units + 1 if sh > 1 else 0
         vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh  # HSDP: all-reduce of the shards across replicas
         calls["dp"] = n_units if dp > 1 else 0
     if mp > 1:
@@ -830,7 +842,7 @@ def _comm(
         # activations forward, gradients back (under sequence parallelism: the sequence shard)
         vol["pp"] = n * local_chunks * 2 * b * boundary * residual / (mp if s.sequence_parallel else 1)
         calls["pp"] = n * local_chunks * 2
-    return vol, calls
+    return vol, calls, {dim: cost.get(dim, v) for dim, v in vol.items()}
 
 
 # --------------------------------------------------------------------------------------------------
