@@ -109,6 +109,13 @@ class HardwareConfig(Section):
         description="Host time per element a non-matmul op (norm, activation, add, softmax) writes, "
         "forward with its backward, nanoseconds (calibrate measures it; 0 on GPUs).",
     )
+    grad_accumulate_ns: float = Field(
+        0.0,
+        ge=0,
+        description="Time per gradient element added into a step's accumulated gradient (each micro-batch "
+        "after the first into autograd's .grad under DDP, every micro-batch into ZeRO-1's fp32 buffer): "
+        "an in-place fp32 add, memory-bound, nanoseconds (calibrate measures it; 0: not charged).",
+    )
     update_us_per_tensor: float = Field(
         0.0,
         ge=0,

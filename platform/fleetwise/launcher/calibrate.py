@@ -14,6 +14,8 @@ What is measured (all on the current machine, nothing looked up):
 - per-op overhead: wall time of forward + backward of a chain of tiny layers (norm, linear, GELU,
   residual add: the op mix of a transformer block, at a width where FLOPs are negligible) divided
   by the aten ops its forward dispatches. The planner charges it per forward op of each unit;
+- gradient accumulation: an in-place fp32 add of 4M elements, per element (a micro-batch's
+  gradient added into the step's);
 - elementwise cost: forward + backward of a chain of norms, GELUs, adds and log-softmaxes on
   64×256 activations, less the per-op overhead, divided by the elements those ops write;
 - convolution set-up: a small 3×3 convolution's forward + backward, less its FLOPs at peak and the
@@ -58,6 +60,7 @@ CURVE_SIZES = (32, 64, 128, 256, 512, 1024)
 HOST_COSTS = (
     "op_overhead_us",
     "elementwise_ns",
+    "grad_accumulate_ns",
     "update_us_per_tensor",
     "update_ns_per_param",
     "conv_call_us",
@@ -91,6 +94,7 @@ class Calibration:
     gemm_curve: dict[str, float] = field(default_factory=dict)
     gemm_curve_one_thread: dict[str, float] = field(default_factory=dict)
     elementwise_ns: float = 0.0
+    grad_accumulate_ns: float = 0.0
     update_us_per_tensor: float = 0.0
     update_ns_per_param: float = 0.0
     dtensor_op_us: float = 0.0
@@ -232,6 +236,15 @@ def elementwise_ns(overhead_us: float, tokens: int = 64, width: int = 256, reps:
         forward()
     t = _timed(lambda: forward().backward(), reps, typical=True)
     return max(0.0, t - counter.count * overhead_us * 1e-6) / counter.elements * 1e9
+
+
+def grad_accumulate_ns(device: torch.device | None = None, elements: int = 1 << 22, reps: int = 15) -> float:
+    """Nanoseconds per element of adding a micro-batch's fp32 gradient into the step's in place
+    (what gradient accumulation does once per micro-batch and parameter): median of `reps`."""
+    device = device or torch.device("cpu")
+    acc, grad = torch.zeros(elements, device=device), torch.randn(elements, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    return _timed(lambda: acc.add_(grad), reps, sync, typical=True) / elements * 1e9
 
 
 def conv_call_us(overhead_us: float, peak: float, reps: int = 50) -> float:
@@ -586,6 +599,7 @@ def _cpu_host_costs(peak: float) -> dict[str, Any]:
     return {
         "op_overhead_us": overhead,
         "elementwise_ns": elementwise_ns(overhead),
+        "grad_accumulate_ns": grad_accumulate_ns(),
         "update_us_per_tensor": per_tensor,
         "update_ns_per_param": per_param,
         "conv_call_us": conv_call_us(overhead, peak),
@@ -620,6 +634,7 @@ def _gpu_costs(device: torch.device, dtype: torch.dtype, peak: float) -> dict[st
     return {
         "op_overhead_us": 3 * kernel_s * 1e6,
         "elementwise_ns": 3 * elem_s * 1e9,
+        "grad_accumulate_ns": grad_accumulate_ns(device, elements=1 << 26, reps=10),
         "gemm_curve": curve,
         "host_link_gbps": host.numel() / copy_s / 1e9,
     }

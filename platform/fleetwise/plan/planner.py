@@ -14,7 +14,8 @@ Everything here is arithmetic on the validated config (no torch). Sources of the
   `matmul_efficiency`), plus host time per op (`op_overhead_us` × the forward ops of each unit,
   backward included; more under tensor parallelism: `dtensor_op_us`, per convolution:
   `conv_call_us`, and per recomputed op: `checkpoint_op_us`) and per element the other
-  ops write (`elementwise_ns`), stretched by the pipeline bubble; plus the communication that is
+  ops write (`elementwise_ns`) and per gradient element a micro-batch adds into the step's
+  (`grad_accumulate_ns`), stretched by the pipeline bubble; plus the communication that is
   not overlapped with compute (latency per call + bytes over bandwidth); FSDP's host work per unit,
   micro-batch and parameter tensor (`fsdp_us_per_tensor`); plus the parameter update once per step (a cost per tensor
   and per element). `fleetwise calibrate` measures all of these constants. CPU ranks that
@@ -599,7 +600,15 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     # backward into input- and weight-gradient actions. Measured on co-running stages, like DTensor's.
     pp_actions = (3 if "zero_bubble" in s.schedule else 2) if layout.pp > 1 else 0
     action_s = hw.pipeline_action_us * 1e-6 * hw.ranks_per_core
+    # gradient accumulation: each micro-batch's gradient is added into the step's, a memory-bound
+    # pass over the rank's gradients (every micro-batch into ZeRO-1's fp32 buffer, whose hook also
+    # takes the first; under DDP autograd adds micro-batches 2..n into .grad; FSDP without a pipeline
+    # reduce-scatters each micro-batch's and adds the shard, with one it accumulates them whole)
+    adds = n if engine == "zero1" else n - 1
+    accumulated_share = 1 / layout.sharding if (engine == "fsdp" and layout.pp == 1) else 1.0
+    accumulate_s = slow * hw.grad_accumulate_ns * 1e-9 * hw.ranks_per_core
     stage_time, host_time, elementwise_time, update_time, device_flops = [], [], [], [], []
+    accumulate_time = []
     gemm_memo: dict[str, float] = {}  # GEMM efficiency per class of equal units
     for r in range(layout.pp):
         units = _rank_units(chunks, ranks, r)
@@ -636,7 +645,8 @@ def _collective_plan(cfg: RunConfig) -> Plan:
             )
         )
         elementwise_time.append(n * b * elements * elem_s)
-        stage_time.append(slow * gemm + host_time[-1] + elementwise_time[-1])
+        accumulate_time.append(adds * per_rank[r][1] * accumulated_share * accumulate_s)
+        stage_time.append(slow * gemm + host_time[-1] + elementwise_time[-1] + accumulate_time[-1])
         elements_updated = per_rank[r][1] / update_shard
         update_time.append(
             tensors * hw.update_us_per_tensor * 1e-6 + elements_updated * hw.update_ns_per_param * 1e-9
@@ -722,6 +732,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
             "compute": compute,
             "host_ops": host_time[stage_time.index(compute)],
             "elementwise": elementwise_time[stage_time.index(compute)],
+            "grad_accumulate": accumulate_time[stage_time.index(compute)],
             "bubble": pipelined_compute - compute,
             **{f"comm_{k}": v for k, v in comm_time.items()},
             "comm_hidden": hidden,
