@@ -322,3 +322,23 @@ def test_each_micro_batch_adds_its_gradient_into_the_steps(local_profile):
     assert dp.step_time_s > 0 and plan(
         "strategy=dp", "train.micro_batch_size=2"
     ).step_time_s == pytest.approx(base.step_time_s + 3 * base.params * 2e-9 * 1.5)
+
+
+def test_probes_that_subtract_timings_interleave_them(monkeypatch):
+    """A variant and its plain twin are timed in turn (a, b, a, b), so a slow spell of a shared
+    machine lands on both: each gets the median of its own runs after one warm-up."""
+    from fleetwise.launcher import calibrate
+
+    now, calls = [0.0], []
+    costs = {"a": iter([100, 5, 1, 9]), "b": iter([100, 2, 3, 2])}  # warm-up first, then three runs
+
+    def make(name):
+        def fn():
+            calls.append(name)
+            now[0] += next(costs[name])  # the fake clock advances by this run's cost
+
+        return fn
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+    assert calibrate._interleaved([make("a"), make("b")], reps=3) == [5, 2]
+    assert calls == ["a", "b"] * 4

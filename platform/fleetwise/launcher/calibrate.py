@@ -130,6 +130,21 @@ def _timed(fn, reps: int, sync=lambda: None, typical: bool = False) -> float:
     return min(times)  # best of reps: on a shared machine noise only ever slows a run down
 
 
+def _interleaved(fns, reps: int) -> list[float]:
+    """Median seconds of each of `fns`, run in turn (a, b, a, b, ...) after one warm-up each: a probe
+    that subtracts one timing from another (a variant against its plain twin) must see a shared
+    machine's slow spells on both sides alike, or the difference measures the noise."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
 def gemm_flops(size: int, device: torch.device, dtype: torch.dtype, reps: int = 10) -> float:
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
@@ -262,7 +277,7 @@ def update_cost(reps: int = 15) -> tuple[float, float]:
     """(µs per parameter tensor, ns per parameter) of one optimizer step as the trainer runs it:
     global gradient norm, clipping, AdamW (torch's default implementation for CPU tensors)."""
 
-    def seconds(tensors: int, size: int) -> float:
+    def stepper(tensors: int, size: int):
         params = [torch.nn.Parameter(torch.randn(size)) for _ in range(tensors)]
         for p in params:
             p.grad = torch.randn(size)
@@ -274,10 +289,10 @@ def update_cost(reps: int = 15) -> tuple[float, float]:
                 p.grad.mul_(1.0 / (float(norm) + 1e-6))
             opt.step()
 
-        return _timed(step, reps, typical=True)
+        return step
 
     small, large = (256, 16), (8, 2**17)
-    t_small, t_large = seconds(*small), seconds(*large)
+    t_small, t_large = _interleaved([stepper(*small), stepper(*large)], reps)
     # t = tensors·a + elements·b, solved from the two shapes
     elements = (small[0] * small[1], large[0] * large[1])
     b = max(
@@ -310,12 +325,9 @@ def checkpoint_op_us(
     with OpCounter() as ops:  # with autograd on, as the planner's per-unit op counts are
         plain.layers["0"](x)
     block_ops = blocks * ops.count
-    t_plain = _timed(lambda: plain(x).backward(), reps, typical=True)
-    extra = []
-    for mode in ("full", "selective"):
-        model = chain(mode)
-        t = _timed(lambda m=model: m(x).backward(), reps, typical=True)
-        extra.append(max(0.0, (t - t_plain) / block_ops * 1e6 - overhead_us))
+    full, selective = chain("full"), chain("selective")
+    t_plain, *timed = _interleaved([lambda m=m: m(x).backward() for m in (plain, full, selective)], reps)
+    extra = [max(0.0, (t - t_plain) / block_ops * 1e6 - overhead_us) for t in timed]
     return extra[0], extra[1]
 
 
@@ -360,8 +372,7 @@ def dtensor_op_us(mesh, latency_s: float, layers: int = 8, width: int = 16, reps
     x = torch.randn(2, 8, width)
     with torch.no_grad(), OpCounter() as counter:
         plain(x)
-    t_plain = _timed(lambda: plain(x).backward(), reps, typical=True)
-    t_tp = _timed(lambda: tp(x).backward(), reps, typical=True)
+    t_plain, t_tp = _interleaved([lambda: plain(x).backward(), lambda: tp(x).backward()], reps)
     collectives = 2 * layers  # row-parallel output (forward), column-parallel input grad (backward)
     return max(0.0, t_tp - t_plain - collectives * latency_s) / counter.count * 1e6
 
@@ -380,8 +391,7 @@ def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16,
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
     x = torch.randn(2, 8, width)
-    t_plain = _timed(lambda: plain(x).backward(), reps, typical=True)
-    t_sharded = _timed(lambda: sharded(x).backward(), reps, typical=True)
+    t_plain, t_sharded = _interleaved([lambda: plain(x).backward(), lambda: sharded(x).backward()], reps)
     collectives = 2 * layers  # an all-gather and a reduce-scatter per block (the root holds none)
     tensors = sum(1 for _ in sharded.layers["0"].parameters())
     return max(0.0, t_sharded - t_plain - collectives * latency_s) / layers / tensors * 1e6
@@ -445,8 +455,8 @@ def co_run_slowdown(reps: int = 30) -> float:
 
     work()
     alone, together = [], []
-    for times, everyone in ((alone, False), (together, True)):
-        for _ in range(reps):
+    for _ in range(reps):  # interleaved: a slow spell of the machine lands on both alike
+        for times, everyone in ((alone, False), (together, True)):
             dist.barrier()
             start = time.perf_counter()
             if everyone or dist.get_rank() == 0:
