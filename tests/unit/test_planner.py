@@ -321,3 +321,33 @@ def test_pipeline_stage_backward_peak_by_hand():
     full, _ = _stage_memory(*demo, "strategy.recompute=full")
     block_input = 4 * s * h
     assert full.activations == 2 * 2 * b * block_input + b * (saved - block_input) + fc2_backward
+
+
+def test_zero_bubble_recomputes_a_block_twice():
+    """torch's zero-bubble backward is two calls (input gradients, then weight gradients) and a
+    checkpointed block re-runs its forward in each; the first chunk runs one full backward."""
+    base = ("recipe=gpt/tiny", "strategy=pp", "strategy.virtual_stages=2", "hardware.devices_per_node=2")
+    b, s, h, f, n = 2, 32, 64, 256, 8
+    block_fwd = 2 * s * (4 * h * h + 2 * h * f) + 2 * 2 * s * s * h
+    recompute = block_fwd - 2 * s * f * h  # up to fc2's input (the last tensor backward needs)
+    flops, notes = {}, {}
+    for schedule in ("interleaved_1F1B", "interleaved_zero_bubble"):
+        for mode in ("none", "full"):
+            _, plan = plan_of(*base, f"strategy.schedule={schedule}", f"strategy.recompute={mode}")
+            flops[schedule, mode] = [st["flops_per_device"] for st in plan.stages]
+            notes[schedule, mode] = " ".join(plan.notes)
+    one = [
+        a - b_
+        for a, b_ in zip(flops["interleaved_1F1B", "full"], flops["interleaved_1F1B", "none"], strict=True)
+    ]
+    two = [
+        a - b_
+        for a, b_ in zip(
+            flops["interleaved_zero_bubble", "full"], flops["interleaved_zero_bubble", "none"], strict=True
+        )
+    ]
+    # 4 chunks of one block: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3
+    assert one == [n * b * 2 * recompute] * 2
+    assert two == [n * b * 3 * recompute, n * b * 4 * recompute]
+    assert "re-runs each checkpointed block" in notes["interleaved_zero_bubble", "full"]
+    assert "re-runs" not in notes["interleaved_1F1B", "full"] + notes["interleaved_zero_bubble", "none"]

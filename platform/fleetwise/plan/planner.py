@@ -734,6 +734,21 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     if s.offload and hw.device_type == "cpu":
         notes.append("offload keeps state in host memory, which on a CPU device is the same memory")
     notes += family.plan_notes(cfg.model)
+    if s.recompute != "none" and max(again.values(), default=1) > 1:
+        once = [
+            sum(
+                n * b * _device_flops_per_sample(u, s.recompute, layout.mp) / layout.mp
+                for u in _rank_units(chunks, ranks, r)
+            )
+            for r in range(layout.pp)
+        ]
+        extra = max(d / o - 1 for d, o in zip(device_flops, once, strict=True) if o)
+        notes.append(
+            f"strategy.schedule={s.schedule} with strategy.recompute={s.recompute}: torch's zero-bubble "
+            "backward re-runs each checkpointed block in both its input- and weight-gradient passes "
+            f"(not the first chunk): +{extra:.0%} FLOPs on the busiest stage, counted in the step time; "
+            "1F1B or interleaved_1F1B recompute once"
+        )
     if cfg.optim.warmup_steps > t.steps:
         notes.append(
             f"optim.warmup_steps={cfg.optim.warmup_steps} > train.steps={t.steps}: the warm-up is cut "
