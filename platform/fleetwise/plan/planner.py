@@ -285,7 +285,11 @@ def _rank_memory(
             acts += flight.get(i, 1) * b * known[0]
             transient = max(transient, known[1])
     if pipelined:
-        mem.pipeline_buffers = _pipeline_buffers(chunks, local, flight, n, b, s.schedule) * whole_bytes
+        # under sequence parallelism a stage sends, receives and holds its sequence shard
+        shard_of_seq = mp if s.sequence_parallel else 1
+        mem.pipeline_buffers = (
+            _pipeline_buffers(chunks, local, flight, n, b, s.schedule) * whole_bytes / shard_of_seq
+        )
     if fresh:
         transient = max(transient, fresh * max((u.largest_on_rank(mp) for u in units), default=0.0))
     mem.activations = acts + transient
