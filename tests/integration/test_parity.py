@@ -139,6 +139,16 @@ GPT_LAYOUTS = {
         2,
     ),
     "pp2_ZBV": (("strategy=pp", "strategy.schedule=ZBV_zero_bubble", "strategy.virtual_stages=2"), 2),
+    # the weight-gradient calls of a micro-batch under one GraphExecGroup (runtime/pipeline_stage.py)
+    "pp2_interleaved_zero_bubble_recompute_full": (
+        (
+            "strategy=pp",
+            "strategy.schedule=interleaved_zero_bubble",
+            "strategy.virtual_stages=2",
+            "strategy.recompute=full",
+        ),
+        2,
+    ),
     "pp2_dp2_layer_split": (
         ("strategy=pp", "strategy.pp_degree=2", "strategy.dp_degree=2", "strategy.layer_split=[3,1]"),
         4,

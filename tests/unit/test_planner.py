@@ -3,8 +3,10 @@
 import pytest
 from conftest import compose
 
+from fleetwise.config.layout import Layout
 from fleetwise.plan import make_plan
 from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, split_layers
+from fleetwise.plan.planner import _rank_memory, assign_units
 
 
 def plan_of(*overrides):
@@ -280,3 +282,87 @@ def test_fsdp_mixed_precision_runs_the_residual_stream_in_16_bits():
     # autocast keeps the residual stream, hence the stage boundary, in fp32
     assert plain.comm_bytes_per_step["pp"] == 2 * fsdp.comm_bytes_per_step["pp"]
     assert plain.memory_bytes["pipeline_buffers"] == 2 * fsdp.memory_bytes["pipeline_buffers"]
+
+
+def _stage_memory(*overrides, rank=0):
+    """One pipeline rank's planned memory and parameter count (planner._rank_memory)."""
+    cfg, problems = compose(*overrides)
+    assert problems == [], problems
+    layout = Layout.of(cfg)
+    ranks = chunk_ranks(cfg.strategy.schedule, layout.pp, cfg.strategy.virtual_stages)
+    return _rank_memory(cfg, layout, assign_units(cfg, layout), ranks, rank, cfg.train.accumulate_steps)
+
+
+def test_pipeline_stage_backward_peak_by_hand():
+    """The demo's layout (gpt/tiny, pp 2 x ZeRO-2 sharding 2 x mp 2, fp32), pipeline stage 0 (the
+    embedding and 2 blocks, 1F1B: 2 micro-batches in flight). Measured in the dry run: the peak is
+    in a block's backward, at fc2's node: its input's gradient (s x f/mp) and fc2's fresh weight
+    gradient (FSDP under a pipeline accumulates through autograd) beside every saved activation;
+    and the vocabulary-parallel embedding's gradient is a whole (v x h) Replicate DTensor."""
+    demo = ("recipe=gpt/tiny", "strategy=hybrid", "strategy.pp_degree=2", "strategy.sharding_degree=2",
+            "strategy.sharding_stage=2", "strategy.mp_degree=2")  # fmt: skip
+    b, s, h, f, v, a, mp = 2, 32, 64, 256, 256, 4, 2
+    block_p = (4 * h * h + 2 * h * f + 3 * h + f) // mp + 6 * h
+    p = v * h // mp + s * h + 2 * block_p  # stage 0's parameters on one mp rank
+    # per sample and block: q, k, v, SDPA out + lse, context, fc1 out, GELU out (split); the two
+    # norms' inputs and outputs, their mean/rstd (whole)
+    saved = 4 * ((3 * s * h + s * h + a * s + s * h + 2 * s * f) // mp + 2 * s * h + 2 * s * h + 4 * s)
+    fc2_backward = 4 * b * s * f // mp + 4 * h * f // mp  # input gradient + fresh weight gradient
+
+    mem, params = _stage_memory(*demo)
+    assert params == p
+    assert mem.grads == 4 * (p + v * h // 2)  # one fp32 copy, the embedding's whole
+    assert mem.activations == 2 * 2 * b * saved + fc2_backward
+    _, plan = plan_of(*demo)
+    assert plan.stages[0]["memory_total_bytes"] == int(mem.total)
+
+    # full recompute keeps the blocks' inputs; the recomputed block (all but its input) is alive
+    # at once with fc2's backward temporaries
+    full, _ = _stage_memory(*demo, "strategy.recompute=full")
+    block_input = 4 * s * h
+    assert full.activations == 2 * 2 * b * block_input + b * (saved - block_input) + fc2_backward
+
+
+def test_zero_bubble_recomputes_a_block_twice():
+    """torch's zero-bubble backward is two calls (input gradients, then weight gradients) and a
+    checkpointed block re-runs its forward in each; the first chunk runs one full backward."""
+    base = ("recipe=gpt/tiny", "strategy=pp", "strategy.virtual_stages=2", "hardware.devices_per_node=2")
+    b, s, h, f, n = 2, 32, 64, 256, 8
+    block_fwd = 2 * s * (4 * h * h + 2 * h * f) + 2 * 2 * s * s * h
+    recompute = block_fwd - 2 * s * f * h  # up to fc2's input (the last tensor backward needs)
+    flops, notes = {}, {}
+    for schedule in ("interleaved_1F1B", "interleaved_zero_bubble"):
+        for mode in ("none", "full"):
+            _, plan = plan_of(*base, f"strategy.schedule={schedule}", f"strategy.recompute={mode}")
+            flops[schedule, mode] = [st["flops_per_device"] for st in plan.stages]
+            notes[schedule, mode] = " ".join(plan.notes)
+    one = [
+        a - b_
+        for a, b_ in zip(flops["interleaved_1F1B", "full"], flops["interleaved_1F1B", "none"], strict=True)
+    ]
+    two = [
+        a - b_
+        for a, b_ in zip(
+            flops["interleaved_zero_bubble", "full"], flops["interleaved_zero_bubble", "none"], strict=True
+        )
+    ]
+    # 4 chunks of one block: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3
+    assert one == [n * b * 2 * recompute] * 2
+    assert two == [n * b * 3 * recompute, n * b * 4 * recompute]
+    assert "re-runs each checkpointed block" in notes["interleaved_zero_bubble", "full"]
+    assert "re-runs" not in notes["interleaved_1F1B", "full"] + notes["interleaved_zero_bubble", "none"]
+
+
+def test_sequence_parallel_pipeline_buffers_are_sequence_shards():
+    """Under sequence parallelism a stage sends, receives and holds its sequence shard (the dry
+    run's receive buffers and held outputs are (b, s/mp, h)): 1/mp of the buffers, as of the bytes
+    sent (GPT-3 13B, interleaved zero bubble, SP, mp 8: 30.6 GiB planned against 18.0 in the dry
+    run before, 17.3 after)."""
+    base = ("recipe=gpt/tiny", "strategy=hybrid", "strategy.pp_degree=2", "strategy.mp_degree=2",
+            "strategy.dp_degree=1", "hardware.devices_per_node=4")  # fmt: skip
+    _, whole = plan_of(*base)
+    _, shard = plan_of(*base, "strategy.sequence_parallel=true")
+    b, s, h = 2, 32, 64
+    assert whole.memory_bytes["pipeline_buffers"] == 4 * (1 + 2) * b * s * h  # 1 gradient set, 2 held outputs
+    assert shard.memory_bytes["pipeline_buffers"] == whole.memory_bytes["pipeline_buffers"] / 2
+    assert shard.comm_bytes_per_step["pp"] == whole.comm_bytes_per_step["pp"] / 2

@@ -143,6 +143,7 @@ def transformer_block(m: TransformerModel, *, post_ln: bool = False) -> Unit:
         # residual after it) and, post-LN, fc2 (the second norm reads its sum)
         selective_tp_recompute_flops=2 * s * h * h + (2 * s * f * h if post_ln else 0),
         acts={"none": none, "selective": selective, "full": full},
+        backward_transient=Acts(split=s * f),  # fc2's input gradient (the GELU output's)
         mp_allreduces=2,
         boundary_elements=s * h,
         fwd_ops=39,  # pre- and post-LN alike: 2 LN, 6 linears (t, addmm, views), SDPA, GELU, 2 adds

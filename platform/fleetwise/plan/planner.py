@@ -202,6 +202,9 @@ def _rank_memory(
     accumulating = n > 1 or pipelined
 
     mem = Memory()
+    # a vocabulary-parallel embedding's gradient is whole on every mp rank (Unit.grad_replicated):
+    # (mp - 1) / mp of it more wherever the gradients are held across micro-batches
+    replicated = (1 - 1 / mp) * sum(u.grad_replicated for u in units)
     shard = sh if engine == "fsdp" else 1
     resting = 0.0 if offloaded else FP32 * p / shard
     gather_bytes = 2 if mixed else FP32  # FSDP MixedPrecisionPolicy gathers in the compute dtype
@@ -223,7 +226,7 @@ def _rank_memory(
         # (torch.distributed.pipelining's REDUCE_GRAD), freeing each unit's unsharded gradients as
         # its sharded ones appear; the optimizer's zero_grad left no sharded gradients behind: one
         # fp32 copy of the chunk's gradients at most.
-        mem.grads = FP32 * p if pipelined else grads_sharded
+        mem.grads = FP32 * (p + replicated) if pipelined else grads_sharded
         mem.optimizer = 0.0 if offloaded else k * FP32 * p / sh
     elif engine == "zero1":
         # runtime/zero1.py: 16-bit working weights and the fp32 gradient buffer whole; fp32 masters
@@ -233,12 +236,32 @@ def _rank_memory(
         mem.optimizer = (k + (1 if mixed else 0)) * FP32 * p / sh
     else:
         mem.params = FP32 * p + (2 * p if mixed else 0.0)  # + autocast's low-precision weight cache
-        mem.grads = FP32 * p
+        mem.grads = FP32 * (p + replicated)
         mem.optimizer = k * FP32 * p
 
     split_bytes, whole_bytes = _act_bytes(cfg.train.precision, engine)
     flight = chunks_in_flight(s.schedule, layout.pp, s.virtual_stages if pipelined else 1, n, rank)
+    # a parameter's fresh gradient before autograd adds it into .grad: while gradients accumulate
+    # (DDP's no_sync, no data parallelism, and FSDP under a pipeline schedule, which reduces once
+    # after the last micro-batch); ZeRO-1's hook adds it into its fp32 buffer, in every
+    # micro-batch; FSDP without a pipeline reduce-scatters each unit's gradients instead (its
+    # buffers are in `working`)
+    if engine == "zero1":
+        fresh = FP32 if not mixed else 2
+    elif engine == "fsdp":
+        fresh = gather_bytes if pipelined else 0.0
+    else:
+        fresh = FP32 if accumulating else 0.0
     acts, transient = 0.0, 0.0
+
+    def saved_bytes(a) -> float:  # per sample, on this rank
+        return (
+            (a.split / mp) * split_bytes
+            + (a.sp / mp if s.sequence_parallel else a.sp) * whole_bytes
+            + a.whole * whole_bytes
+            + (a.reduced / mp if s.sequence_parallel else a.reduced) * split_bytes
+        )
+
     memo: dict[str, tuple[float, float]] = {}  # equal units (the blocks) are worked out once
     for i, c in enumerate(local):
         for u in chunks[c]:
@@ -246,32 +269,29 @@ def _rank_memory(
             known = memo.get(key) if key is not None else None
             if known is None:
                 a = u.saved(s.recompute)
-                per_sample = (
-                    (a.split / mp) * split_bytes
-                    + (a.sp / mp if s.sequence_parallel else a.sp) * whole_bytes
-                    + a.whole * whole_bytes
-                    + (a.reduced / mp if s.sequence_parallel else a.reduced) * split_bytes
-                )
+                per_sample = saved_bytes(a)
                 peak = b * u.transient.elements(mp, s.sequence_parallel) * FP32
-                if s.recompute != "none" and u.kind == "block":  # one block re-materialised in backward
-                    full = u.saved("none")
-                    peak = max(
-                        peak,
-                        b
-                        * (full.split / mp * split_bytes + full.sp * whole_bytes + full.whole * whole_bytes),
-                    )
+                # the unit's own backward: its gradient temporaries beside its saved activations,
+                # with its largest parameter's fresh gradient and, under recompute, what the
+                # recompute re-materialises (full: all but the block's input; selective: what it
+                # does not keep)
+                own = b * u.backward_transient.elements(mp, s.sequence_parallel) * split_bytes
+                if s.recompute != "none" and u.kind == "block":
+                    own += b * max(0.0, saved_bytes(u.saved("none")) - per_sample)
+                if own:
+                    peak = max(peak, own + fresh * u.largest_on_rank(mp))
                 known = (per_sample, peak)
                 if key is not None:
                     memo[key] = known
             acts += flight.get(i, 1) * b * known[0]
             transient = max(transient, known[1])
     if pipelined:
-        mem.pipeline_buffers = _pipeline_buffers(chunks, local, flight, n, b, s.schedule) * whole_bytes
-    if (accumulating and engine != "fsdp") or engine == "zero1":
-        # a parameter's fresh gradient before autograd adds it into .grad (FSDP reduce-scatters
-        # each unit's gradients instead, its buffers are in `working`; ZeRO-1's hook adds it into
-        # its fp32 buffer, in every micro-batch)
-        fresh = FP32 if (engine != "zero1" or not mixed) else 2
+        # under sequence parallelism a stage sends, receives and holds its sequence shard
+        shard_of_seq = mp if s.sequence_parallel else 1
+        mem.pipeline_buffers = (
+            _pipeline_buffers(chunks, local, flight, n, b, s.schedule) * whole_bytes / shard_of_seq
+        )
+    if fresh:
         transient = max(transient, fresh * max((u.largest_on_rank(mp) for u in units), default=0.0))
     mem.activations = acts + transient
     # Every rank loads its share of the step's batch at once. On a GPU it stays in host memory and
@@ -314,7 +334,8 @@ def _rank_memory(
                 },
             )
         )
-    step_params = resting if engine == "fsdp" else mem.params
+    # autocast's low-precision weight cache is gone by the optimizer step (cleared on leaving autocast)
+    step_params = resting if engine == "fsdp" else (FP32 * p if engine in ("none", "ddp") else mem.params)
     step_grads = (0.0 if offloaded else FP32 * p / sh) if engine == "fsdp" else mem.grads
     mem.step_temporaries = (FP32 * p / (sh if engine != "ddp" else 1)) if k == 2 else 0.0
     if engine == "zero1":
@@ -394,19 +415,34 @@ def _flops_per_sample(cfg: RunConfig, units: list[Unit]) -> float:
     return 3 * sum(u.fwd_flops for u in units)
 
 
-def _device_flops_per_sample(u: Unit, recompute: str, mp: int = 1) -> float:
+def _device_flops_per_sample(u: Unit, recompute: str, mp: int = 1, recomputes: int = 1) -> float:
     """FLOPs a device computes for one sample through unit `u` (before the mp split), as torch's
     FlopCounterMode counts them: matmuls forward once and backward twice; flash attention forward
     once and backward 2.5 times (it recomputes the scores); full recompute re-runs a block's
     forward up to the last tensor its backward needs (`recompute_skipped_flops`); selective
-    recompute under TP re-runs the row-parallel matmuls it keeps the reduced outputs of."""
+    recompute under TP re-runs the row-parallel matmuls it keeps the reduced outputs of.
+    `recomputes`: how many times the backward re-runs the block (`block_recomputes`)."""
     dense = u.fwd_flops - u.attn_flops
     done = 3 * dense + 3.5 * u.attn_flops
     if recompute == "full" and u.kind == "block":
-        done += u.fwd_flops - u.recompute_skipped_flops
+        done += recomputes * (u.fwd_flops - u.recompute_skipped_flops)
     if recompute == "selective" and mp > 1:
-        done += u.selective_tp_recompute_flops
+        done += recomputes * u.selective_tp_recompute_flops
     return done
+
+
+ZERO_BUBBLE = ("interleaved_zero_bubble", "ZBV_zero_bubble")
+
+
+def block_recomputes(schedule: str, pp: int, chunks: list[list[Unit]]) -> dict[int, int]:
+    """id(unit) -> how many times a checkpointed unit's forward is re-run in one micro-batch's
+    backward. Once, except under the zero-bubble schedules: torch splits the backward into an
+    input-gradient and a weight-gradient call (pipelining._backward), and a checkpointed block is
+    recomputed in each (runtime/pipeline_stage.py runs each micro-batch's weight-gradient calls
+    under one GraphExecGroup, or it would be once per parameter group). The first chunk is the
+    exception: its input needs no gradient, so torch runs one full backward there."""
+    twice = schedule in ZERO_BUBBLE and pp > 1
+    return {id(u): 2 if twice and c > 0 else 1 for c, chunk in enumerate(chunks) for u in chunk}
 
 
 def _pp_bytes_of_rank(
@@ -425,7 +461,14 @@ def _pp_bytes_of_rank(
     return out
 
 
-def _mp_comm(cfg: RunConfig, layout: Layout, units: list[Unit], n: int, engine: str) -> tuple[float, int]:
+def _mp_comm(
+    cfg: RunConfig,
+    layout: Layout,
+    units: list[Unit],
+    n: int,
+    engine: str,
+    recomputes: dict[int, int] | None = None,
+) -> tuple[float, int]:
     """Tensor-parallel bytes a device sends per step, and calls, for its `units` (the DTensor plans
     of models/tp_plan.py, counted in the dry run's collectives). Per (seq, hidden) all-reduce of a
     block (`mp_allreduces`): forward, the row-parallel output (matmul dtype); backward, the
@@ -435,7 +478,7 @@ def _mp_comm(cfg: RunConfig, layout: Layout, units: list[Unit], n: int, engine: 
     embedding's vocabulary-parallel output is all-reduced in forward (and, split along the
     sequence, gathered in backward); the column-parallel head all-reduces its input gradient
     (sequence parallel: gathers its input, scatters the gradient). Full recompute re-runs a
-    block's forward collectives."""
+    block's forward collectives (`recomputes` times: block_recomputes)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     mp, b, sp = layout.mp, cfg.train.micro_batch_size, s.sequence_parallel
@@ -453,15 +496,17 @@ def _mp_comm(cfg: RunConfig, layout: Layout, units: list[Unit], n: int, engine: 
                 # block's fc2 (`recompute_skipped_flops`) and its all-reduce / reduce-scatter are
                 # not re-run; the gathers before attention and MLP are
                 sums = u.mp_allreduces - (1 if u.recompute_skipped_flops else 0)
-                vol += (
-                    half * (u.mp_allreduces * residual + sums * act) if sp else 2 * half * sums * act
-                ) * size
-                k += sums
+                again = (recomputes or {}).get(id(u), 1)
+                vol += again * (
+                    (half * (u.mp_allreduces * residual + sums * act) if sp else 2 * half * sums * act) * size
+                )
+                k += again * sums
             elif s.recompute == "selective" and sp:
                 # the recompute gathers the norms' outputs again (as Megatron does); the
                 # reduce-scatters' outputs are kept (runtime/recompute.py)
-                vol += u.mp_allreduces * half * residual * size
-                k += u.mp_allreduces / 2  # one call each (k counts pairs under SP)
+                again = (recomputes or {}).get(id(u), 1)
+                vol += again * u.mp_allreduces * half * residual * size
+                k += again * u.mp_allreduces / 2  # one call each (k counts pairs under SP)
         elif u.kind == "embedding":
             k = u.mp_allreduces * (2 if sp else 1)
             vol += u.mp_allreduces * (2 + sp) * half * residual * size
@@ -499,7 +544,8 @@ def _stage_comm(
     residual /= layout.mp if cfg.strategy.sequence_parallel else 1
     vol["pp"] = _pp_bytes_of_rank(chunks, ranks, rank, n, cfg.train.micro_batch_size, residual)
     if layout.mp > 1:
-        vol["mp"] = _mp_comm(cfg, layout, _rank_units(chunks, ranks, rank), n, engine)[0]
+        again = block_recomputes(cfg.strategy.schedule, layout.pp, chunks)
+        vol["mp"] = _mp_comm(cfg, layout, _rank_units(chunks, ranks, rank), n, engine, again)[0]
     return {d: int(v) for d, v in vol.items()}
 
 
@@ -610,16 +656,21 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     stage_time, host_time, elementwise_time, update_time, device_flops = [], [], [], [], []
     accumulate_time = []
     gemm_memo: dict[str, float] = {}  # GEMM efficiency per class of equal units
+    again = block_recomputes(s.schedule, layout.pp, chunks)
     for r in range(layout.pp):
         units = _rank_units(chunks, ranks, r)
         # both recompute modes re-run every op of a block in backward (selective reads saved
-        # matmul results back, but still dispatches the ops)
-        redo = [u for u in units if u.kind == "block"] if s.recompute != "none" else []
+        # matmul results back, but still dispatches the ops); zero bubble: twice (block_recomputes)
+        redo = (
+            [u for u in units if u.kind == "block" for _ in range(again[id(u)])]
+            if s.recompute != "none"
+            else []
+        )
         gemm, done = 0.0, 0.0
         for u in units:
             flops = b * u.fwd_flops / layout.mp  # one micro-batch's forward on this rank
             if flops:
-                passes = 3 + (recompute_extra if u.kind == "block" else 0.0)
+                passes = 3 + (recompute_extra * again[id(u)] if u.kind == "block" else 0.0)
                 key = _UNIT_CLASS.get(id(u))
                 fraction = gemm_memo.get(key) if key is not None else None
                 if fraction is None:
@@ -627,7 +678,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                     if key is not None:
                         gemm_memo[key] = fraction
                 gemm += n * passes * flops / (peak * fraction)
-                done += n * b * _device_flops_per_sample(u, s.recompute, layout.mp) / layout.mp
+                done += n * b * _device_flops_per_sample(u, s.recompute, layout.mp, again[id(u)]) / layout.mp
         device_flops.append(done)
         redo_ops = sum(u.fwd_ops for u in redo)
         ops = sum(u.fwd_ops for u in units) + redo_ops
@@ -697,6 +748,21 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     if s.offload and hw.device_type == "cpu":
         notes.append("offload keeps state in host memory, which on a CPU device is the same memory")
     notes += family.plan_notes(cfg.model)
+    if s.recompute != "none" and max(again.values(), default=1) > 1:
+        once = [
+            sum(
+                n * b * _device_flops_per_sample(u, s.recompute, layout.mp) / layout.mp
+                for u in _rank_units(chunks, ranks, r)
+            )
+            for r in range(layout.pp)
+        ]
+        extra = max(d / o - 1 for d, o in zip(device_flops, once, strict=True) if o)
+        notes.append(
+            f"strategy.schedule={s.schedule} with strategy.recompute={s.recompute}: torch's zero-bubble "
+            "backward re-runs each checkpointed block in both its input- and weight-gradient passes "
+            f"(not the first chunk): +{extra:.0%} FLOPs on the busiest stage, counted in the step time; "
+            "1F1B or interleaved_1F1B recompute once"
+        )
     if cfg.optim.warmup_steps > t.steps:
         notes.append(
             f"optim.warmup_steps={cfg.optim.warmup_steps} > train.steps={t.steps}: the warm-up is cut "
@@ -846,7 +912,8 @@ def _comm(
         vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh  # HSDP: all-reduce of the shards across replicas
         calls["dp"] = n_units if dp > 1 else 0
     if mp > 1:
-        vol["mp"], calls["mp"] = _mp_comm(cfg, layout, worst_units, n, engine)
+        again = block_recomputes(s.schedule, pp, chunks)
+        vol["mp"], calls["mp"] = _mp_comm(cfg, layout, worst_units, n, engine, again)
     if pp > 1:
         local_chunks = max(1, len(chunks) // pp)
         boundary = max((u.boundary_elements for u in worst_units), default=0.0)

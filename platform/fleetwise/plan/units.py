@@ -50,6 +50,10 @@ class Unit:
     fwd_flops: float = 0.0  # per sample, matmul/conv FLOPs of the forward pass (2 per multiply-add)
     acts: dict[str, Acts] = field(default_factory=dict)  # recompute mode -> saved activations
     transient: Acts = Acts()  # short-lived peak on top of the saved ones (e.g. logits and their grad)
+    # gradients alive at the peak of a block's own backward, beside its saved (or recomputed)
+    # activations, in the matmul dtype: a transformer block's first backward matmul (fc2) holds
+    # its input's gradient (s x ffn) while the input itself is still saved
+    backward_transient: Acts = Acts()
     attn_flops: float = 0.0  # per sample, attention score/context FLOPs (part of fwd_flops)
     # per sample, FLOPs at the end of the forward that full recompute does not re-run: torch's
     # non-reentrant checkpoint stops recomputing once the last tensor backward needs is back
@@ -77,6 +81,10 @@ class Unit:
     # extra gradient of (at most) this size is briefly alive. A test compares with torch.
     largest_split: int = 0
     largest_whole: int = 0
+    # elements of params_split whose gradient tensor parallelism computes whole on every mp rank:
+    # a vocabulary-parallel embedding (RowwiseParallel) gets a Replicate gradient from DTensor,
+    # the full vocabulary x hidden, which lives as .grad wherever gradients are held
+    grad_replicated: int = 0
 
     @property
     def params(self) -> int:

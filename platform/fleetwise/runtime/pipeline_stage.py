@@ -110,7 +110,16 @@ class ReusingStage(PipelineStage):
         return out
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
-        out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        # torch computes a micro-batch's weight gradients with one autograd.grad call per group of
+        # parameters (pipelining._backward.stage_backward_weight), and a checkpointed block
+        # (strategy.recompute) re-runs its forward once per backward call that unpacks it: once
+        # per parameter group, each re-run's unused tensors held until the micro-batch is done.
+        # Under one GraphExecGroup every block is recomputed once for all of them (the groups
+        # read disjoint saved tensors, which the group requires).
+        from torch.utils.checkpoint import GraphExecGroup
+
+        with GraphExecGroup():
+            out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
         self._release(bwd_chunk_id)
         return out
 
