@@ -1,6 +1,6 @@
 """fleetwise benchmarks: the platform against plain PyTorch, the planner against reality.
 
-    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu,auto,multihost,scale] [--quick]
+    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu,auto,multihost,scale,large] [--quick]
                             [--reps 3] [--out bench]          (make bench runs all suites)
 
 Writes OUT/results.json (every row, every target, met or missed) and OUT/results.md (the tables,
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 PY = sys.executable
 WARMUP = 3  # steps excluded from step times: 1-2 carry the exact memory tracker, 3 settles
-SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu", "auto", "multihost", "scale")
+SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu", "auto", "multihost", "scale", "large")  # fmt: skip
 TARGETS = {
     "overhead_ratio": 1.02,
     "memory_error": 0.10,
@@ -112,6 +112,20 @@ SCALE_LAYOUTS = {
     "resnet50 sharding3, fp32, a100": ["recipe=resnet/resnet50", "strategy=sharding", "strategy.sharding_stage=3",
         "hardware=a100", "train.precision=fp32"],
 }  # fmt: skip
+
+
+# The published large-model layouts on 80 GB A100s, bf16 (Narayanan et al. SC'21 Table 1; the 175B
+# recipe as Megatron trained that shape), by dry run: rank 0 and the last pipeline stage (quick: rank
+# 0), peak memory by category, the planner's beside it, and the headroom left of the a100's usable
+# memory. name -> (overrides, least headroom). Issue 15's done-when: >= 10% for 175B, fits for the rest.
+LARGE_LAYOUTS = {
+    "GPT-3 175B: mp8 pp16 dp8, mb1, gbs1536, full recompute": (["recipe=gpt/gpt3_175b"], 0.10),
+    "GPT-3 175B: mp8 pp16 dp8, selective recompute + SP": (["recipe=gpt/gpt3_175b", "strategy.recompute=selective",
+        "strategy.sequence_parallel=true"], 0.10),
+    "GPT 530B: mp8 pp35 dp9, full recompute": (["recipe=gpt/megatron_530b"], 0.0),
+    "GPT 1T: mp8 pp64 dp6, full recompute": (["recipe=gpt/megatron_1t"], 0.0),
+}  # fmt: skip
+LARGE_CATEGORIES = ("params", "grads", "optimizer", "buffers", "activations_and_temporaries")
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -433,6 +447,50 @@ class Bench:
                              "met": {k: abs(v or 0.0) <= SCALE_TARGETS[k] for k, v in errors.items()}})  # fmt: skip
         return {"targets": SCALE_TARGETS, "rows": rows, "refused": refused}
 
+    def large(self) -> dict:
+        """`fleetwise dryrun` of the first and the last pipeline stage of each LARGE_LAYOUTS row: peak
+        memory per rank by category, the planner's beside it, headroom against usable memory."""
+        from fleetwise.config.layout import Layout
+        from fleetwise.config.validate import load_config
+        from fleetwise.launcher.dryrun import rank_of
+        from fleetwise.plan import make_plan
+
+        rows, refused = [], {}
+        for name, (overrides, least) in LARGE_LAYOUTS.items():
+            cfg = load_config(overrides)
+            layout, plan = Layout.of(cfg), make_plan(cfg)
+            ranks = [0] if self.quick else [0, rank_of(layout, {"pp": layout.pp - 1})]
+            print(f"[bench] large: {name}, ranks {ranks} …", flush=True)
+            began = time.perf_counter()
+            cmd = [
+                PY,
+                "-m",
+                "fleetwise",
+                "dryrun",
+                *overrides,
+                "--ranks",
+                ",".join(map(str, ranks)),
+                "--json",
+            ]
+            proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, cwd=ROOT)
+            wall = time.perf_counter() - began
+            if proc.returncode != 0:
+                refused[name] = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [
+                    f"exit {proc.returncode}"
+                ]
+                continue
+            usable = plan.usable_memory_bytes
+            for x in json.loads(proc.stdout)["ranks"]:
+                mem, planned = x["memory_bytes"], x["planner"]["memory_bytes"]["planner"]
+                headroom = 1 - mem["peak"] / usable
+                rows.append({"layout": name, "rank": x["rank"], "stage": x["coords"]["pp"], "wall_s": wall,
+                             "dryrun": {k: mem.get(k, 0) for k in (*LARGE_CATEGORIES, "peak")},
+                             "planner": planned, "planner_rel": x["planner"]["memory_bytes"]["rel"],
+                             "planner_worst_stage": plan.memory_bytes, "usable_bytes": usable,
+                             "headroom": headroom, "least_headroom": least, "met": headroom >= least,
+                             "microbatches": x["microbatches"]})  # fmt: skip
+        return {"rows": rows, "refused": refused, "load_average": os.getloadavg()}
+
     def planner(self) -> dict:
         configs = self.PLANNER[::3] if self.quick else self.PLANNER
         rows = []
@@ -689,6 +747,19 @@ def markdown(results: dict) -> str:
                            " ".join(f"{d} {v['dryrun'] / 2**30:.2f} GiB ({pct(v['rel'])})" for d, v in r["comm"].items())]
                           for r in sc["rows"]]))  # fmt: skip
         for name, why in sc["refused"].items():
+            out.append(f"\n{name}: not simulated: {why[0] if why else ''}")
+    if "large" in s:
+        lg = s["large"]
+        out.append("\n## 10. Large models on 80 GB A100s, bf16, by dry run (peak per rank by category; headroom "
+                   f"of the usable memory; load average {lg['load_average'][0]:.1f})\n")  # fmt: skip
+        gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+        out.append(table(["layout", "rank (stage)", "params", "grads", "optimizer", "activations + temporaries", "peak GiB",
+                          "planner GiB (error)", "usable GiB", "headroom", "met", "dry run s"],
+                         [[r["layout"], f"{r['rank']} ({r['stage']})", *(gib(r["dryrun"][k]) for k in ("params", "grads", "optimizer")),
+                           gib(r["dryrun"]["activations_and_temporaries"] + r["dryrun"]["buffers"]), gib(r["dryrun"]["peak"]),
+                           f"{gib(r['planner'])} ({pct(r['planner_rel'])})", gib(r["usable_bytes"]), f"{r['headroom']:.1%}",
+                           f"{ok(r['met'])} ≥ {r['least_headroom']:.0%}", f"{r['wall_s']:.0f}"] for r in lg["rows"]]))  # fmt: skip
+        for name, why in lg["refused"].items():
             out.append(f"\n{name}: not simulated: {why[0] if why else ''}")
     for name, err in results.get("errors", {}).items():
         out.append(f"\n**suite {name} failed**: {err.splitlines()[0]}")

@@ -100,3 +100,28 @@ def test_dryrun_peak_matches_the_real_run(tmp_path, name):
     assert abs(simulated / real - 1) <= 0.02, (real, simulated)
     for x in out["ranks"]:  # the run did the work: FLOPs counted on every rank
         assert x["flops_per_step"] > 0
+
+
+def test_alike_middle_stages_that_do_not_run_change_nothing(tmp_path):
+    """pp 6, one layer a stage: with the shortcut, pipeline rank 3 does not run (its neighbours'
+    metadata come from stages 1 and 4, launcher/dryrun.py `stand_ins`) and ranks 0 and 2 report
+    exactly what they report with every stage running."""
+    from conftest import compose
+
+    from fleetwise.launcher import dryrun
+    from fleetwise.plan import make_plan
+
+    cfg, problems = compose(*GPT, "strategy=pp", "strategy.pp_degree=6", "model.num_layers=6",
+                            "hardware.devices_per_node=6", "train.global_batch_size=12")  # fmt: skip
+    assert cfg is not None, problems
+    plan, said = make_plan(cfg), {True: [], False: []}
+    reports = {
+        alike: dryrun.simulate(cfg, plan, [], [0, 2], 1, progress=said[alike].append, exact=True, alike=alike)
+        for alike in (True, False)
+    }
+    started = {a: sorted(int(m.split(":")[0][5:]) for m in said[a] if "started" in m) for a in said}
+    assert started == {True: [0, 1, 2, 4, 5], False: [0, 1, 2, 3, 4, 5]}, said
+    for fast, full in zip(reports[True], reports[False], strict=True):
+        for key in ("rank", "memory_bytes", "flops_per_step", "comm_by_op", "comm_calls", "microbatches"):
+            assert fast[key] == full[key], (fast["rank"], key)
+        assert fast["flops_per_step"] > 0

@@ -22,6 +22,7 @@ from fleetwise import rundir
 from fleetwise.config.layout import MESH_DIMS, Layout
 from fleetwise.plan.planner import Plan
 
+NOT_ALIKE = "pipeline stages are not alike"  # runtime.simulate.MetaRelay's message when a check fails
 DIMS = ("dp", "sharding", "mp", "pp")
 
 
@@ -40,14 +41,53 @@ def default_ranks(layout: Layout) -> list[int]:
     return sorted({rank_of(layout, {"pp": p, "sharding": s}) for p in range(layout.pp) for s in shard_coords})
 
 
-def with_pipelines(layout: Layout, ranks: list[int]) -> list[int]:
-    """The ranks plus every other stage of their pipelines: a stage learns its input shapes from its
-    neighbours before the first step (runtime.simulate.MetaRelay), so a pipeline runs whole."""
+def with_pipelines(layout: Layout, ranks: list[int], stages: list[int] | None = None) -> list[int]:
+    """The ranks plus the other pipeline ranks their stages learn their metadata from: a stage
+    learns its input shapes from its neighbours before the first step (runtime.simulate.MetaRelay).
+    stages: the pipeline ranks that must run (`stand_ins`); by default all of them."""
     out = set()
     for r in ranks:
         c = layout.coords(r)
-        out.update(rank_of(layout, {**c, "pp": p}) for p in range(layout.pp))
+        out.update(rank_of(layout, {**c, "pp": p}) for p in (range(layout.pp) if stages is None else stages))
+        out.add(r)
     return sorted(out)
+
+
+def stand_ins(cfg) -> dict[str, Any] | None:
+    """When a pipeline's middle chunks (all but the first and the last) hold alike layers, which
+    chunks must run for every stage to learn its metadata, or None (all of them).
+
+    A middle chunk maps its input metadata to its output metadata by its layers alone (the metadata
+    hold local shapes, dtypes, strides and DTensor placements, and name no rank), so alike chunks
+    are one function f. Chunk 1 runs and its input (chunk 0's output) must equal its output: then
+    every middle chunk's input and output are that same metadata (f(M) = M, by induction along the
+    pipeline), and a chunk that does not run is answered with chunk 1's real output. Backward, the
+    same with chunk S-2 and the gradients it receives from chunk S-1. The relay checks both
+    equalities when it answers (runtime.simulate.MetaRelay); if one fails the dry run runs again
+    with every chunk. "Alike" is decided on the planner's units (runtime and planner split layers
+    with the same `split_layers`): every middle chunk the same list of units, names aside."""
+    from dataclasses import replace
+
+    from fleetwise.plan.pipeline import chunk_ranks
+    from fleetwise.plan.planner import assign_units
+
+    layout = Layout.of(cfg)
+    if layout.pp <= 1:
+        return None
+    s = cfg.strategy
+    chunks = layout.pp * s.virtual_stages
+    if chunks < 5:  # chunks 0, 1, S-2 and S-1 are all of them
+        return None
+    kinds = {tuple(repr(replace(u, name="")) for u in chunk) for chunk in assign_units(cfg, layout)[1:-1]}
+    if len(kinds) != 1:
+        return None
+    owners = chunk_ranks(s.schedule, layout.pp, s.virtual_stages)
+    return {
+        "owners": owners,
+        "forward": 1,
+        "backward": chunks - 2,
+        "pp_ranks": sorted({owners[c] for c in (0, 1, chunks - 2, chunks - 1)}),
+    }
 
 
 def parse_ranks(spec: str, world: int) -> list[int]:
@@ -73,15 +113,24 @@ def simulate(
     progress=print,
     workers: int | None = None,
     exact: bool = False,
+    alike: bool = True,
 ) -> list[dict[str, Any]]:
     """Run the selected ranks, `workers` processes at a time; returns their reports by rank. The
     other stages of a selected rank's pipeline run as helpers: they build their stage and send its
     metadata to their neighbours, then stop (runtime.simulate.MetaRelay).
-    exact: simulate every micro-batch of a step instead of two small counts scaled (simulate.py)."""
+    exact: simulate every micro-batch of a step instead of two small counts scaled (simulate.py).
+    alike: run only the pipeline ranks `stand_ins` names when the middle chunks are alike (False:
+    every pipeline rank, as the shortcut is checked against)."""
     from fleetwise.rundir import write_run_dir
 
     layout = Layout.of(cfg)
-    helpers = sorted(set(with_pipelines(layout, ranks)) - set(ranks))
+    shortcut = stand_ins(cfg) if alike else None
+    pp_ranks = None
+    if shortcut is not None:  # the same pipeline ranks in every pipeline that runs: one relay plan
+        pp_ranks = sorted({*shortcut["pp_ranks"], *(layout.coords(r)["pp"] for r in ranks)})
+        if len(pp_ranks) == layout.pp:
+            shortcut, pp_ranks = None, None
+    helpers = sorted(set(with_pipelines(layout, ranks, pp_ranks)) - set(ranks))
     everyone = sorted({*ranks, *helpers})
     # pipeline stages wait for each other's metadata: all of them must be alive at once
     parallel = len(everyone) if layout.pp > 1 else min(len(everyone), os.cpu_count() or 1)
@@ -91,8 +140,20 @@ def simulate(
         run_dir = Path(tmp)
         write_run_dir(run_dir, cfg, plan, argv)
         (run_dir / "dryrun").mkdir()
+        if shortcut is not None:
+            owners = shortcut["owners"]
+            plan_file = run_dir / "dryrun" / rundir.PIPELINE_META_DIR / rundir.STAND_INS_FILE
+            plan_file.parent.mkdir()
+            plan_file.write_text(json.dumps({
+                "running": [c for c, owner in enumerate(owners) if owner in pp_ranks],
+                "forward": shortcut["forward"],
+                "backward": shortcut["backward"],
+            }))  # fmt: skip
+            skipped = layout.pp - len(pp_ranks)
+            progress(f"pipeline ranks {', '.join(map(str, pp_ranks))} run; the {skipped} others' alike "
+                     f"middle stages are answered from stages {shortcut['forward']} and {shortcut['backward']}")  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        pending, running, failed, done = list(everyone), {}, [], 0
+        pending, running, failed, done, unlike = list(everyone), {}, [], 0, False
         beat = time.perf_counter()
         while pending or running:
             while pending and len(running) < workers:
@@ -123,6 +184,7 @@ def simulate(
                 if proc.returncode:
                     lines = rundir.rank_log(run_dir, rank).read_text().strip().splitlines()
                     failed.append(f"rank {rank} (exit {proc.returncode}): {lines[-1] if lines else ''}")
+                    unlike = unlike or any(NOT_ALIKE in line for line in lines[-5:])
                     pending.clear()
                     for other, _ in running.values():  # its pipeline peers would wait for it forever
                         other.kill()
@@ -141,6 +203,9 @@ def simulate(
                         f"{rep['flops_per_step'] / 1e12:.2f} TFLOP/step "
                         f"({rep['time_s']['build']:.1f} s build, {rep['time_s']['steps']:.1f} s steps{scaled})"
                     )
+        if failed and unlike and shortcut is not None:
+            progress(f"{failed[0]}: running every pipeline stage instead")
+            return simulate(cfg, plan, argv, ranks, steps, progress, workers, exact, alike=False)
         if failed:
             raise RuntimeError("; ".join(failed))
         return [json.loads((run_dir / "dryrun" / f"rank_{r}.json").read_text()) for r in ranks]

@@ -78,20 +78,35 @@ def _works_hold_their_tensors() -> None:
     schedules._batch_p2p = batch_p2p
 
 
+class NotAlike(RuntimeError):
+    """A stage answered for an alike one does not map its metadata to itself (MetaRelay)."""
+
+
 class MetaRelay:
     """Carries torch.distributed.pipelining's stage metadata (the pickled shapes a stage sends its
     neighbour with send_object_list before the first step) between simulated ranks, through files
     in `folder`: the fake backend moves no data, and a stage cannot infer its input shapes without
-    its neighbour's. Every stage of one pipeline must therefore be simulated at the same time."""
+    its neighbour's. The stages of one pipeline are therefore simulated at the same time: all of
+    them, or, when `folder` holds a stand-ins file (launcher/dryrun.py `stand_ins`: the middle
+    stages are alike), only those it lists as running. A stage that does not run is answered from
+    the real metadata of an alike one: forward, what stage `forward` sent on, if it equals what it
+    received; backward, the same of stage `backward` (that equality makes every alike middle stage
+    send on what it receives, see `stand_ins`). An inequality raises NotAlike (the launcher then
+    runs every stage)."""
 
     def __init__(self, folder, timeout_s: float = 1800.0):
+        import json
         from pathlib import Path
+
+        from fleetwise import rundir
 
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.timeout_s = timeout_s
         self.sent: dict[tuple[int, int], int] = defaultdict(int)
         self.received: dict[tuple[int, int], int] = defaultdict(int)
+        plan = self.folder / rundir.STAND_INS_FILE
+        self.stand_ins = json.loads(plan.read_text()) if plan.exists() else None
 
     def _path(self, src: int, dst: int, seq: int):
         return self.folder / f"stage{src}_to_{dst}_{seq}.pkl"
@@ -106,10 +121,24 @@ class MetaRelay:
         os.replace(tmp, self._path(src, dst, seq))
 
     def get(self, src: int, dst: int):
-        import pickle
-
         seq = self.received[src, dst]
         self.received[src, dst] += 1
+        if self.stand_ins is None or src in self.stand_ins["running"]:
+            return self._wait(src, dst, seq)
+        # src does not run: answered by the alike stage that does, if it maps its metadata to itself
+        s = self.stand_ins["forward"] if src < dst else self.stand_ins["backward"]
+        step = 1 if src < dst else -1
+        received, sent = self._wait(s - step, s, seq), self._wait(s, s + step, seq)
+        if received != sent:
+            raise NotAlike(
+                f"pipeline stages are not alike: stage {s} received {received!r} from stage {s - step} "
+                f"but sent {sent!r} to stage {s + step}, so it cannot answer for stage {src}"
+            )
+        return sent
+
+    def _wait(self, src: int, dst: int, seq: int):
+        import pickle
+
         path, waited = self._path(src, dst, seq), 0.0
         while not path.exists():
             if waited > self.timeout_s:
@@ -253,6 +282,9 @@ def _cpu_attention_formulas() -> dict:
     }
 
 
+_DECOMPOSES: dict = {}  # op -> whether it has a CompositeImplicitAutograd decomposition
+
+
 class Counters(TorchDispatchMode):
     """Everything the dry run counts per op, in one dispatch mode (each mode on the stack costs a
     Python round trip per op, and a DTensor op crosses the stack twice: itself, then its local op):
@@ -320,8 +352,8 @@ class Counters(TorchDispatchMode):
                 self._collective(op, args)
         formula = self.formulas.get(packet)
         # as FlopCounterMode does (its registry holds packets, so every overload is tried): count
-        # what an op decomposes into, where it decomposes
-        if func is not torch.ops.prim.device.default:
+        # what an op decomposes into, where it decomposes (entering this mode again only then)
+        if self._decomposes(func):
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
@@ -330,6 +362,18 @@ class Counters(TorchDispatchMode):
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out) // _split(out)
         return out
+
+    @staticmethod
+    def _decomposes(func) -> bool:
+        """Whether `func.decompose` can decompose it (OpOverload.decompose's own test), cached per op."""
+        known = _DECOMPOSES.get(func)
+        if known is None:
+            key = torch._C.DispatchKey.CompositeImplicitAutograd
+            known = func is not torch.ops.prim.device.default and (
+                key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+            )
+            _DECOMPOSES[func] = known
+        return known
 
     def snapshot(self) -> dict[str, Any]:
         """The counts so far, JSON-able."""
@@ -552,6 +596,7 @@ def simulate_rank(
     import tempfile
     from pathlib import Path
 
+    from fleetwise import rundir
     from fleetwise.config.layout import Layout
     from fleetwise.runtime.mesh import DistEnv
     from fleetwise.runtime.trainer import Trainer
@@ -564,7 +609,7 @@ def simulate_rank(
     fx = FakeExecution()
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="fleetwise-dryrun-"))
     if Layout.of(cfg).pp > 1:
-        MetaRelay(run_dir / "pipeline_meta").install()
+        MetaRelay(run_dir / rundir.PIPELINE_META_DIR).install()
     trainer = Trainer(cfg, plan, env, run_dir, allocate=fx.allocate(device))
     built = time.perf_counter()
     labels = mesh_group_labels(trainer.mesh)
