@@ -2,6 +2,7 @@
 
     python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu,auto,multihost,scale,large] [--quick]
                             [--reps 3] [--out bench]          (make bench runs all suites)
+                            [--model 'gpt d=768 L=6'] [--ranks 2]   (the overhead suite: only these rows)
 
 Writes OUT/results.json (every row, every target, met or missed) and OUT/results.md (the tables,
 also printed). Every number is measured in this run, on this machine: first `fleetwise calibrate`
@@ -152,8 +153,17 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 class Bench:
-    def __init__(self, out: Path, quick: bool, reps: int):
+    def __init__(
+        self,
+        out: Path,
+        quick: bool,
+        reps: int,
+        models: list[str] | None = None,
+        ranks: list[int] | None = None,
+    ):
         self.out, self.quick, self.reps = out, quick, reps
+        self.models = models or list(OVERHEAD_MODELS)  # the overhead suite's rows: these models ...
+        self.ranks = ranks or [1, 2]  # ... at these rank counts
         self.tmp = Path(tempfile.mkdtemp(prefix="fleetwise-bench-"))
         self.env = dict(os.environ)
         self.env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "platform"), self.env.get("PYTHONPATH", "")])
@@ -227,8 +237,9 @@ class Bench:
         reps = self.reps if self.quick else max(self.reps, OVERHEAD_REPS)
         load = [os.getloadavg()[0]]
         rows = []
-        for model, (base, steps, quick_steps) in OVERHEAD_MODELS.items():
-            for ranks in (1, 2):
+        for model in self.models:
+            base, steps, quick_steps = OVERHEAD_MODELS[model]
+            for ranks in self.ranks:
                 n = quick_steps if self.quick else steps
                 overrides = [*base, f"hardware.devices_per_node={ranks}", f"train.steps={n}"]
                 fw_step, pl_step, fw_int, pl_int = [], [], [], []
@@ -772,6 +783,18 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps, configs and reps (a smoke run)")
     p.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default 3; quick 2)")
     p.add_argument("--out", default=str(ROOT / "bench"), help="output folder (results.json, results.md)")
+    p.add_argument(
+        "--model",
+        action="append",
+        choices=list(OVERHEAD_MODELS),
+        help="overhead suite: only this model (repeatable; default all)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=None,
+        help="overhead suite: e.g. 2 or 1,2",
+    )
     args = p.parse_args()
     chosen = [x.strip() for x in args.suite.split(",") if x.strip()]
     unknown = set(chosen) - set(SUITES)
@@ -779,7 +802,7 @@ def main() -> int:
         p.error(f"unknown suite(s) {sorted(unknown)}; choose from {','.join(SUITES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(out, args.quick, args.reps or (2 if args.quick else 3))
+    bench = Bench(out, args.quick, args.reps or (2 if args.quick else 3), args.model, args.ranks)
     started = time.perf_counter()
     import torch
 

@@ -197,8 +197,16 @@ def test_gpt_layout_equals_single_process(tmp_path, gpt_ref, name):
     overrides, procs = GPT_LAYOUTS[name]
     got = run(tmp_path, name, "recipe=gpt/tiny", *overrides, *SGD, procs=procs)
     assert_same(gpt_ref, got, SGD_TOL)
+    log = (tmp_path / name / "logs" / "rank_0.log").read_text()
+    # every engine but FSDP runs its steps with glibc's mmap threshold raised (runtime/hostmalloc.py)
+    from fleetwise.config.engine import dp_engine
+    from fleetwise.config.layout import Layout
+    from fleetwise.config.validate import load_config
+
+    cfg = load_config(list(got[2]))
+    fsdp = dp_engine(Layout.of(cfg), cfg.strategy.sharding_stage) == "fsdp"
+    assert ("malloc: mmap threshold 32 MiB for the steps" in log) != fsdp, log[-2000:]
     if "train.compile=true" in overrides:  # the blocks ran compiled (fullgraph), not eagerly
-        log = (tmp_path / name / "logs" / "rank_0.log").read_text()
         found = re.search(r"torch.compile: (\d+) graph\(s\) compiled for the blocks, (\d+) graph break", log)
         assert found and int(found[1]) >= 1 and int(found[2]) == 0, log[-2000:]
 

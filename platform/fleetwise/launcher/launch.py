@@ -276,11 +276,23 @@ def is_secret_name(name: str) -> bool:
 # glibc-like 2.45 GB (235M, 2 ranks) / 759-796 ms; 1 MiB 2.07 GB / 2.18 GB (0.84B, 8 ranks) but
 # 894-972 ms, every activation mapped and faulted in each step; 4 MiB 2.39 GB (0.84B) / 809-832 ms;
 # 16 MiB 2.15 GB (235M) / 2.49 GB (0.84B) / 778-902 ms.
+# That is the start-up setting: once its model is built, a rank of any engine but FSDP raises both
+# thresholds to glibc's ceiling for the steps (runtime/hostmalloc.py: the per-step page faults).
 HOST_MALLOC = {
     "MALLOC_ARENA_MAX": "2",
     "MALLOC_MMAP_THRESHOLD_": str(4 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(4 << 20),
 }
+
+
+def rank_malloc_env(environ) -> dict[str, str]:
+    """The malloc variables a rank gets beyond `environ`: HOST_MALLOC where the user set none, and
+    then leave to raise the thresholds after start-up (runtime/hostmalloc.py's OWNED_VAR)."""
+    from fleetwise.runtime.hostmalloc import OWNED_VAR
+
+    out = {k: v for k, v in HOST_MALLOC.items() if k not in environ}
+    out[OWNED_VAR] = "1" if "MALLOC_MMAP_THRESHOLD_" in out and "MALLOC_TRIM_THRESHOLD_" in out else "0"
+    return out
 
 
 def rank_environment(environ) -> dict[str, str]:
@@ -349,7 +361,7 @@ def launch_job(
     threads = max(1, (os.cpu_count() or 1) // max(1, nproc_per_node(cfg)))
     env.setdefault("OMP_NUM_THREADS", str(threads))  # one process per core share, no oversubscription
     env["PYTHONUNBUFFERED"] = "1"
-    env.update({k: v for k, v in HOST_MALLOC.items() if k not in env})
+    env.update(rank_malloc_env(env))
     if cfg.launch.nnodes == "1" and "GLOO_SOCKET_IFNAME" not in env and Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # one node: the ranks' gloo mesh on loopback, off the network
     if net is not None:  # several nodes: every library on the interface that reaches node 0

@@ -11,6 +11,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fleetwise.config.run import OptimConfig, TrainConfig
+from fleetwise.models.init import model_name
+from fleetwise.runtime import checkpoint
 from fleetwise.runtime.zero1 import Zero1
 
 
@@ -57,50 +59,32 @@ class Optimizers:
     by parameter name, so each part saves and loads its own share and a checkpoint reshards across
     pipeline layouts.
 
-    zero_mesh: ZeRO-1 (runtime/zero1.py): each part's optimizer is a `Zero1`, whose inner torch
-    optimizer steps fp32 master chunks; built at the first step (`build`), so that the dry run
-    allocates its buffers as fake tensors."""
+    The trainer's interface to every engine's update: which parameters' gradients the step norms
+    and clips, the norm, the clip, the step, the engine's own tensors, and the checkpoint state.
+    `Zero1Optimizers` (below) is ZeRO-1's."""
 
-    def __init__(
-        self,
-        parts: list[nn.Module],
-        optim: OptimConfig,
-        train: TrainConfig,
-        *,
-        zero_mesh=None,
-        working_dtype: torch.dtype = torch.float32,
-        grad_divisor: int = 1,
-    ):
+    lazy = False  # built at the first step (`build`) rather than here
+
+    def __init__(self, parts: list[nn.Module], optim: OptimConfig, train: TrainConfig):
         self.parts, self.optim, self.train = parts, optim, train
-        self.zero: list[Zero1] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._schedulers: list = []
-        if zero_mesh is not None:
-            self.zero = [
-                Zero1(
-                    part,
-                    optim,
-                    zero_mesh,
-                    working_dtype=working_dtype,
-                    grad_divisor=grad_divisor,
-                    build_optimizer=build_optimizer,
-                )
-                for part in parts
-            ]
-        else:
+        if not self.lazy:
             self.build()
 
-    def build(self) -> None:
+    def _make(self) -> list[torch.optim.Optimizer]:
+        return [
+            build_optimizer([p for p in part.parameters() if p.requires_grad], self.optim)
+            for part in self.parts
+        ]
+
+    def build(self) -> bool:
+        """Build the optimizers and schedulers if they are not yet; whether this call built them."""
         if self._optimizers:
-            return
-        if self.zero:
-            self._optimizers = [z.build() for z in self.zero]
-        else:
-            self._optimizers = [
-                build_optimizer([p for p in part.parameters() if p.requires_grad], self.optim)
-                for part in self.parts
-            ]
+            return False
+        self._optimizers = self._make()
         self._schedulers = [build_scheduler(o, self.optim, self.train) for o in self._optimizers]
+        return True
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -123,8 +107,6 @@ class Optimizers:
             else:
                 opt.step()
             sched.step()
-        for z in self.zero:  # the updated masters back into every rank's working weights
-            z.gather()
 
     def skip(self) -> None:
         """A skipped step still advances the schedule (the step number is what it follows)."""
@@ -142,19 +124,99 @@ class Optimizers:
     def zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        for z in self.zero:
-            z.zero_grad()
 
     def local(self) -> list[torch.optim.Optimizer]:
         """The optimizers that hold state on this rank."""
         return self.optimizers
 
-    # --- ZeRO-1: the gradients live in the engine's buffers, not in the parameters' .grad -------
+    # --- what differs between engines ---------------------------------------------------------
     def reduce_grads(self) -> None:
+        """Gradients reduced outside the model's own wrappers (DDP/FSDP reduce in backward)."""
+
+    def named_params(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors whose `.grad` the step norms and clips, by the plain model's names."""
+        return [(model_name(n), p) for part in self.parts for n, p in part.named_parameters()]
+
+    def grad_norm(self, params: list, mesh, pp_group, device: torch.device) -> torch.Tensor:
+        return grad_norm(params, pp_group, device)
+
+    def clip_(self, params: list, max_norm: float, total: torch.Tensor) -> None:
+        clip_(params, max_norm, total)
+
+    def engine_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What the engine holds beyond the model's parameters and the optimizers' state, by
+        memory category (`grads`, `optimizer`)."""
+        return {"grads": [], "optimizer": []}
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """`model.<param>` entries of a checkpoint."""
+        return checkpoint.model_state(self.parts)
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """`state.<param>.<key>` entries of a checkpoint."""
+        return checkpoint.optimizer_state(self.parts, self.local())
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back the model entries DCP loaded in place (optimizer state is in place already)."""
+        checkpoint.load_model_state(self.parts, state)
+
+
+class Zero1Optimizers(Optimizers):
+    """ZeRO-1 (runtime/zero1.py): each part's optimizer is a `Zero1`, whose inner torch optimizer
+    steps fp32 master chunks; built at the first step (`build`), so that the dry run allocates its
+    buffers as fake tensors. Its gradients live in the engine's buffers, not in the parameters'
+    `.grad`: the masters are what the step norms, clips and checkpoints."""
+
+    lazy = True
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        optim: OptimConfig,
+        train: TrainConfig,
+        mesh,
+        *,
+        working_dtype: torch.dtype = torch.float32,
+        grad_divisor: int = 1,
+    ):
+        self.mesh = mesh
+        self.zero = [
+            Zero1(
+                part,
+                optim,
+                mesh,
+                working_dtype=working_dtype,
+                grad_divisor=grad_divisor,
+                build_optimizer=build_optimizer,
+            )
+            for part in parts
+        ]
+        super().__init__(parts, optim, train)
+
+    def _make(self) -> list[torch.optim.Optimizer]:
+        return [z.build() for z in self.zero]
+
+    def step(self, scaler=None) -> None:
+        super().step(scaler)
+        for z in self.zero:  # the updated masters back into every rank's working weights
+            z.gather()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for z in self.zero:
+            z.zero_grad()
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter into the masters' `.grad`."""
         for z in self.zero:
             z.reduce()
 
-    def zero_grad_norm(self, mesh, pp_group, device: torch.device) -> torch.Tensor:
+    def named_params(self) -> list[tuple[str, torch.Tensor]]:
+        """The fp32 master chunks, which hold the reduced gradients (read again once built: the
+        build replaces 16-bit working weights)."""
+        return [nm for z in self.zero for nm in z.named_masters()]
+
+    def grad_norm(self, params: list, mesh, pp_group, device: torch.device) -> torch.Tensor:
         """Global L2 norm of the reduced gradient chunks: summed over `sharding` (disjoint chunks),
         over `mp` for the chunks of tensor-parallel shards (not for replicated weights, which every
         mp rank holds the same), over `pp` (disjoint stages); never over `dp` (replicas)."""
@@ -169,10 +231,37 @@ class Optimizers:
             dist.all_reduce(total_sq, group=pp_group)
         return total_sq.sqrt()
 
-    def zero_clip_(self, max_norm: float, total: torch.Tensor) -> None:
+    def clip_(self, params: list, max_norm: float, total: torch.Tensor) -> None:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for z in self.zero:
             z.clip_(coef)
+
+    def engine_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The gradient buffers, and the fp32 masters (optimizer state, as in Megatron)."""
+        out: dict[str, list[torch.Tensor]] = {"grads": [], "optimizer": []}
+        for z in self.zero:
+            for key, tensors in z.tensors().items():
+                out[key] += tensors
+        return out
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The fp32 masters, sharded (the working weights are their cast)."""
+        self.build()
+        model = checkpoint.model_state(self.parts)
+        for z in self.zero:
+            model.update(z.model_state())
+        return model
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        self.build()
+        return {k: v for z in self.zero for k, v in z.optimizer_state().items()}
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """The masters are loaded in place; the working weights are gathered from them."""
+        masters = {f"model.{s.name}" for z in self.zero for s in z.all_slots()}
+        checkpoint.load_model_state(self.parts, state, skip=masters)
+        for z in self.zero:
+            z.gather()
 
 
 def grad_norm(params: list[nn.Parameter], pp_group=None, device: torch.device | None = None) -> torch.Tensor:

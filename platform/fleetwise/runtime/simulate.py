@@ -419,10 +419,7 @@ def state_bytes(trainer) -> dict[str, int]:
 
     params = list(trainer.model.parameters())
     # ZeRO-1's own: the gradient buffers, and the fp32 masters (optimizer state, as in Megatron)
-    engine = {"grads": [], "optimizer": []}
-    for z in trainer.optimizers.zero:
-        for key, tensors in z.tensors().items():
-            engine[key] += tensors
+    engine = trainer.optimizers.engine_tensors()
     out = {"params": total(params)}
     out["grads"] = total([p.grad for p in params if p.grad is not None] + engine["grads"])
     out["optimizer"] = total(

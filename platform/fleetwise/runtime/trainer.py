@@ -18,7 +18,6 @@ from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.data.loader import StepBatches
 from fleetwise.families import family_of
-from fleetwise.models.init import model_name
 from fleetwise.plan.planner import Plan
 from fleetwise.rundir import Metric, append_record
 from fleetwise.runtime import checkpoint
@@ -26,7 +25,7 @@ from fleetwise.runtime.faults import inject_fault
 from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv
 from fleetwise.runtime.modeling import build_source
-from fleetwise.runtime.optim import Optimizers, clip_, grad_norm
+from fleetwise.runtime.optim import Optimizers, Zero1Optimizers
 from fleetwise.runtime.parallelize import DTYPES, ParallelModel, memory_format, parallelize
 
 log = logging.getLogger("fleetwise")
@@ -40,18 +39,20 @@ class Trainer:
         self.mesh = layout.build_mesh(env.device.type)
         self.coords = layout.coords(env.rank)
         self.model: ParallelModel = parallelize(cfg, self.mesh, env.device, allocate)
-        self.zero1 = self.model.engine == "zero1"
-        # ZeRO-1's working weights are 16-bit under mixed precision (runtime/zero1.py)
-        working = DTYPES[cfg.train.precision] if self.zero1 else torch.float32
-        self.optimizers = Optimizers(
-            self.model.parts,
-            cfg.optim,
-            cfg.train,
-            zero_mesh=self.mesh if self.zero1 else None,
-            working_dtype=working,
-            # a pipeline schedule's gradients are summed over micro-batches (scale_grads=False)
-            grad_divisor=cfg.train.accumulate_steps if (self.zero1 and layout.pp > 1) else 1,
-        )
+        self.optimizers: Optimizers
+        if self.model.engine == "zero1":
+            self.optimizers = Zero1Optimizers(
+                self.model.parts,
+                cfg.optim,
+                cfg.train,
+                self.mesh,
+                # ZeRO-1's working weights are 16-bit under mixed precision (runtime/zero1.py)
+                working_dtype=DTYPES[cfg.train.precision],
+                # a pipeline schedule's gradients are summed over micro-batches (scale_grads=False)
+                grad_divisor=cfg.train.accumulate_steps if layout.pp > 1 else 1,
+            )
+        else:
+            self.optimizers = Optimizers(self.model.parts, cfg.optim, cfg.train)
         self.pp_group = self.mesh["pp"].get_group() if layout.pp > 1 else None
         self.data = StepBatches(
             build_source(cfg),
@@ -79,22 +80,15 @@ class Trainer:
             self.scaler.scale(torch.ones((), device=env.device))
 
     def _take_params(self) -> None:
-        """The parameters whose gradients the step norms and clips, by name (fault reports). ZeRO-1:
-        its fp32 master chunks, which hold the reduced gradients (read again once it is built: it
-        replaces 16-bit working weights)."""
-        if self.zero1:
-            self.named_params = [nm for z in self.optimizers.zero for nm in z.named_masters()]
-        else:
-            self.named_params = [
-                (model_name(n), p) for part in self.model.parts for n, p in part.named_parameters()
-            ]
+        """The parameters whose gradients the step norms and clips, by name (fault reports): the
+        optimizers' choice (ZeRO-1: its fp32 master chunks, read again once it is built)."""
+        self.named_params = self.optimizers.named_params()
         self.params = [p for _, p in self.named_params if p.requires_grad]
 
     def _build_optimizers(self) -> None:
         """Build what the optimizers allocate lazily (ZeRO-1: at the first step, so that the dry run
         allocates it on fake tensors)."""
-        if self.zero1 and not self.optimizers._optimizers:
-            self.optimizers.build()
+        if self.optimizers.build():
             self._take_params()
 
     # ------------------------------------------------------------------------------------------------
@@ -176,7 +170,7 @@ class Trainer:
         timer = _StepTimer(self.env.device)
         reading = self.reads_host(step)
         self._build_optimizers()
-        extra = [t for z in self.optimizers.zero for ts in z.tensors().values() for t in ts]
+        extra = [t for ts in self.optimizers.engine_tensors().values() for t in ts]
         with self.memory.measure(self.model.parts, self.optimizers.local(), self.model.stages, extra):
             loss = self.forward_backward(step)
             self.optimizers.reduce_grads()  # ZeRO-1: reduce-scatter into the masters' .grad
@@ -185,10 +179,7 @@ class Trainer:
                 for opt in self.optimizers.optimizers:
                     self.scaler.unscale_(opt)
                 self._agree_on_overflow()
-            if self.zero1:
-                norm = self.optimizers.zero_grad_norm(self.mesh, self.pp_group, self.env.device)
-            else:
-                norm = grad_norm(self.params, self.pp_group, self.env.device)
+            norm = self.optimizers.grad_norm(self.params, self.mesh, self.pp_group, self.env.device)
             lr = self.optimizers.lr
             skipped = False
             if self.scaler is None:  # fp16's scaler skips non-finite steps by itself
@@ -202,10 +193,8 @@ class Trainer:
                 self.optimizers.skip()
                 self.skipped += 1
             else:
-                if self.cfg.optim.grad_clip and self.zero1:
-                    self.optimizers.zero_clip_(self.cfg.optim.grad_clip, norm)
-                elif self.cfg.optim.grad_clip:
-                    clip_(self.params, self.cfg.optim.grad_clip, norm)
+                if self.cfg.optim.grad_clip:
+                    self.optimizers.clip_(self.params, self.cfg.optim.grad_clip, norm)
                 self.optimizers.step(self.scaler)
                 if self.scaler:
                     before = self.scaler.get_scale()
@@ -374,17 +363,9 @@ class Trainer:
         the model's own names), `state.<param>.<key>` (the optimizer state it holds), the step
         (which is also the data position and the LR schedule's) and its RNG stream."""
         self._build_optimizers()
-        if self.zero1:  # the fp32 masters and their state, sharded (runtime/zero1.py)
-            model = checkpoint.model_state(self.model.parts)
-            for z in self.optimizers.zero:
-                model.update(z.model_state())
-            optimizer = {k: v for z in self.optimizers.zero for k, v in z.optimizer_state().items()}
-        else:
-            model = checkpoint.model_state(self.model.parts)
-            optimizer = checkpoint.optimizer_state(self.model.parts, self.optimizers.local())
         return {
-            **model,
-            **optimizer,
+            **self.optimizers.model_state(),  # ZeRO-1: the fp32 masters, sharded
+            **self.optimizers.optimizer_state(),
             "train.step": torch.tensor(self.step),
             "train.skipped": torch.tensor(self.skipped),
             **checkpoint.rng_state(self.env.rank, self.env.device),
@@ -393,13 +374,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Take back a state that DCP loaded in place (optimizer state is already in place;
         ZeRO-1's masters too: the working weights are gathered from them)."""
-        if self.zero1:
-            masters = {f"model.{s.name}" for z in self.optimizers.zero for s in z.all_slots()}
-            checkpoint.load_model_state(self.model.parts, state, skip=masters)
-            for z in self.optimizers.zero:
-                z.gather()
-        else:
-            checkpoint.load_model_state(self.model.parts, state)
+        self.optimizers.load_model_state(state)  # ZeRO-1: working weights gathered from the masters
         if checkpoint.RNG_KEY.format(rank=self.env.rank) in state:  # same ranks as the checkpoint's
             checkpoint.set_rng_state(state, self.env.rank, self.env.device)
         self.step = int(state["train.step"])

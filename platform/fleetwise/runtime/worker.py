@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from fleetwise.runtime.checkpoint_files import find_resume
+    from fleetwise.runtime.hostmalloc import STEADY_MMAP_THRESHOLD, steady_malloc
     from fleetwise.runtime.mesh import init_distributed
     from fleetwise.runtime.trainer import Trainer
 
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     resume = find_resume(cfg, run_dir, restarting=env.regrouped)
     if resume is not None:
         trainer.resume(resume)
+    # built (and resumed): from here on, blocks up to 32 MiB are reused from the heap, not mapped anew
+    if steady_malloc(trainer.model.engine):
+        log.info("malloc: mmap threshold %d MiB for the steps", STEADY_MMAP_THRESHOLD >> 20)
     trainer.fit()
     dist.barrier()
     dist.destroy_process_group()
