@@ -427,24 +427,28 @@ class Bench:
         ("resnet dp 2", ["recipe=resnet/tiny", "hardware.devices_per_node=2"]),
     ]  # fmt: skip
 
+    def _dryrun(self, name: str, args: list[str], refused: dict) -> tuple[dict | None, float]:
+        """`fleetwise dryrun ARGS --json`: its report and wall time; a refusal goes into `refused`
+        under `name` (its last line) and the report is None."""
+        began = time.perf_counter()
+        proc = subprocess.run([PY, "-m", "fleetwise", "dryrun", *args, "--json"], env=self.env,
+                              capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+        wall = time.perf_counter() - began
+        if proc.returncode != 0:
+            refused[name] = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [
+                f"exit {proc.returncode}"
+            ]
+            return None, wall
+        return json.loads(proc.stdout), wall
+
     def scale(self) -> dict:
         """`fleetwise dryrun` of every distinct role of each full-size layout (quick: rank 0 only),
         the planner's memory, FLOPs and bytes beside it. A layout the dry run refuses is a row too."""
         rows, refused = [], {}
         for name, overrides in SCALE_LAYOUTS.items():
-            cmd = [PY, "-m", "fleetwise", "dryrun", *overrides, "--json"] + (
-                ["--ranks", "0"] if self.quick else []
-            )
-            began = time.perf_counter()
             print(f"[bench] scale: {name} …", flush=True)
-            proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, cwd=ROOT)
-            wall = time.perf_counter() - began
-            if proc.returncode != 0:
-                refused[name] = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [
-                    f"exit {proc.returncode}"
-                ]
-                continue
-            for x in json.loads(proc.stdout)["ranks"]:
+            out, wall = self._dryrun(name, [*overrides, *(["--ranks", "0"] if self.quick else [])], refused)
+            for x in out["ranks"] if out else []:
                 cmp = x["planner"]
                 comm = {d: v for d, v in cmp["comm_bytes_per_step"].items() if v["dryrun"] or v["planner"]}
                 errors = {
@@ -472,26 +476,9 @@ class Bench:
             layout, plan = Layout.of(cfg), make_plan(cfg)
             ranks = [0] if self.quick else [0, rank_of(layout, {"pp": layout.pp - 1})]
             print(f"[bench] large: {name}, ranks {ranks} …", flush=True)
-            began = time.perf_counter()
-            cmd = [
-                PY,
-                "-m",
-                "fleetwise",
-                "dryrun",
-                *overrides,
-                "--ranks",
-                ",".join(map(str, ranks)),
-                "--json",
-            ]
-            proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, cwd=ROOT)
-            wall = time.perf_counter() - began
-            if proc.returncode != 0:
-                refused[name] = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [
-                    f"exit {proc.returncode}"
-                ]
-                continue
+            out, wall = self._dryrun(name, [*overrides, "--ranks", ",".join(map(str, ranks))], refused)
             usable = plan.usable_memory_bytes
-            for x in json.loads(proc.stdout)["ranks"]:
+            for x in out["ranks"] if out else []:
                 mem, planned = x["memory_bytes"], x["planner"]["memory_bytes"]["planner"]
                 headroom = 1 - mem["peak"] / usable
                 rows.append({"layout": name, "rank": x["rank"], "stage": x["coords"]["pp"], "wall_s": wall,
