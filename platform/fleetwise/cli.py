@@ -366,7 +366,7 @@ def cmd_dryrun(argv: list[str]) -> int:
         layout = Layout.of(pf.cfg)
         try:
             ranks = (
-                dryrun.default_ranks(layout)
+                dryrun.default_ranks(layout, dryrun.stand_ins(pf.cfg))
                 if args.ranks == "roles"
                 else dryrun.parse_ranks(args.ranks, layout.world_size)
             )

@@ -135,3 +135,43 @@ def test_alike_middle_stages_that_do_not_run_change_nothing(tmp_path):
         for key in ("rank", "memory_bytes", "flops_per_step", "comm_by_op", "comm_calls", "microbatches"):
             assert fast[key] == full[key], (fast["rank"], key)
         assert fast["flops_per_step"] > 0
+
+
+@pytest.mark.parametrize(
+    "name, overrides, blocks, ranks",
+    [
+        # GPT-3 175B's kind of layout: 1F1B pp 2 (2 and 1 micro-batches in flight), FSDP over dp
+        # (gathered for the whole step), TP with sequence parallel, full recompute: 1 and 2 blocks
+        ("pp2_dp2_mp2", ("strategy=hybrid", "strategy.pp_degree=2", "strategy.dp_degree=2",
+                         "strategy.mp_degree=2", "strategy.sequence_parallel=true", "strategy.recompute=full",
+                         "hardware.devices_per_node=8", "model.num_layers=10"), 5, [0, 7]),
+        # the same with ZeRO-1 over sharding instead of FSDP over dp
+        ("pp2_sharding2_stage1_mp2", ("strategy=hybrid", "strategy.pp_degree=2", "strategy.sharding_degree=2",
+                                      "strategy.sharding_stage=1", "strategy.mp_degree=2", "strategy.dp_degree=1",
+                                      "strategy.sequence_parallel=true", "strategy.recompute=full",
+                                      "hardware.devices_per_node=8", "model.num_layers=10"), 5, [0, 7]),
+    ],
+)  # fmt: skip
+def test_sampled_blocks_report_what_every_block_reports(name, overrides, blocks, ranks):
+    """5 blocks a chunk, simulated at two smaller counts and scaled (runtime/simulate.py, layer
+    sampling, with micro-batch sampling on top): the same memory by category, FLOPs and collective
+    bytes and calls, to the byte, as simulating every block and every micro-batch (--exact) for two
+    steps (the second one holds the optimizer state through its forward and backward, as the
+    sampled steps do)."""
+    from conftest import compose
+
+    from fleetwise.launcher import dryrun
+    from fleetwise.plan import make_plan
+
+    cfg, problems = compose(*GPT, *overrides)
+    assert cfg is not None, problems
+    plan = make_plan(cfg)
+    sampled, exact = (
+        dryrun.simulate(cfg, plan, [], ranks, 2, progress=lambda m: None, exact=e) for e in (False, True)
+    )
+    for fast, full in zip(sampled, exact, strict=True):
+        assert fast["layers"] == {"job": blocks, "simulated": [1, 2], "scaled": True}, fast["rank"]
+        assert full["layers"]["scaled"] is False
+        for key in ("rank", "memory_bytes", "flops_per_step", "comm_by_op", "comm_calls"):
+            assert fast[key] == full[key], (fast["rank"], key)
+        assert fast["flops_per_step"] > 0

@@ -11,7 +11,7 @@ from conftest import compose
 
 from fleetwise import rundir
 from fleetwise.config.layout import Layout
-from fleetwise.launcher.dryrun import stand_ins, with_pipelines
+from fleetwise.launcher.dryrun import default_ranks, stand_ins, with_pipelines
 
 PP6 = ("recipe=gpt/tiny", "strategy=pp", "strategy.pp_degree=6", "hardware.devices_per_node=6")
 
@@ -29,6 +29,8 @@ def test_only_the_ends_and_their_neighbours_run_when_the_middle_chunks_are_alike
     layout = Layout.of(cfg)
     assert with_pipelines(layout, [3], got["pp_ranks"]) == [0, 1, 3, 4, 5]
     assert with_pipelines(layout, [3]) == [0, 1, 2, 3, 4, 5]
+    # the default roles: the stages that run anyway stand for the alike middle ones
+    assert default_ranks(layout, got) == [0, 1, 4, 5] and default_ranks(layout) == [0, 1, 2, 3, 4, 5]
     # zero bubble V: rank r holds chunks r and 2pp-1-r, so ranks 0 and 1 hold chunks 0, 1, 10, 11
     zbv = stand_ins(
         _cfg(

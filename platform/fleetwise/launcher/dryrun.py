@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,12 +31,17 @@ def rank_of(layout: Layout, coords: dict[str, int]) -> int:
     return rank
 
 
-def default_ranks(layout: Layout) -> list[int]:
+def default_ranks(layout: Layout, alike: dict[str, Any] | None = None) -> list[int]:
     """One rank per distinct role: every pipeline stage (they differ in layers and ends, and must
     run together anyway, see `with_pipelines`), at the first and the last sharding coordinate (FSDP
-    shards may be uneven). Ranks that differ only in dp or mp coordinates hold the same shapes."""
+    shards may be uneven). Ranks that differ only in dp or mp coordinates hold the same shapes.
+    alike: `stand_ins(cfg)` -- the middle stages are alike, so the stages that run anyway (the
+    first two and the last two) stand for them: a middle stage holds the same shards as stage 1
+    and differs only in how many micro-batches it has in flight (its peak lies between stage 1's
+    and stage S-2's in 1F1B); `--ranks` names any other."""
     shard_coords = sorted({0, layout.sharding - 1})
-    return sorted({rank_of(layout, {"pp": p, "sharding": s}) for p in range(layout.pp) for s in shard_coords})
+    stages = range(layout.pp) if alike is None else alike["pp_ranks"]
+    return sorted({rank_of(layout, {"pp": p, "sharding": s}) for p in stages for s in shard_coords})
 
 
 def with_pipelines(layout: Layout, ranks: list[int], stages: list[int] | None = None) -> list[int]:
@@ -88,6 +91,40 @@ def stand_ins(cfg) -> dict[str, Any] | None:
         "backward": chunks - 2,
         "pp_ranks": sorted({owners[c] for c in (0, 1, chunks - 2, chunks - 1)}),
     }
+
+
+# Every rank process imports torch and the runtime (about 5 s each on an idle machine, 10 s under load):
+# they are forked instead from one server process that imported them once (multiprocessing's
+# forkserver: a clean process, no threads, nothing of the launcher's state).
+PRELOAD = [
+    "fleetwise.launcher.dryrun",
+    "fleetwise.runtime.simulate",
+    "fleetwise.runtime.trainer",
+    "torch.testing._internal.distributed.fake_pg",
+    "torch.distributed.pipelining",
+    "torch.utils.flop_counter",
+]
+
+
+def _rank_process(argv: list[str], log: str) -> None:
+    """A rank process (forked from the server): `python -m fleetwise.runtime.simulate ARGV`, with
+    its standard output and error in `log`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from fleetwise.runtime.mesh import exit_finished
+    from fleetwise.runtime.simulate import main
+
+    exit_finished(main(argv))
+
+
+def _forkserver():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def parse_ranks(spec: str, world: int) -> list[int]:
@@ -152,23 +189,22 @@ def simulate(
             skipped = layout.pp - len(pp_ranks)
             progress(f"pipeline ranks {', '.join(map(str, pp_ranks))} run; the {skipped} others' alike "
                      f"middle stages are answered from stages {shortcut['forward']} and {shortcut['backward']}")  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        ctx = _forkserver()
         pending, running, failed, done, unlike = list(everyone), {}, [], 0, False
         beat = time.perf_counter()
         while pending or running:
             while pending and len(running) < workers:
                 rank = pending.pop(0)
-                log = rundir.rank_log(run_dir, rank).open("w")
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "fleetwise.runtime.simulate",
-                    str(run_dir),
-                    str(rank),
-                    str(steps),
-                ]
-                cmd += ["--helper"] * (rank in helpers) + ["--no-sample"] * exact
-                running[rank] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+                log = rundir.rank_log(run_dir, rank)
+                log.write_text("")
+                argv = (
+                    [str(run_dir), str(rank), str(steps)]
+                    + ["--helper"] * (rank in helpers)
+                    + ["--no-sample"] * exact
+                )
+                proc = ctx.Process(target=_rank_process, args=(argv, str(log)), daemon=True)
+                proc.start()
+                running[rank] = (proc, log)
                 role = "pipeline neighbour" if rank in helpers else "simulated"
                 progress(f"rank {rank}: started, {role} ({len(everyone) - len(pending)}/{len(everyone)})")
             time.sleep(0.2)
@@ -176,14 +212,14 @@ def simulate(
                 beat = time.perf_counter()
                 progress(f"{done}/{len(everyone)} done, {len(running)} running ({beat - started:.0f} s)")
             for rank, (proc, log) in list(running.items()):
-                if proc.poll() is None:
+                if proc.exitcode is None:
                     continue
-                log.close()
+                proc.join()
                 del running[rank]
                 done += 1
-                if proc.returncode:
-                    lines = rundir.rank_log(run_dir, rank).read_text().strip().splitlines()
-                    failed.append(f"rank {rank} (exit {proc.returncode}): {lines[-1] if lines else ''}")
+                if proc.exitcode:
+                    lines = log.read_text().strip().splitlines()
+                    failed.append(f"rank {rank} (exit {proc.exitcode}): {lines[-1] if lines else ''}")
                     unlike = unlike or any(NOT_ALIKE in line for line in lines[-5:])
                     pending.clear()
                     for other, _ in running.values():  # its pipeline peers would wait for it forever
@@ -192,12 +228,16 @@ def simulate(
                     progress(f"rank {rank}: sent its stage metadata ({time.perf_counter() - started:.0f} s)")
                 else:
                     rep = json.loads((run_dir / "dryrun" / f"rank_{rank}.json").read_text())
-                    mb = rep["microbatches"]
+                    mb, lay = rep["microbatches"], rep.get("layers") or {}
                     scaled = (
                         f", {'+'.join(map(str, mb['simulated'][:2]))} of {mb['job']} micro-batches simulated, scaled"
                         if mb["scaled"]
                         else ""
                     )
+                    if lay.get("scaled"):
+                        scaled += (
+                            f", {' and '.join(map(str, lay['simulated']))} of {lay['job']} blocks a chunk"
+                        )
                     progress(
                         f"rank {rank}: peak {rep['memory_bytes']['peak'] / 2**30:.3f} GiB, "
                         f"{rep['flops_per_step'] / 1e12:.2f} TFLOP/step "

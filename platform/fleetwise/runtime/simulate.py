@@ -13,7 +13,7 @@ The pieces, usable on their own (a test mode can take any of them):
 - `MetaRelay`: pipelining's stage metadata between simulated ranks, through files.
 - `simulate_rank(cfg, plan, rank, steps)`: all of the above around the unchanged `Trainer`, with
   the live-tensor peak from the same tracker the real run uses (`runtime.memory.LiveTensorBytes`,
-  through `Trainer.memory`); micro-batches sampled at two small counts and scaled (see the section
+  through `Trainer.memory`); micro-batches, and alike blocks, sampled at two small counts and scaled (see the sections
   below); returns a JSON-able report.
 
 Traps (torch 2.13, CPU build): DeviceMesh creation and `parallelize_module` / `fully_shard` must run
@@ -107,6 +107,12 @@ class MetaRelay:
         self.received: dict[tuple[int, int], int] = defaultdict(int)
         plan = self.folder / rundir.STAND_INS_FILE
         self.stand_ins = json.loads(plan.read_text()) if plan.exists() else None
+
+    def rewind(self) -> None:
+        """Start the exchange over, for another trainer of the same stages in this process (layer
+        sampling): its stages send the same metadata again and read what was sent before."""
+        self.sent.clear()
+        self.received.clear()
 
     def _path(self, src: int, dst: int, seq: int):
         return self.folder / f"stage{src}_to_{dst}_{seq}.pkl"
@@ -581,33 +587,130 @@ def _affine(a, b, na: int, nb: int, n: int):
     return a + (n - na) * (b - a) / (nb - na)
 
 
-def simulate_rank(
-    cfg, plan, rank: int, steps: int = 2, run_dir=None, *, helper: bool = False, sample: bool = True
-) -> dict[str, Any]:
-    """Run `steps` optimizer steps of rank `rank` of the job `cfg` (any world size) under fake
-    tensors and the fake backend, in this process, with the real Trainer. Returns the report.
-    run_dir: a folder shared by the ranks simulated together (the pipeline metadata relay).
-    helper: a pipeline neighbour of a selected rank: build, send the stage metadata, stop.
-    sample: simulate two small micro-batch counts and scale (see above) when that is cheaper."""
-    import sys
-    import tempfile
-    from pathlib import Path
+# ------------------------------------------------------------------------------------------------
+# Layer sampling. A stage of alike blocks (GPT's, ERNIE's) repeats the same block work L times: its
+# chunks are simulated with 1 and 2 blocks each instead (under full recompute only, see below) (two trainers, each sampling micro-batches
+# as above), and every count -- FLOPs, collective bytes and calls, the live-tensor peak and the
+# bytes of each state category -- is taken as affine in the block count, X(L) = X(a) + (L - a)
+# (X(b) - X(a)). That is exact for FLOPs, bytes and the state (each block holds and computes the
+# same, the ZeRO-1 and FSDP shards are per parameter). The peak is scaled per part of the step
+# (forward-backward, then the rest: which part peaks can change with the count), and is exact when
+# each part's peak holds the same per-block tensors at both counts as at L (in-flight activations,
+# gradients and state grow with L; one block's temporaries do not):
+# tests/integration/test_dryrun.py holds it against the run of every block. Only when every
+# block is alike (the planner's units, names aside), every chunk of this rank holds the same
+# count, and sampling is cheaper; otherwise every block runs.
 
-    from fleetwise import rundir
+# Where block counts scale exactly, measured against the run of every block
+# (tests/integration/test_dryrun.py and probes on gpt/tiny): pipeline stages under full recompute --
+# a block keeps only its input until its backward and is recomputed and back-propagated alone, and
+# a pipelined chunk's parameters stay gathered for the whole step -- at 1 and 2 blocks (pp 2 with
+# FSDP over dp, or with ZeRO-1; TP with sequence parallel). Elsewhere every block runs, because the
+# peak is not affine in the block count:
+# - without recompute (pp 2 ZeRO-1 stage 0 grows 1,128,256 B a block from 1 to 3 blocks,
+#   1,147,192 B to 4, 1,192,448 B a block from 4 to 7);
+# - FSDP without a pipeline, which gathers each block's parameters as the block before it runs
+#   (ZeRO-3 without recompute grows 470,560 B from 1 to 2 blocks, then 339,232 B a block; with
+#   full recompute 2 and 3 blocks scale 38% high at 7).
+LAYER_SAMPLES = (1, 2)
+
+
+def sampled_layers(cfg, rank: int) -> tuple[int, tuple[int, int]] | None:
+    """This rank's blocks per chunk and the two block counts to simulate instead, or None (every
+    block runs): the blocks must be alike, every chunk of this rank must hold the same count, and
+    sampling must be cheaper (three steps at each of two counts a + b < the count, ends aside)."""
+    from dataclasses import replace
+
     from fleetwise.config.layout import Layout
-    from fleetwise.runtime.mesh import DistEnv
+    from fleetwise.plan.pipeline import chunk_ranks, split_layers
+    from fleetwise.plan.planner import _ends, _units
+
+    m = cfg.model
+    if "num_layers" not in type(m).model_fields:  # the family's blocks are not a count (ResNet, CTR)
+        return None
+    _, blocks, _ = _ends(_units(m))
+    if len(blocks) != m.num_layers or len({repr(replace(u, name="")) for u in blocks}) != 1:
+        return None
+    layout, s = Layout.of(cfg), cfg.strategy
+    if s.recompute != "full" or layout.pp == 1:
+        return None
+    chunks = layout.pp * s.virtual_stages
+    owners = chunk_ranks(s.schedule, layout.pp, s.virtual_stages)
+    counts = split_layers(m.num_layers, chunks, s.layer_split)
+    mine = {counts[c] for c in range(chunks) if owners[c] == layout.coords(rank)["pp"]}
+    if len(mine) != 1 or min(mine) <= sum(LAYER_SAMPLES) + 1:
+        return None
+    return mine.pop(), LAYER_SAMPLES
+
+
+def with_layers(cfg, per_chunk: int):
+    """The job with `per_chunk` blocks in every pipeline chunk (everything else unchanged)."""
+    from fleetwise.config.layout import Layout
+
+    layout, s = Layout.of(cfg), cfg.strategy
+    chunks = layout.pp * s.virtual_stages if layout.pp > 1 else 1
+    model = cfg.model.model_copy(update={"num_layers": per_chunk * chunks})
+    update = {"model": model}
+    if layout.pp > 1 and s.layer_split is not None:
+        update["strategy"] = s.model_copy(update={"layer_split": [per_chunk] * chunks})
+    return cfg.model_copy(update=update)
+
+
+def _one_mesh() -> None:
+    """Build the job's DeviceMesh once in this process (layer sampling builds two trainers): a
+    second mesh would make a second set of process groups, and the counts are labelled by group.
+    A real rank builds one mesh too."""
+    from fleetwise.config.layout import Layout
+
+    if hasattr(Layout.build_mesh, "original"):  # installed already
+        return
+    original, meshes = Layout.build_mesh, {}
+
+    def build_mesh(layout, device_type: str):
+        key = (layout.shape, device_type)
+        if key not in meshes:
+            meshes[key] = original(layout, device_type)
+        return meshes[key]
+
+    build_mesh.original = original
+    Layout.build_mesh = build_mesh
+
+
+def _peak_of_forward_backward(trainer) -> list[int]:
+    """The live-tensor peak of each step's forward and backward (all micro-batches), appended to
+    the returned list at its end; the tracker then restarts from the bytes live, so that the
+    step's own peak is that of the rest (gradient reduction, norm, optimizer)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from fleetwise.runtime.memory import LiveTensorBytes
+
+    marks: list[int] = []
+    original = trainer.forward_backward
+
+    def forward_backward(step: int):
+        out = original(step)
+        tracker = next(m for m in _get_current_dispatch_mode_stack() if isinstance(m, LiveTensorBytes))
+        marks.append(tracker.peak)
+        tracker.peak = tracker.current
+        return out
+
+    trainer.forward_backward = forward_backward
+    return marks
+
+
+def _run_trainer(
+    cfg, plan, rank: int, env, fx, run_dir, steps: int, helper: bool, sample: bool
+) -> dict[str, Any]:
+    """Build the Trainer of `cfg` for this rank and run its steps (micro-batches sampled when
+    `sample`): the per-step counts, the peak and the state bytes after the last step, scaled to the
+    job's micro-batch count. None for a helper (it stops once its stage metadata is sent)."""
+    import sys
+
     from fleetwise.runtime.trainer import Trainer
 
     started = time.perf_counter()
-    world = cfg.hardware.world_size
-    init_fake_world(rank, world)
-    device = torch.device("cpu")  # fake cuda needs a CUDA build of torch: see the module's note
-    env = DistEnv(rank, world, 0, device, 0)
-    fx = FakeExecution()
-    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="fleetwise-dryrun-"))
-    if Layout.of(cfg).pp > 1:
-        MetaRelay(run_dir / rundir.PIPELINE_META_DIR).install()
-    trainer = Trainer(cfg, plan, env, run_dir, allocate=fx.allocate(device))
+    _SET_ASIDE.clear()  # keyed by id(): a previous trainer's receive-buffer dicts are gone
+    trainer = Trainer(cfg, plan, env, run_dir, allocate=fx.allocate(env.device))
     built = time.perf_counter()
     labels = mesh_group_labels(trainer.mesh)
     n = cfg.train.accumulate_steps
@@ -619,53 +722,142 @@ def simulate_rank(
     trainer.memory.samples = len(per_step)  # the live-tensor tracker of the real run, every step
     current: list[Counters] = []
     _hook_initialization(trainer, lambda: current[-1], helper)
-    results, peaks = [], []
+    results, peaks, phases = [], [], []
+    forward_backward_peaks = _peak_of_forward_backward(trainer)
+    layers = len(trainer.model.parts[0].layers) if hasattr(trainer.model.parts[0], "layers") else None
     for step, k in enumerate(per_step, start=1):
         if counts is not None:
             _use_microbatches(trainer, full_schedule, k)
-            trainer.memory.peak = 0  # each step's own peak
+        trainer.memory.peak = 0  # each step's own peak
         counters = Counters(labels)
         current.append(counters)
         try:
             with fx, counters:
                 trainer.train_step(step)
         except _MetadataSent:
-            return {"rank": rank, "helper": True, "time_s": {"build": built - started, "steps": 0.0}}
+            return None
         results.append(counters.snapshot())
-        peaks.append(trainer.memory.peak)
+        # the step's peak: the larger of its forward-backward's and the rest's (the tracker restarts)
+        phases.append((forward_backward_peaks[-1], trainer.memory.peak))
+        peaks.append(max(phases[-1]))
         print(
-            f"dryrun: rank {rank} step {step}/{len(per_step)} ({k} micro-batches) "
-            f"{time.perf_counter() - built:.1f} s",
+            f"dryrun: rank {rank} step {step}/{len(per_step)} ({k} micro-batches"
+            f"{'' if layers is None else f', {layers} blocks a chunk'}) {time.perf_counter() - built:.1f} s",
             file=sys.stderr,
             flush=True,
         )
     state = state_bytes(trainer)
     peak, last = max(peaks), results[-1]
+    phase_peaks = [max(p[i] for p in phases) for i in range(2)]
     if counts is not None:
         (na, nb), at_na, at_nb = counts, results[-2], results[-1]
         last = _affine(at_na, at_nb, na, nb, n)
-        last["flops"] = int(round(last["flops"]))
-        peak = int(round(_affine(peaks[-2], peaks[-1], na, nb, n)))
+        peak = _affine(peaks[-2], peaks[-1], na, nb, n)
+        phase_peaks = [_affine(phases[-2][i], phases[-1][i], na, nb, n) for i in range(2)]
+    return {
+        "counts": last,
+        "peak": peak,
+        "phase_peaks": phase_peaks,
+        "state": state,
+        "reads": results[-1]["reads"],
+        "coords": trainer.coords,
+        "chunks": trainer.model.chunk_ids,
+        "per_step": per_step,
+        "scaled": counts is not None,
+        "in_flight": {str(k): v for k, v in in_flight(full_schedule, trainer.coords["pp"]).items()}
+        if full_schedule is not None
+        else None,
+        "time_s": {"build": built - started, "steps": time.perf_counter() - built},
+    }
+
+
+def simulate_rank(
+    cfg, plan, rank: int, steps: int = 2, run_dir=None, *, helper: bool = False, sample: bool = True
+) -> dict[str, Any]:
+    """Run `steps` optimizer steps of rank `rank` of the job `cfg` (any world size) under fake
+    tensors and the fake backend, in this process, with the real Trainer. Returns the report.
+    run_dir: a folder shared by the ranks simulated together (the pipeline metadata relay).
+    helper: a pipeline neighbour of a selected rank: build, send the stage metadata, stop.
+    sample: simulate two small micro-batch counts and, where the blocks are alike, two small block
+    counts, and scale (see above) when that is cheaper."""
+    import tempfile
+    from pathlib import Path
+
+    from fleetwise import rundir
+    from fleetwise.config.layout import Layout
+    from fleetwise.runtime.mesh import DistEnv
+
+    started = time.perf_counter()
+    world = cfg.hardware.world_size
+    init_fake_world(rank, world)
+    device = torch.device("cpu")  # fake cuda needs a CUDA build of torch: see the module's note
+    env = DistEnv(rank, world, 0, device, 0)
+    fx = FakeExecution()
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="fleetwise-dryrun-"))
+    relay = None
+    if Layout.of(cfg).pp > 1:
+        relay = MetaRelay(run_dir / rundir.PIPELINE_META_DIR)
+        relay.install()
+    sampling = sampled_layers(cfg, rank) if sample and not helper else None
+    layers, samples = sampling or (None, None)
+    if layers is None:
+        runs = [_run_trainer(cfg, plan, rank, env, fx, run_dir, steps, helper, sample)]
+        if runs[0] is None:
+            return {
+                "rank": rank,
+                "helper": True,
+                "time_s": {"build": time.perf_counter() - started, "steps": 0.0},
+            }
+    else:
+        _one_mesh()
+        runs = []
+        for k in samples:
+            if relay is not None:
+                relay.rewind()  # the next trainer's stages exchange the same metadata again
+            runs.append(
+                _run_trainer(with_layers(cfg, k), plan, rank, env, fx, run_dir, steps, helper, sample)
+            )
+    run = runs[-1]
+    last, peak, state = run["counts"], run["peak"], run["state"]
+    if layers is not None:
+        (la, lb), (a, b) = samples, runs
+        last = _affine(a["counts"], b["counts"], la, lb, layers)
+        # each part of the step scaled on its own: which one peaks may change with the block count
+        # (e.g. the optimizer's at 1 block, the backward's from 2 on)
+        peak = max(
+            _affine(pa, pb, la, lb, layers) for pa, pb in zip(a["phase_peaks"], b["phase_peaks"], strict=True)
+        )
+        state = _affine(a["state"], b["state"], la, lb, layers)
+    state = {k: int(round(v)) for k, v in state.items()}
+    peak = int(round(peak))
     state_total = sum(state.values())
     return {
         "rank": rank,
-        "coords": trainer.coords,
-        "chunks": trainer.model.chunk_ids,
+        "coords": run["coords"],
+        "chunks": run["chunks"],
         "memory_bytes": {**state, "activations_and_temporaries": max(peak - state_total, 0), "peak": peak},
-        "flops_per_step": last["flops"],
+        "flops_per_step": int(round(last["flops"])),
         "comm_bytes_per_step": {g: int(round(sum(ops.values()))) for g, ops in last["bytes"].items()},
         "comm_by_op": {g: {k: int(round(v)) for k, v in ops.items()} for g, ops in last["bytes"].items()},
         "comm_calls": {g: {k: int(round(v)) for k, v in ops.items()} for g, ops in last["calls"].items()},
-        "host_reads": results[-1]["reads"],
+        "host_reads": run["reads"],
         "microbatches": {
-            "job": n,
-            "simulated": per_step,
-            "scaled": counts is not None,
-            "in_flight": {str(k): v for k, v in in_flight(full_schedule, trainer.coords["pp"]).items()}
-            if full_schedule is not None
-            else None,
+            "job": cfg.train.accumulate_steps,
+            "simulated": run["per_step"],
+            "scaled": run["scaled"],
+            "in_flight": run["in_flight"],
         },
-        "time_s": {"build": built - started, "steps": time.perf_counter() - built},
+        "layers": {
+            "job": layers,
+            "simulated": list(samples) if layers is not None else None,
+            "scaled": layers is not None,
+        },
+        "time_s": {
+            "build": sum(r["time_s"]["build"] for r in runs)
+            + (time.perf_counter() - started)
+            - sum(r["time_s"]["build"] + r["time_s"]["steps"] for r in runs),
+            "steps": sum(r["time_s"]["steps"] for r in runs),
+        },
         "pid": os.getpid(),
     }
 
