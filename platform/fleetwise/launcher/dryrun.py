@@ -35,12 +35,12 @@ def default_ranks(layout: Layout, alike: dict[str, Any] | None = None) -> list[i
     """One rank per distinct role: every pipeline stage (they differ in layers and ends, and must
     run together anyway, see `with_pipelines`), at the first and the last sharding coordinate (FSDP
     shards may be uneven). Ranks that differ only in dp or mp coordinates hold the same shapes.
-    alike: `stand_ins(cfg)` -- the middle stages are alike, so the stages that run anyway (the
-    first two and the last two) stand for them: a middle stage holds the same shards as stage 1
-    and differs only in how many micro-batches it has in flight (its peak lies between stage 1's
-    and stage S-2's in 1F1B); `--ranks` names any other."""
+    alike: `stand_ins(cfg)` -- the middle stages hold alike layers, so their shards are those of
+    the stage of chunk 1: the stages of the first chunk, of chunk 1 and of the last chunk are the
+    roles (a middle stage differs from chunk 1's only in the micro-batches it has in flight, fewer
+    in 1F1B; `--ranks` names any other)."""
     shard_coords = sorted({0, layout.sharding - 1})
-    stages = range(layout.pp) if alike is None else alike["pp_ranks"]
+    stages = range(layout.pp) if alike is None else {alike["owners"][c] for c in (0, 1, -1)}
     return sorted({rank_of(layout, {"pp": p, "sharding": s}) for p in stages for s in shard_coords})
 
 

@@ -818,7 +818,7 @@ def simulate_rank(
                 _run_trainer(with_layers(cfg, k), plan, rank, env, fx, run_dir, steps, helper, sample)
             )
     run = runs[-1]
-    last, peak, state = run["counts"], run["peak"], run["state"]
+    last, peak, state, reads = run["counts"], run["peak"], run["state"], run["reads"]
     if layers is not None:
         (la, lb), (a, b) = samples, runs
         last = _affine(a["counts"], b["counts"], la, lb, layers)
@@ -828,6 +828,7 @@ def simulate_rank(
             _affine(pa, pb, la, lb, layers) for pa, pb in zip(a["phase_peaks"], b["phase_peaks"], strict=True)
         )
         state = _affine(a["state"], b["state"], la, lb, layers)
+        reads = int(round(_affine(a["reads"], b["reads"], la, lb, layers)))
     state = {k: int(round(v)) for k, v in state.items()}
     peak = int(round(peak))
     state_total = sum(state.values())
@@ -840,7 +841,7 @@ def simulate_rank(
         "comm_bytes_per_step": {g: int(round(sum(ops.values()))) for g, ops in last["bytes"].items()},
         "comm_by_op": {g: {k: int(round(v)) for k, v in ops.items()} for g, ops in last["bytes"].items()},
         "comm_calls": {g: {k: int(round(v)) for k, v in ops.items()} for g, ops in last["calls"].items()},
-        "host_reads": run["reads"],
+        "host_reads": reads,
         "microbatches": {
             "job": cfg.train.accumulate_steps,
             "simulated": run["per_step"],
