@@ -311,7 +311,8 @@ def cmd_dryrun(argv: list[str]) -> int:
     p.add_argument(
         "--exact",
         action="store_true",
-        help="simulate every micro-batch of a step (default: two small counts, scaled, when cheaper)",
+        help="simulate every micro-batch and every block of a step (default: two small counts of each, "
+        "scaled, where exact and cheaper)",
     )
     args = p.parse_intermixed_args(argv)
     if args.help:
