@@ -53,14 +53,19 @@ ZERO_READERS = ("_maybe_opt_step", "_warmup_p2p")
 
 # host-device synchronizations so far: host reads of device data and device synchronize calls
 SYNCS = {"count": 0}
+# collectives so far (c10d ops: each one a point where a rank waits for its peers)
+COLLECTIVES = {"count": 0}
 
 
 class DeviceReads(TorchDispatchMode):
     """Host reads of device data: a scalar read (`.item()`, `float()`) and a device-to-host copy.
-    Each one is a host-device synchronization on a GPU, and is counted in SYNCS."""
+    Each one is a host-device synchronization on a GPU, and is counted in SYNCS. Collectives are
+    counted in COLLECTIVES."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            COLLECTIVES["count"] += 1
         if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             SYNCS["count"] += 1
             stack = traceback.extract_stack(limit=10)
@@ -252,7 +257,8 @@ def cuda_semantics(cfg, rank: int, messages: Path):
 def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) -> dict:
     """Build the real Trainer for `rank` of the job the overrides describe and run `steps` steps
     on the stand-in device; returns rank 0's last metrics ({} on other ranks) and, under
-    `syncs_per_step`, this rank's host-device synchronizations in each step."""
+    `syncs_per_step` and `collectives_per_step`, this rank's host-device synchronizations and
+    collectives in each step."""
     from fleetwise.config.validate import load_config
     from fleetwise.plan import make_plan
     from fleetwise.runtime.mesh import DistEnv
@@ -265,13 +271,14 @@ def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) ->
     with cuda_semantics(cfg, rank, messages), tempfile.TemporaryDirectory() as run_dir:
         env = DistEnv(rank, world, 0, DEVICE, 0)
         trainer = Trainer(cfg, plan, env, Path(run_dir))
-        syncs = []
+        syncs, collectives = [], []
         for step in range(1, steps + 1):
-            before = SYNCS["count"]
+            before, calls = SYNCS["count"], COLLECTIVES["count"]
             records = trainer.train_step(step)
             syncs.append(SYNCS["count"] - before)
+            collectives.append(COLLECTIVES["count"] - calls)
             metrics = records[-1] if records else metrics
-    return {**metrics, "syncs_per_step": syncs}
+    return {**metrics, "syncs_per_step": syncs, "collectives_per_step": collectives}
 
 
 def ranks_to_run(overrides: list[str]) -> list[int]:

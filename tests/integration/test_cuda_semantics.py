@@ -74,7 +74,8 @@ def test_strategy_runs_with_device_only_collectives(tmp_path, name):
 def test_no_host_device_sync_between_log_steps(tmp_path, monkeypatch):
     """Steps that neither log nor checkpoint never wait for the device: no scalar read, no
     device-to-host copy, no synchronize (counted by the harness); the reading steps read every
-    step's metrics at once. Two layouts: DDP under bf16 autocast, and pipeline × FSDP × TP."""
+    step's metrics at once, finite flags included, in one collective more than a step that does
+    not read. Two layouts: DDP under bf16 autocast, and pipeline × FSDP × TP."""
     monkeypatch.setenv("HARNESS_STEPS", "4")
     steps = ("train.steps=4", "train.log_interval=3")
     layouts = {
@@ -92,4 +93,6 @@ def test_no_host_device_sync_between_log_steps(tmp_path, monkeypatch):
         non_log = syncs[1:2] if name.startswith("pp") else syncs[0:2]
         assert non_log and all(n == 0 for n in non_log), (name, syncs)
         assert syncs[2] > 0 and syncs[3] > 0, (name, syncs)  # step 3 logs, step 4 is the last
+        calls = out["collectives_per_step"]
+        assert calls[2] == calls[3] == calls[1] + 1, (name, calls)
         assert out["step"] == 4, name  # rank 0's records reached it through the reading steps

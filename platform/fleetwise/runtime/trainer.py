@@ -30,6 +30,10 @@ from fleetwise.runtime.parallelize import DTYPES, ParallelModel, memory_format, 
 
 log = logging.getLogger("fleetwise")
 
+# the columns of a step's row in the metrics matrix `_read_records` gathers from every rank
+_COLUMNS = ("loss", "norm", "finite", "reports_loss", "time", "peak", "rss", "reserved")
+_LOSS, _NORM, _FINITE, _REPORTS, _TIME, _PEAK, _RSS, _RESERVED = range(len(_COLUMNS))
+
 
 class Trainer:
     def __init__(self, cfg: RunConfig, plan: Plan, env: DistEnv, run_dir: Path, allocate=None):
@@ -67,7 +71,7 @@ class Trainer:
         self.skipped = 0
         self.step = 0
         self._unread: list[_StepRecord] = []  # steps whose device values are not read yet
-        self._unread_flags: list[tuple[int, torch.Tensor]] = []  # (step, finite flag on the device)
+        self._offender: str | None = None  # this rank's non-finite gradient at the last reading step
         # the rank whose loss counts: one per data-parallel replica, on the last pipeline stage
         self.reports_loss = self.model.has_last and self.coords["mp"] == 0
         self.autocast = self._autocast_context()
@@ -161,11 +165,12 @@ class Trainer:
         on a reading step (`reads_host`) one per step since the last one, else none.
 
         No host-device synchronization on the other steps: the loss, the gradient norm and the
-        finite flag stay on the device until the next reading step, which reads them all at once
-        (torchtitan does the same). A non-finite gradient is then found at most
-        train.log_interval - 1 steps late, and training stops naming the step where it happened.
-        Exceptions that must decide within the step: fault.on_nonfinite=skip (whether to apply the
-        update) and fp16 (torch's GradScaler reads its overflow flag in every step)."""
+        finite flag stay on the device until the next reading step, which reads them all at once,
+        after its update, in one collective (torchtitan does the same). A non-finite gradient then
+        stops training at the end of that reading step -- before any checkpoint, which only reading
+        steps write -- naming the step where it happened (and, found in the step itself, the
+        parameter). Exceptions that must decide within the step: fault.on_nonfinite=skip (whether to
+        apply the update) and fp16 (torch's GradScaler reads its overflow flag in every step)."""
         self.model.train()
         timer = _StepTimer(self.env.device)
         reading = self.reads_host(step)
@@ -182,14 +187,15 @@ class Trainer:
             norm = self.optimizers.grad_norm(self.params, self.mesh, self.pp_group, self.env.device)
             lr = self.optimizers.lr
             skipped = False
+            finite = None  # abort: this step's finite flag, checked by every rank at the next read
             if self.scaler is None:  # fp16's scaler skips non-finite steps by itself
-                finite = torch.isfinite(norm).to(torch.float32).reshape(1)
-                if reading or self.cfg.fault.on_nonfinite == "skip":
-                    skipped = not self._all_finite(step, finite)
-                else:
-                    self._unread_flags.append((step, finite))
+                finite = torch.isfinite(norm).to(torch.float32).reshape(())
+                if self.cfg.fault.on_nonfinite == "skip":
+                    skipped, finite = not self._all_finite(finite), None
+                elif reading:  # name this rank's offending parameter while its gradient exists
+                    self._offender = None if bool(finite) else self._first_offender()
             if skipped:
-                self._non_finite(step, loss)
+                log.warning("%s; step skipped (fault.on_nonfinite=skip)", self._skipping(step, loss))
                 self.optimizers.skip()
                 self.skipped += 1
             else:
@@ -207,6 +213,7 @@ class Trainer:
                 step,
                 loss.detach() if (loss is not None and self.reports_loss) else None,
                 norm.detach(),
+                finite,
                 lr,
                 timer.stop(),
                 time.time(),
@@ -247,32 +254,19 @@ class Trainer:
         for v in found:
             v.copy_(flag.reshape(v.shape))
 
-    def _all_finite(self, step: int, finite: torch.Tensor) -> bool:
-        """Whether every rank's gradients were finite at `step`, checking first the steps since the
-        last read (one all-reduce and one host read for all of them). The norm is already global
-        for sharded and pipelined parameters, but replicated (DDP) gradients are reduced nowhere: a
-        NaN on one rank alone must still stop every rank, or they would take different paths and
-        deadlock. A non-finite earlier step raises (its update is applied already: nothing to skip)."""
-        steps = [s for s, _ in self._unread_flags] + [step]
-        flags = torch.cat([f for _, f in self._unread_flags] + [finite])
-        self._unread_flags.clear()
+    def _all_finite(self, finite: torch.Tensor) -> bool:
+        """fault.on_nonfinite=skip: whether every rank's gradients are finite, decided within the
+        step (one all-reduce and one host read). The norm is already global for sharded and
+        pipelined parameters, but replicated (DDP) gradients are reduced nowhere: a NaN on one rank
+        alone must still make every rank skip, or they would take different paths and deadlock."""
+        flag = finite.reshape(1)
         if self.env.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        values = flags.tolist()  # the one host read
-        bad = next((s for s, v in zip(steps[:-1], values[:-1], strict=True) if v < 1), None)
-        if bad is not None:
-            raise FloatingPointError(
-                f"non-finite gradient at step {bad} (found at step {step}: train.log_interval="
-                f"{self.cfg.train.log_interval} reads the device every {self.cfg.train.log_interval} "
-                "steps; with train.log_interval=1 the step stops at once and names the first "
-                "offending parameter)"
-            )
-        return values[-1] >= 1
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return flag.item() >= 1
 
-    def _non_finite(self, step: int, loss: torch.Tensor | None) -> None:
-        """A NaN/Inf gradient (the global norm is reduced, so every rank sees it): name the first
-        offending parameter over all ranks, then abort or skip the step as configured."""
-        local = next(
+    def _first_offender(self) -> str | None:
+        """The first of this rank's parameters whose gradient is non-finite (before zero_grad)."""
+        return next(
             (
                 name
                 for name, p in self.named_params
@@ -280,29 +274,59 @@ class Trainer:
             ),
             None,
         )
-        names: list[str | None] = [None] * self.env.world_size
-        dist.all_gather_object(names, (self.env.rank, local))
+
+    def _skipping(self, step: int, loss: torch.Tensor | None) -> str:
+        """fault.on_nonfinite=skip: what is wrong with the step every rank is about to skip."""
+        where = self._where(self._first_offender())
+        note = " (the loss is non-finite too)" if loss is not None and not torch.isfinite(loss).all() else ""
+        return f"non-finite gradient at step {step}: first offending {where}{note}"
+
+    def _where(self, local: str | None) -> str:
+        """The first offending parameter over all ranks, from each rank's own (a collective)."""
+        names: list[tuple[int, str | None]] = [(self.env.rank, local)]
+        if self.env.world_size > 1:
+            names = [(0, None)] * self.env.world_size
+            dist.all_gather_object(names, (self.env.rank, local))
         first = next(((r, n) for r, n in names if n is not None), None)
-        where = f"parameter {first[1]!r} on rank {first[0]}" if first else "an unknown parameter"
-        loss_note = (
-            " (the loss is non-finite too)" if loss is not None and not torch.isfinite(loss).all() else ""
+        return f"parameter {first[1]!r} on rank {first[0]}" if first else "an unknown parameter"
+
+    def _non_finite(self, bad: int, steps: list[_StepRecord], table: torch.Tensor) -> FloatingPointError:
+        """fault.on_nonfinite=abort: the error every rank raises, alike, after reading that step
+        `steps[bad]` had a non-finite gradient on some rank (table: [rank, step, column])."""
+        step, found = steps[bad].step, steps[-1].step
+        losses = table[:, bad, _LOSS][table[:, bad, _REPORTS] > 0]
+        loss_note = " (the loss is non-finite too)" if not torch.isfinite(losses).all() else ""
+        if step == found:  # every rank searched its own gradients in the step
+            where = f": first offending {self._where(self._offender)}"
+        else:
+            where = (
+                f" (found at step {found}: train.log_interval={self.cfg.train.log_interval} reads the "
+                f"device every {self.cfg.train.log_interval} steps; with train.log_interval=1 training "
+                "stops at the end of the step and names the first offending parameter)"
+            )
+        return FloatingPointError(
+            f"non-finite gradient at step {step}{where}{loss_note}; set fault.on_nonfinite=skip to skip such steps"
         )
-        message = f"non-finite gradient at step {step}: first offending {where}{loss_note}"
-        if self.cfg.fault.on_nonfinite == "abort":
-            raise FloatingPointError(message + "; set fault.on_nonfinite=skip to skip such steps")
-        log.warning("%s; step skipped (fault.on_nonfinite=skip)", message)
 
     def _read_records(self) -> list[dict[str, float]]:
         """The metric records of the steps since the last read: one small matrix per rank (a row
-        per step) gathered on rank 0 in one collective, and read to the host in one copy."""
+        per step: _COLUMNS) gathered on every rank in one collective and read to the host in one
+        copy. Every rank sees every finite flag, so all stop together at a non-finite gradient
+        (fault.on_nonfinite=abort): rank 0 records the steps up to it, and every rank raises."""
         steps, self._unread = self._unread, []
         if not steps:  # (every rank has the same steps unread)
             return []
         device = self.env.device
-        zero = torch.zeros((), device=device)
+        zero, one = torch.zeros((), device=device), torch.ones((), device=device)
         on_device = torch.stack(
             [
-                torch.stack([(r.loss.float() if r.loss is not None else zero), r.norm.float().reshape(())])
+                torch.stack(
+                    [
+                        r.loss.float() if r.loss is not None else zero,
+                        r.norm.float().reshape(()),
+                        r.finite if r.finite is not None else one,
+                    ]
+                )
                 for r in steps
             ]
         ).to(torch.float64)
@@ -312,38 +336,41 @@ class Trainer:
         )
         mine = torch.cat([on_device, on_host.to(device)], dim=1)  # NCCL gathers only device tensors
         world = self.env.world_size
-        rows = [torch.zeros_like(mine) for _ in range(world)] if self.env.rank == 0 else None
+        rows = [mine]
         if world > 1:
-            dist.gather(mine, rows, dst=0)
-        else:
-            rows = [mine]
-        if self.env.rank != 0:
-            return []
+            rows = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(rows, mine)
         table = torch.stack(rows).cpu()  # [rank, step, column]: one device-to-host copy
-        return [self._metrics(r, table[:, i]) for i, r in enumerate(steps)]
+        finite = table[:, :, _FINITE].amin(0).tolist()  # per step: 1.0 where every rank's was finite
+        bad = next((i for i, f in enumerate(finite) if f < 1), None)
+        records = [] if self.env.rank != 0 else [self._metrics(r, table[:, i]) for i, r in enumerate(steps)]
+        if bad is not None:
+            self._append(records[: bad + 1])
+            raise self._non_finite(bad, steps, table)
+        return records
 
     def _metrics(self, r: _StepRecord, table: torch.Tensor) -> dict[str, float]:
-        """One step's record from its row of every rank: loss, norm, reports-loss, time, peak, rss, reserved."""
-        step_time = float(table[:, 3].max())
+        """One step's record from its row of every rank (columns: _COLUMNS)."""
+        step_time = float(table[:, _TIME].max())
         plan, cfg, world = self.plan, self.cfg, self.env.world_size
         samples = cfg.train.global_batch_size / step_time
         tokens_per_sample = family_of(cfg.model).tokens_per_sample(cfg.model)
         metrics = {
             "step": r.step,
             "time": r.ended,  # when the step ended (the tracker's timestamp if delivery is late)
-            Metric.LOSS: float(table[:, 0].sum() / table[:, 2].sum()),
+            Metric.LOSS: float(table[:, _LOSS].sum() / table[:, _REPORTS].sum()),
             Metric.LR: r.lr,
-            Metric.GRAD_NORM: float(table[0, 1]),  # the global norm (rank 0's copy)
+            Metric.GRAD_NORM: float(table[0, _NORM]),  # the global norm (rank 0's copy)
             Metric.STEP_TIME: step_time,
             Metric.SAMPLES_PER_S: samples,
             Metric.TOKENS_PER_S: samples * tokens_per_sample,
             Metric.TFLOPS_PER_DEVICE: plan.flops_per_step / step_time / world / 1e12,
             Metric.MFU: plan.flops_per_step / (step_time * world * plan.device_peak_flops),
-            Metric.PEAK_BYTES_MAX: float(table[:, 4].max()),
-            Metric.PEAK_BYTES_MEAN: float(table[:, 4].mean()),
-            Metric.RSS_PEAK_BYTES_MAX: float(table[:, 5].max()),
+            Metric.PEAK_BYTES_MAX: float(table[:, _PEAK].max()),
+            Metric.PEAK_BYTES_MEAN: float(table[:, _PEAK].mean()),
+            Metric.RSS_PEAK_BYTES_MAX: float(table[:, _RSS].max()),
             Metric.PREDICTED_BYTES: float(plan.memory_bytes["total"]),
-            Metric.RESERVED_BYTES_MAX: float(table[:, 6].max()),
+            Metric.RESERVED_BYTES_MAX: float(table[:, _RESERVED].max()),
             Metric.SKIPPED_STEPS: float(r.skipped),
             Metric.ATTEMPT: float(self.env.restart),
             Metric.WORLD_SIZE: float(world),
@@ -402,11 +429,7 @@ class Trainer:
         steps, ck = self.cfg.train.steps, self.cfg.checkpoint
         while self.step < steps:
             step = self.step + 1
-            try:
-                records = self.train_step(step)
-            except FloatingPointError:  # every rank stops here together: record the steps before it
-                self._append(self._read_records())
-                raise
+            records = self.train_step(step)  # a non-finite gradient raises, on every rank, at a read
             self.step = step
             self._append(records)
             if step == 1 and self.model.stages:
@@ -443,6 +466,7 @@ class _StepRecord:
     step: int
     loss: torch.Tensor | None  # this rank's mean loss, where it counts (see reports_loss)
     norm: torch.Tensor  # the global gradient norm
+    finite: torch.Tensor | None  # whether this rank's gradients were finite (None: decided in the step)
     lr: float
     elapsed: Callable[[], float]  # the step's time in seconds (CUDA: read at the reading step)
     ended: float  # wall-clock time.time() at the step's end (host)
