@@ -61,7 +61,6 @@ class Memory:
     activations: float = 0.0
     inputs: float = 0.0  # the step's batch this rank holds (all its micro-batches)
     pipeline_buffers: float = 0.0  # pipeline receive buffers and held outputs (runtime/pipeline_stage.py)
-    comm_buffers: float = 0.0  # gloo's working copy of a DDP gradient bucket (at the backward peak)
     step_temporaries: float = 0.0  # the optimizer step's own temporaries (foreach AdamW: one per param)
     total: float = 0.0
     # what is live at the peak: the phase and its parts, which add up to `total` (plan.memory_peak)
@@ -301,12 +300,10 @@ def _rank_memory(
     mem.inputs = on_device * family_of(cfg.model).input_bytes(cfg.model)
 
     # Peak of forward/backward vs peak of the optimizer step (foreach AdamW keeps about one
-    # parameter-sized temporary).
+    # parameter-sized temporary). DDP's gradients are its all-reduce buckets, held for the whole
+    # job (gradient_as_bucket_view, zeroed in place: runtime/optim.py); micro-batches under no_sync
+    # accumulate into them, so there is no second copy (the dry run agrees to the byte on gpt/tiny dp 2)
     grads_live = mem.grads if (accumulating or engine in ("ddp", "zero1")) else 0.0
-    # gloo's all-reduce of a DDP bucket works on a copy of it (measured: +4 B per parameter at the
-    # backward peak); NCCL reduces the bucket in place
-    comm_copy = FP32 * p if engine == "ddp" and cfg.hardware.backend == "gloo" else 0.0
-    mem.comm_buffers = comm_copy
     phases = [
         (
             "forward/backward",
@@ -317,7 +314,6 @@ def _rank_memory(
                 "activations": mem.activations,
                 "inputs": mem.inputs,
                 "pipeline_buffers": mem.pipeline_buffers,
-                "comm_buffers": comm_copy,
             },
         )
     ]
