@@ -348,7 +348,10 @@ class Counters(TorchDispatchMode):
       flag is finite, a loss or norm is 1.0); integers read 0: the one integer read in the runtime
       is torch.distributed.pipelining's warm-up vote, where 0 means "some stage has no static
       shapes", which is true of fleetwise's stages, so the schedule takes the same dynamic-shape
-      path as the real run (its metadata goes through `MetaRelay`);
+      path as the real run (its metadata goes through `MetaRelay`); except GradScaler's found-inf
+      flags (fp16: the tensors `_amp_foreach_non_finite_check_and_unscale_` writes), which read 0
+      -- no overflow, so the optimizer steps as in a healthy step (read as 1.0, every fp16 step
+      was a skipped one: no update, no optimizer state);
     - collective bytes this rank sends, per op and process group (ring algorithms, _COLLECTIVES;
       groups named by `labels`: process-group name -> mesh dimension);
     - FLOPs this rank computes, by torch's FLOP formulas (`torch.utils.flop_counter`, with its
@@ -362,6 +365,7 @@ class Counters(TorchDispatchMode):
         self.labels = labels
         self.formulas = {**flop_registry, **_cpu_attention_formulas()}
         self.reads = 0
+        self.found_inf: set[int] = set()  # storages of this step's GradScaler found-inf flags
         self.flops = 0
         self.paused = False  # pipelining's one-time stage initialization is not a step's work
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -394,9 +398,13 @@ class Counters(TorchDispatchMode):
             dtype = args[0].dtype
             if dtype == torch.bool:
                 return True
+            if args[0].untyped_storage()._cdata in self.found_inf:
+                return 0.0
             return 1.0 if dtype.is_floating_point or dtype.is_complex else 0
         if func in _NOT_COUNTED:
             return NotImplemented
+        if func is _aten._amp_foreach_non_finite_check_and_unscale_.default:
+            self.found_inf.add(args[1].untyped_storage()._cdata)
         if self.paused:
             return func(*args, **kwargs)
         packet = func._overloadpacket
