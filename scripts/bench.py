@@ -112,6 +112,10 @@ SCALE_LAYOUTS = {
         "hardware=h100", "train.precision=fp32"],
     "resnet50 sharding3, fp32, a100": ["recipe=resnet/resnet50", "strategy=sharding", "strategy.sharding_stage=3",
         "hardware=a100", "train.precision=fp32"],
+    # DDP (torch's reducer on fake tensors): Goyal et al.'s ResNet-50 layout, 32 images a GPU, fp16
+    "resnet50 recipe dp ×256 (DDP), fp16, v100": ["recipe=resnet/resnet50", "hardware.nodes=32",
+        "train.global_batch_size=8192"],
+    "gpt3_1.3b dp ×8 (DDP), bf16": ["recipe=gpt/gpt3_1.3b", "strategy=dp"],
 }  # fmt: skip
 
 

@@ -334,17 +334,6 @@ def cmd_dryrun(argv: list[str]) -> int:
                 "use `fleetwise plan` for a parameter-server job, or a collective strategy (dp, sharding, …)",
             )
         )
-    if pf.cfg is not None and pf.plan is not None and pf.plan.engine == "ddp":
-        # DDP's C++ reducer fails on fake tensors / the fake backend (torch 2.13): refused here
-        # rather than reported wrong (ZeRO-1 is fleetwise's own, runtime/zero1.py, and runs)
-        problems.append(
-            Problem(
-                "strategy",
-                f"dryrun cannot simulate the {pf.plan.engine} engine yet (DistributedDataParallel does "
-                "not run on fake tensors)",
-                "dry-run the layout with ZeRO-1 or FSDP instead (strategy.sharding_stage=1, 2 or 3), or use `fleetwise plan`",
-            )
-        )
     if pf.cfg is not None and pf.cfg.train.compile:
         # dynamo refuses to trace under the dry run's counting dispatch mode (it would run the blocks
         # eagerly: a second path), and the FLOPs/bytes it counts per op are not visible inside a

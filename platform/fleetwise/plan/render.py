@@ -41,7 +41,6 @@ PART_LABELS = {
     "activations": "activations",
     "inputs": "inputs",
     "pipeline_buffers": "pipeline buffers",
-    "comm_buffers": "gloo bucket copies",
     "step_temporaries": "optimizer-step temporaries",
     "server_shard": "server shard (params + optimizer state)",
 }
@@ -119,7 +118,7 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
     at_peak = (plan.memory_peak or {}).get("parts", {})
     elsewhere = {
         k: mem[k]
-        for k in ("activations", "inputs", "pipeline_buffers", "comm_buffers")
+        for k in ("activations", "inputs", "pipeline_buffers")
         if mem.get(k) and at_peak and at_peak.get(k) != mem[k]
     }
     if plan.ps is not None:

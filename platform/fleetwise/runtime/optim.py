@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from fleetwise.config.run import OptimConfig, TrainConfig
 from fleetwise.models.init import model_name
@@ -122,8 +123,15 @@ class Optimizers:
             sched._last_lr = [g["lr"] for g in opt.param_groups]
 
     def zero_grad(self) -> None:
+        # DDP (gradient_as_bucket_view): after its first synchronizing backward the gradients are
+        # views of its all-reduce buckets, which it holds for the whole job. Zeroed in place they
+        # stay views: micro-batches under no_sync accumulate into the buckets and the last one's
+        # all-reduce works there. Set to None, every step would allocate a second set of gradients
+        # beside the buckets (AccumulateGrad) and copy it in on the last micro-batch: 4 bytes more
+        # per parameter at the backward peak under gradient accumulation (measured on gpt/tiny dp 2).
+        to_none = not any(isinstance(part, DistributedDataParallel) for part in self.parts)
         for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=to_none)
 
     def local(self) -> list[torch.optim.Optimizer]:
         """The optimizers that hold state on this rank."""

@@ -46,6 +46,7 @@ def init_fake_world(rank: int, world_size: int) -> None:
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     _works_hold_their_tensors()
+    _ddp_bucket_indices_on_the_host()
 
 
 class _Works(list):
@@ -76,6 +77,59 @@ def _works_hold_their_tensors() -> None:
 
     batch_p2p.original = original
     schedules._batch_p2p = batch_p2p
+
+
+def _with_result(out):
+    """A c10d op's (tensors..., Work) with a Work whose future holds the op's tensors, as gloo's
+    and NCCL's do (an in-place all-reduce: its input, reduced). The fake backend's Work completes
+    with None, and DDP's C++ reducer reads the reduced bucket from that future at the end of every
+    synchronizing backward (`parseCppCommHookResult`: "expected the hook result is either a Tensor
+    or a TensorList found None", torch 2.13). Applied to `c10d.allreduce_` only, the one op whose
+    future's value the runtime reads: a Work holding its tensors keeps them alive as long as it is
+    kept, and the other ops' Works are left as they are (their peaks are checked against real runs)."""
+    if not (isinstance(out, tuple) and out and isinstance(out[-1], torch.ScriptObject)):
+        return out
+    future = torch.futures.Future()
+    future.set_result([t for t in tree_flatten(out[:-1])[0] if isinstance(t, torch.Tensor)])
+    return (*out[:-1], torch._C._distributed_c10d._create_work_from_future(future).boxed())
+
+
+class _HostInts(TorchDispatchMode):
+    """Ops on int32 tensors only (and int32 factories) run on real tensors, below every other
+    mode; everything else goes on to the fake world. For `_ddp_bucket_indices_on_the_host`."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if all(t.dtype == torch.int32 for t in tensors) and (tensors or kwargs.get("dtype") == torch.int32):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _ddp_bucket_indices_on_the_host() -> None:
+    """Let DDP rebuild its buckets in the fake world. At the first forward after the first
+    backward, DDP's C++ reducer regroups its gradient buckets in the order the gradients arrived
+    (`Reducer::rebuild_buckets`) and agrees on the grouping with rank 0 (`sync_bucket_indices`):
+    int32 host tensors it writes and reads through accessors, broadcast in between. Under
+    FakeTensorMode those tensors have no data ("The tensor has a non-zero number of elements, but
+    its data is not allocated yet", torch 2.13), so during the rebuild int32 tensors are real (a
+    few bytes per parameter tensor; the fake broadcast leaves this rank's own grouping, which is
+    rank 0's: every rank's is the same), while the new buckets themselves are fake. The reducer's
+    own code runs unchanged. Patched in this simulation process only."""
+    reducer = dist.Reducer
+    if hasattr(reducer._rebuild_buckets, "original"):  # installed already
+        return
+    original = reducer._rebuild_buckets
+
+    def rebuild_buckets(self) -> bool:
+        with _HostInts():
+            return original(self)
+
+    rebuild_buckets.original = original
+    reducer._rebuild_buckets = rebuild_buckets
 
 
 class NotAlike(RuntimeError):
@@ -300,7 +354,10 @@ class Counters(TorchDispatchMode):
       flag is finite, a loss or norm is 1.0); integers read 0: the one integer read in the runtime
       is torch.distributed.pipelining's warm-up vote, where 0 means "some stage has no static
       shapes", which is true of fleetwise's stages, so the schedule takes the same dynamic-shape
-      path as the real run (its metadata goes through `MetaRelay`);
+      path as the real run (its metadata goes through `MetaRelay`); except GradScaler's found-inf
+      flags (fp16: the tensors `_amp_foreach_non_finite_check_and_unscale_` writes), which read 0
+      -- no overflow, so the optimizer steps as in a healthy step (read as 1.0, every fp16 step
+      was a skipped one: no update, no optimizer state);
     - collective bytes this rank sends, per op and process group (ring algorithms, _COLLECTIVES;
       groups named by `labels`: process-group name -> mesh dimension);
     - FLOPs this rank computes, by torch's FLOP formulas (`torch.utils.flop_counter`, with its
@@ -314,6 +371,7 @@ class Counters(TorchDispatchMode):
         self.labels = labels
         self.formulas = {**flop_registry, **_cpu_attention_formulas()}
         self.reads = 0
+        self.found_inf: set[int] = set()  # storages of this step's GradScaler found-inf flags
         self.flops = 0
         self.paused = False  # pipelining's one-time stage initialization is not a step's work
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -346,9 +404,13 @@ class Counters(TorchDispatchMode):
             dtype = args[0].dtype
             if dtype == torch.bool:
                 return True
+            if args[0].untyped_storage()._cdata in self.found_inf:
+                return 0.0
             return 1.0 if dtype.is_floating_point or dtype.is_complex else 0
         if func in _NOT_COUNTED:
             return NotImplemented
+        if func is _aten._amp_foreach_non_finite_check_and_unscale_.default:
+            self.found_inf.add(args[1].untyped_storage()._cdata)
         if self.paused:
             return func(*args, **kwargs)
         packet = func._overloadpacket
@@ -356,6 +418,8 @@ class Counters(TorchDispatchMode):
             op = func._schema.name.split("::")[-1]
             if op in _COLLECTIVES:
                 self._collective(op, args)
+            if op == "allreduce_":
+                return _with_result(func(*args, **kwargs))
         formula = self.formulas.get(packet)
         # as FlopCounterMode does (its registry holds packets, so every overload is tried): count
         # what an op decomposes into, where it decomposes (entering this mode again only then)
