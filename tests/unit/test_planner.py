@@ -366,3 +366,25 @@ def test_sequence_parallel_pipeline_buffers_are_sequence_shards():
     assert whole.memory_bytes["pipeline_buffers"] == 4 * (1 + 2) * b * s * h  # 1 gradient set, 2 held outputs
     assert shard.memory_bytes["pipeline_buffers"] == whole.memory_bytes["pipeline_buffers"] / 2
     assert shard.comm_bytes_per_step["pp"] == whole.comm_bytes_per_step["pp"] / 2
+
+
+def test_adamw_step_temporaries_follow_the_device():
+    # AdamW's sqrt(exp_avg_sq) and quotient: on a GPU job torch steps every tensor at once (one
+    # temporary per parameter); on CPU it loops, two temporaries of one tensor at a time (the
+    # largest here: the 256 x 64 token embedding / LM head). One micro-batch in flight under full
+    # recompute, so on the GPU the step is the peak (runtime/optim.py foreach_for)
+    job = (
+        "recipe=gpt/tiny",
+        "optim=adamw",
+        "strategy=pp",
+        "strategy.recompute=full",
+        "train.micro_batch_size=1",
+    )
+    cfg, cpu = plan_of(*job, "hardware.devices_per_node=2")
+    _, gpu = plan_of(*job, "hardware=a100", "hardware.devices_per_node=2")
+    layout = Layout.of(cfg)
+    p0 = _rank_memory(cfg, layout, assign_units(cfg, layout), [0, 1], 0, 16)[1]
+    assert cpu.memory_bytes["step_temporaries"] == 2 * 4 * 256 * 64
+    assert gpu.memory_bytes["step_temporaries"] == 4 * p0
+    assert gpu.memory_peak["phase"] == "optimizer step"
+    assert cpu.memory_peak["phase"] == "forward/backward"

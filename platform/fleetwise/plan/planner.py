@@ -337,7 +337,16 @@ def _rank_memory(
     # autocast's low-precision weight cache is gone by the optimizer step (cleared on leaving autocast)
     step_params = resting if engine == "fsdp" else (FP32 * p if engine in ("none", "ddp") else mem.params)
     step_grads = (0.0 if offloaded else FP32 * p / sh) if engine == "fsdp" else mem.grads
-    mem.step_temporaries = (FP32 * p / (sh if engine != "ddp" else 1)) if k == 2 else 0.0
+    # AdamW's sqrt(exp_avg_sq) and its quotient: on CUDA torch's multi-tensor step makes one for
+    # every parameter at once; on CPU its per-tensor loop makes two of one tensor at a time
+    # (runtime/optim.py: build_optimizer's foreach follows the job's device)
+    own = sh if engine in ("fsdp", "zero1") else 1  # FSDP and ZeRO-1 step their pieces of each tensor
+    if k != 2:
+        mem.step_temporaries = 0.0
+    elif cfg.hardware.device_type == "cuda":
+        mem.step_temporaries = FP32 * p / own
+    else:
+        mem.step_temporaries = 2 * FP32 * max((u.largest_on_rank(mp) for u in units), default=0.0) / own
     if engine == "zero1":
         # (the reduce-scatter is in place in the gradient buffer); after the update one bucket's
         # all-gather: its shard in, the whole bucket out, in the working dtype

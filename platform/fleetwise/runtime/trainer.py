@@ -25,7 +25,7 @@ from fleetwise.runtime.faults import inject_fault
 from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv
 from fleetwise.runtime.modeling import build_source
-from fleetwise.runtime.optim import Optimizers, Zero1Optimizers
+from fleetwise.runtime.optim import Optimizers, Zero1Optimizers, foreach_for
 from fleetwise.runtime.parallelize import DTYPES, ParallelModel, memory_format, parallelize
 
 log = logging.getLogger("fleetwise")
@@ -50,9 +50,12 @@ class Trainer:
                 working_dtype=DTYPES[cfg.train.precision],
                 # a pipeline schedule's gradients are summed over micro-batches (scale_grads=False)
                 grad_divisor=cfg.train.accumulate_steps if layout.pp > 1 else 1,
+                foreach=foreach_for(cfg.hardware.device_type),
             )
         else:
-            self.optimizers = Optimizers(self.model.parts, cfg.optim, cfg.train)
+            self.optimizers = Optimizers(
+                self.model.parts, cfg.optim, cfg.train, foreach_for(cfg.hardware.device_type)
+            )
         self.pp_group = self.mesh["pp"].get_group() if layout.pp > 1 else None
         self.data = StepBatches(
             build_source(cfg),
