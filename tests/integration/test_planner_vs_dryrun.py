@@ -102,12 +102,18 @@ LAYOUTS = {
     # one micro-batch in flight under full recompute: the optimizer step is the peak, with AdamW's
     # temporaries. A GPU job's torch steps all tensors at once (one temporary per parameter); the
     # dry run's fake tensors are CPU tensors, which took torch's per-tensor loop instead until the
-    # runtime stated foreach by the job's device (runtime/optim.py foreach_for; was +9.2% / +7.9%)
-    "pp2_full_mb1_a100": (
-        "strategy=pp",
+    # runtime stated foreach by the job's device (runtime/optim.py foreach_for; pp2 without mp was
+    # +9.2% / +7.9%). Under mp the position embedding is a plain tensor beside DTensors, which one
+    # foreach op refuses: the optimizer's groups keep them apart (the first step failed before)
+    "pp2_mp2_sp_full_mb1_a100": (
+        "strategy=hybrid",
+        "strategy.pp_degree=2",
+        "strategy.mp_degree=2",
+        "strategy.dp_degree=1",
+        "strategy.sequence_parallel=true",
         "strategy.recompute=full",
         "hardware=a100",
-        "hardware.devices_per_node=2",
+        "hardware.devices_per_node=4",
         "train.micro_batch_size=1",
     ),
     # the same job on CPU ranks: the per-tensor loop holds two temporaries of one tensor, and the

@@ -26,7 +26,14 @@ def build_optimizer(
     sqrt(exp_avg_sq) of every tensor) or its per-tensor loop (one tensor's temporaries at a time);
     None lets torch choose by the tensors' device (CUDA: multi-tensor; CPU: the loop). The trainer
     passes the job's device's choice (`foreach_for`), so the dry run, whose fake tensors are CPU
-    tensors standing for CUDA ones, steps as the GPU run does."""
+    tensors standing for CUDA ones, steps as the GPU run does.
+
+    One group per weight decay and per kind of tensor -- plain, or a DTensor of each device mesh:
+    a foreach op refuses to mix them ("mixed torch.Tensor and DTensor"), and under tensor
+    parallelism without FSDP the position embedding stays a plain tensor beside DTensor weights
+    (the dry run of such a GPU job, on torch's multi-tensor path as on a GPU, failed at its first
+    step). Every tensor's update is its own, so the groups change no value.
+    """
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     if cfg.name == "adamw":
@@ -35,14 +42,12 @@ def build_optimizer(
         cls, kwargs = torch.optim.SGD, {"momentum": cfg.momentum}
     else:
         cls, kwargs = torch.optim.Adagrad, {"eps": cfg.eps}
-    groups = [
-        g
-        for g in (
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        )
-        if g["params"]
-    ]
+    groups = []
+    for members, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
+        kinds: dict = {}  # in order of first appearance: the same groups on every rank
+        for p in members:
+            kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        groups += [{"params": same, "weight_decay": weight_decay} for same in kinds.values()]
     return cls(groups, lr=cfg.lr, foreach=foreach, **kwargs)
 
 
