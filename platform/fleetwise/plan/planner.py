@@ -252,7 +252,7 @@ def _rank_memory(
         fresh = gather_bytes if pipelined else 0.0
     else:
         fresh = FP32 if accumulating else 0.0
-    acts, transient = 0.0, 0.0
+    acts, transient, one_micro_batch = 0.0, 0.0, 0.0
 
     def saved_bytes(a) -> float:  # per sample, on this rank
         return (
@@ -260,6 +260,7 @@ def _rank_memory(
             + (a.sp / mp if s.sequence_parallel else a.sp) * whole_bytes
             + a.whole * whole_bytes
             + (a.reduced / mp if s.sequence_parallel else a.reduced) * split_bytes
+            + (a.fp32 / mp) * FP32
         )
 
     memo: dict[str, tuple[float, float]] = {}  # equal units (the blocks) are worked out once
@@ -270,7 +271,8 @@ def _rank_memory(
             if known is None:
                 a = u.saved(s.recompute)
                 per_sample = saved_bytes(a)
-                peak = b * u.transient.elements(mp, s.sequence_parallel) * FP32
+                short = u.transient_tp if mp > 1 and u.transient_tp is not None else u.transient
+                peak = b * short.elements(mp, s.sequence_parallel) * FP32
                 # the unit's own backward: its gradient temporaries beside its saved activations,
                 # with its largest parameter's fresh gradient and, under recompute, what the
                 # recompute re-materialises (full: all but the block's input; selective: what it
@@ -279,11 +281,12 @@ def _rank_memory(
                 if s.recompute != "none" and u.kind == "block":
                     own += b * max(0.0, saved_bytes(u.saved("none")) - per_sample)
                 if own:
-                    peak = max(peak, own + fresh * u.largest_on_rank(mp))
+                    peak = max(peak, own + fresh * u.fresh_grad_on_rank(mp))
                 known = (per_sample, peak)
                 if key is not None:
                     memo[key] = known
             acts += flight.get(i, 1) * b * known[0]
+            one_micro_batch += b * known[0]
             transient = max(transient, known[1])
     if pipelined:
         # under sequence parallelism a stage sends, receives and holds its sequence shard
@@ -291,8 +294,12 @@ def _rank_memory(
         mem.pipeline_buffers = (
             _pipeline_buffers(chunks, local, flight, n, b, s.schedule) * whole_bytes / shard_of_seq
         )
+        last = len(chunks) - 1
+        if last in local:  # the last stage's outputs (the logits), from each forward to its backward
+            held = min(n, flight.get(local.index(last), 1))
+            mem.pipeline_buffers += held * b * chunks[last][-1].output_split / mp * split_bytes
     if fresh:
-        transient = max(transient, fresh * max((u.largest_on_rank(mp) for u in units), default=0.0))
+        transient = max(transient, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
     mem.activations = acts + transient
     # Every rank loads its share of the step's batch at once. On a GPU it stays in host memory and
     # each micro-batch is copied over in turn, except under a pipeline schedule, which takes the
@@ -307,20 +314,25 @@ def _rank_memory(
     # backward peak); NCCL reduces the bucket in place
     comm_copy = FP32 * p if engine == "ddp" and cfg.hardware.backend == "gloo" else 0.0
     mem.comm_buffers = comm_copy
-    phases = [
-        (
-            "forward/backward",
-            {
-                "params": mem.params,
-                "grads": grads_live,
-                "optimizer": mem.optimizer,
-                "activations": mem.activations,
-                "inputs": mem.inputs,
-                "pipeline_buffers": mem.pipeline_buffers,
-                "comm_buffers": comm_copy,
-            },
-        )
-    ]
+    during = {
+        "params": mem.params,
+        "grads": grads_live,
+        "optimizer": mem.optimizer,
+        "activations": mem.activations,
+        "inputs": mem.inputs,
+        "pipeline_buffers": mem.pipeline_buffers,
+        "comm_buffers": comm_copy,
+    }
+    phases = [("forward/backward", during)]
+    if pipelined and s.schedule == "GPipe" and n > 1 and engine != "zero1":
+        # GPipe runs every forward before any backward: at the first backward all n micro-batches'
+        # activations are held but no gradient exists yet (zero_grad set them to None; ZeRO-1's
+        # buffer stays); the gradients are whole once that backward is done, when one micro-batch
+        # fewer is held. Neither moment holds both.
+        phases = [
+            ("forward/backward", {**during, "grads": 0.0}),
+            ("backward", {**during, "activations": mem.activations - one_micro_batch}),
+        ]
     if not accumulating and engine not in ("ddp", "zero1"):
         phases.append(
             (
