@@ -18,6 +18,26 @@ GPT = ("recipe=gpt/tiny", "optim=adamw")
 LAYOUTS = {
     # 8 fake ranks, ZeRO-3 (FSDP reshards after forward): roles 0 and 7
     "sharding3_w8": ("strategy=sharding", "strategy.sharding_stage=3", "hardware.devices_per_node=8"),
+    # ZeRO-3 with GPT-3 1.3B's width and vocabulary (2 layers), bf16: the loss's backward (two
+    # fp32 gradients of the vocabulary-wide log-softmax output) runs while every unit, the root
+    # included, is resharded; the units' own backward peaks come later, gathered (planner phase
+    # "loss backward"; was +19.8%: all at once, and the log-softmax output counted in 16 bits)
+    "sharding3_w8_gpt3_1.3b_width": (
+        "strategy=sharding",
+        "strategy.sharding_stage=3",
+        "strategy.recompute=full",
+        "hardware=a100",
+        "hardware.devices_per_node=8",
+        "train.precision=bf16",
+        "model.hidden_size=2048",
+        "model.num_attention_heads=16",
+        "model.ffn_hidden_size=8192",
+        "model.vocab_size=50257",
+        "model.seq_len=2048",
+        "model.num_layers=2",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=16",
+    ),
     # the q, k, v projections' input gradients all-reduced once (models/tp_plan.py)
     "mp2": ("strategy=mp", "strategy.mp_degree=2", "hardware.devices_per_node=2"),
     "mp2_sequence_parallel": (

@@ -253,6 +253,7 @@ def _rank_memory(
     else:
         fresh = FP32 if accumulating else 0.0
     acts, transient, one_micro_batch = 0.0, 0.0, 0.0
+    head_peak, body_peak = 0.0, 0.0  # the loss's backward peak, and every other unit's
 
     def saved_bytes(a) -> float:  # per sample, on this rank
         return (
@@ -288,6 +289,10 @@ def _rank_memory(
             acts += flight.get(i, 1) * b * known[0]
             one_micro_batch += b * known[0]
             transient = max(transient, known[1])
+            if u.kind == "head":
+                head_peak = max(head_peak, known[1])
+            else:
+                body_peak = max(body_peak, known[1])
     if pipelined:
         # under sequence parallelism a stage sends, receives and holds its sequence shard
         shard_of_seq = mp if s.sequence_parallel else 1
@@ -332,6 +337,26 @@ def _rank_memory(
         phases = [
             ("forward/backward", {**during, "grads": 0.0}),
             ("backward", {**during, "activations": mem.activations - one_micro_batch}),
+        ]
+    if engine == "fsdp" and reshard_after_forward(s.sharding_stage) and not pipelined and head_peak:
+        # ZeRO-3: the loss's backward (its gradients of the log-softmax output and of the logits)
+        # runs before any unit's backward gathers again, when every unit, the root included, has
+        # resharded after its forward (measured in the dry run); the logits are still alive. The
+        # units' own backward peaks come later, with the root and two blocks gathered.
+        logits = b * sum(u.output_split for u in units) / mp * split_bytes
+        # the LM head's own backward, gathered again: the logits' gradient in the matmul dtype and
+        # the head's fresh weight gradient, before FSDP reduce-scatters it
+        head_own = max(
+            (logits + gather_bytes * u.largest_on_rank(mp) for u in units if u.kind == "head"),
+            default=0.0,
+        )
+        rest = max(body_peak, head_own, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
+        phases = [
+            ("forward/backward", {**during, "activations": acts + rest}),
+            (
+                "loss backward",
+                {**during, "params": resting, "activations": acts + head_peak + logits},
+            ),
         ]
     if not accumulating and engine not in ("ddp", "zero1"):
         phases.append(
