@@ -21,7 +21,8 @@ LAYOUTS = {
     # ZeRO-3 with GPT-3 1.3B's width and vocabulary (2 layers), bf16: the loss's backward (two
     # fp32 gradients of the vocabulary-wide log-softmax output) runs while every unit, the root
     # included, is resharded; the units' own backward peaks come later, gathered (planner phase
-    # "loss backward"; was +19.8%: all at once, and the log-softmax output counted in 16 bits)
+    # "loss backward"; was +19.8%: all at once, and the log-softmax output counted in 16 bits).
+    # The trainer no longer keeps the logits alive through the backward (runtime/trainer.py)
     "sharding3_w8_gpt3_1.3b_width": (
         "strategy=sharding",
         "strategy.sharding_stage=3",

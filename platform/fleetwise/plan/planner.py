@@ -341,21 +341,14 @@ def _rank_memory(
     if engine == "fsdp" and reshard_after_forward(s.sharding_stage) and not pipelined and head_peak:
         # ZeRO-3: the loss's backward (its gradients of the log-softmax output and of the logits)
         # runs before any unit's backward gathers again, when every unit, the root included, has
-        # resharded after its forward (measured in the dry run); the logits are still alive. The
-        # units' own backward peaks come later, with the root and two blocks gathered.
-        logits = b * sum(u.output_split for u in units) / mp * split_bytes
-        # the LM head's own backward, gathered again: the logits' gradient in the matmul dtype and
-        # the head's fresh weight gradient, before FSDP reduce-scatters it
-        head_own = max(
-            (logits + gather_bytes * u.largest_on_rank(mp) for u in units if u.kind == "head"),
-            default=0.0,
-        )
-        rest = max(body_peak, head_own, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
+        # resharded after its forward (measured in the dry run). The units' own backward peaks
+        # come later, with the root and two blocks gathered.
+        rest = max(body_peak, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
         phases = [
             ("forward/backward", {**during, "activations": acts + rest}),
             (
                 "loss backward",
-                {**during, "params": resting, "activations": acts + head_peak + logits},
+                {**during, "params": resting, "activations": acts + head_peak},
             ),
         ]
     if not accumulating and engine not in ("ddp", "zero1"):

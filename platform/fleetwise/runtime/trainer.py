@@ -136,8 +136,11 @@ class Trainer:
             last = i == n - 1
             with self._sync_context(part, last), self._loss_context():
                 with self.autocast():
-                    out = part(*[self._to_device(mb[k]) for k in spec.inputs])
-                    loss = self.model.loss(out, self._to_device(mb[spec.label]))
+                    # the output (a language model's logits) is not kept: bound to a name it would
+                    # stay alive through the whole backward, which needs only what autograd saved
+                    loss = self.model.loss(
+                        part(*[self._to_device(mb[k]) for k in spec.inputs]), self._to_device(mb[spec.label])
+                    )
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += _plain(loss)
