@@ -54,7 +54,9 @@ def test_ddp_memory_of_tiny_gpt_by_hand():
     p = 234_880
     params, grads, adam = 4 * p, 4 * p, 8 * p
     b, s, h, f, a, v, L = 2, 32, 64, 256, 4, 256, 4
-    block = (3 * s * h + s * h + a * s + s * h + 2 * s * f) + 2 * s * h + (2 * s * h + 4 * s)
+    # q, k, v, SDPA output (the out-projection reads a view of it), log-sum-exp, fc1 and GELU
+    # outputs; the two norms' inputs; their outputs and mean/rstd
+    block = (3 * s * h + s * h + a * s + 2 * s * f) + 2 * s * h + (2 * s * h + 4 * s)
     head = s * v + s * h + (s * h + 2 * s)
     saved = 4 * b * (L * block + head)
     logits_transient = 4 * b * 2 * s * v
@@ -226,25 +228,32 @@ def test_pipeline_receive_buffers_by_hand():
     of activation buffers per micro-batch in flight (the first block's saved input already) and one
     gradient set; it keeps in-flight outputs. Not one per micro-batch of the step (torch's)."""
     cfg, plan = plan_of("recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2")
-    b, s, h, n = 2, 32, 64, 8
+    b, s, h, v, n = 2, 32, 64, 256, 8
     assert plan.batch["num_microbatches"] == n
-    # stage 0 (the worst, 1F1B keeps 2 micro-batches in flight): 1 gradient buffer + 2 held outputs
-    assert plan.memory_bytes["pipeline_buffers"] == 4 * (1 + 2) * b * s * h
+    pp1F1B = ("recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2")
+    # stage 0 (1F1B keeps 2 micro-batches in flight): 1 gradient buffer + 2 held outputs
+    assert _stage_memory(*pp1F1B)[0].pipeline_buffers == 4 * (1 + 2) * b * s * h
+    # the last stage (1 in flight) receives into the first block's saved input and holds its
+    # output, the logits, from each micro-batch's forward to its backward (torch's fwd_cache)
+    assert _stage_memory(*pp1F1B, rank=1)[0].pipeline_buffers == 4 * 1 * b * s * v
     # and the same with 4× the micro-batches: the buffers no longer grow with the step's batch
-    _, big = plan_of(
-        "recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2", "train.global_batch_size=64"
-    )
+    _, big = plan_of(*pp1F1B, "train.global_batch_size=64")
     assert big.batch["num_microbatches"] == 4 * n
-    assert big.memory_bytes["pipeline_buffers"] == plan.memory_bytes["pipeline_buffers"]
+    for rank in (0, 1):
+        assert (
+            _stage_memory(*pp1F1B, "train.global_batch_size=64", rank=rank)[0].pipeline_buffers
+            == _stage_memory(*pp1F1B, rank=rank)[0].pipeline_buffers
+        )
     # looped BFS posts every receive of a phase at once: n gradient sets + n held outputs on stage 0
     _, bfs = plan_of("recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2",
                      "strategy.schedule=looped_BFS", "strategy.virtual_stages=2")  # fmt: skip
     assert bfs.memory_bytes["pipeline_buffers"] >= 4 * 2 * n * b * s * h
     # recompute does not shrink them: they are the engine's, not autograd's
-    _, full = plan_of(
-        "recipe=gpt/tiny", "strategy=pp", "hardware.devices_per_node=2", "strategy.recompute=full"
-    )
-    assert full.memory_bytes["pipeline_buffers"] == plan.memory_bytes["pipeline_buffers"]
+    for rank in (0, 1):
+        assert (
+            _stage_memory(*pp1F1B, "strategy.recompute=full", rank=rank)[0].pipeline_buffers
+            == _stage_memory(*pp1F1B, rank=rank)[0].pipeline_buffers
+        )
     _, dp = plan_of("recipe=gpt/tiny", "hardware.devices_per_node=2")
     assert dp.memory_bytes["pipeline_buffers"] == 0
 
@@ -304,9 +313,9 @@ def test_pipeline_stage_backward_peak_by_hand():
     b, s, h, f, v, a, mp = 2, 32, 64, 256, 256, 4, 2
     block_p = (4 * h * h + 2 * h * f + 3 * h + f) // mp + 6 * h
     p = v * h // mp + s * h + 2 * block_p  # stage 0's parameters on one mp rank
-    # per sample and block: q, k, v, SDPA out + lse, context, fc1 out, GELU out (split); the two
-    # norms' inputs and outputs, their mean/rstd (whole)
-    saved = 4 * ((3 * s * h + s * h + a * s + s * h + 2 * s * f) // mp + 2 * s * h + 2 * s * h + 4 * s)
+    # per sample and block: q, k, v, SDPA out + lse, fc1 out, GELU out (split; the out-projection
+    # reads a view of SDPA's output); the two norms' inputs and outputs, their mean/rstd (whole)
+    saved = 4 * ((3 * s * h + s * h + a * s + 2 * s * f) // mp + 2 * s * h + 2 * s * h + 4 * s)
     fc2_backward = 4 * b * s * f // mp + 4 * h * f // mp  # input gradient + fresh weight gradient
 
     mem, params = _stage_memory(*demo)
@@ -366,3 +375,25 @@ def test_sequence_parallel_pipeline_buffers_are_sequence_shards():
     assert whole.memory_bytes["pipeline_buffers"] == 4 * (1 + 2) * b * s * h  # 1 gradient set, 2 held outputs
     assert shard.memory_bytes["pipeline_buffers"] == whole.memory_bytes["pipeline_buffers"] / 2
     assert shard.comm_bytes_per_step["pp"] == whole.comm_bytes_per_step["pp"] / 2
+
+
+def test_adamw_step_temporaries_follow_the_device():
+    # AdamW's sqrt(exp_avg_sq) and quotient: on a GPU job torch steps every tensor at once (one
+    # temporary per parameter); on CPU it loops, two temporaries of one tensor at a time (the
+    # largest here: the 256 x 64 token embedding / LM head). One micro-batch in flight under full
+    # recompute, so on the GPU the step is the peak (runtime/optim.py foreach_for)
+    job = (
+        "recipe=gpt/tiny",
+        "optim=adamw",
+        "strategy=pp",
+        "strategy.recompute=full",
+        "train.micro_batch_size=1",
+    )
+    cfg, cpu = plan_of(*job, "hardware.devices_per_node=2")
+    _, gpu = plan_of(*job, "hardware=a100", "hardware.devices_per_node=2")
+    layout = Layout.of(cfg)
+    p0 = _rank_memory(cfg, layout, assign_units(cfg, layout), [0, 1], 0, 16)[1]
+    assert cpu.memory_bytes["step_temporaries"] == 2 * 4 * 256 * 64
+    assert gpu.memory_bytes["step_temporaries"] == 4 * p0
+    assert gpu.memory_peak["phase"] == "optimizer step"
+    assert cpu.memory_peak["phase"] == "forward/backward"

@@ -73,8 +73,10 @@ def units(m: ERNIEModel) -> list[Unit]:
         params_whole=h * h + h + 2 * h,
         fwd_flops=2 * s * (h * h + h * v),
         # dense input, GELU input, LN input, LN output; log-softmax output (vocab-parallel)
-        acts={"none": Acts(split=s * v, whole=4 * s * h + 2 * s)},
-        transient=Acts(split=2 * s * v),
+        acts={"none": Acts(fp32=s * v, whole=4 * s * h + 2 * s)},
+        transient=Acts(fp32=2 * s * v),  # the gradients of the log-softmax output and of the logits
+        transient_tp=Acts(fp32=s * v),
+        output_split=s * v,  # the decoder's logits
         fwd_ops=15,  # dense, GELU, LN, decoder (t, addmm, views), log-softmax, NLL
         fwd_gemms=2,
         fwd_elementwise=2 * s * h + 2 * s + s * v,  # GELU, LN, log-softmax

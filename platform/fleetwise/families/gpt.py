@@ -48,8 +48,11 @@ def units(m: GPTModel) -> list[Unit]:
         params_whole=2 * h,  # final layer norm
         fwd_flops=2 * s * h * v,
         # final LN input; LN output (saved by the LM head); log-softmax output (vocab-parallel)
-        acts={"none": Acts(split=s * v, sp=s * h, whole=s * h + 2 * s)},
-        transient=Acts(split=2 * s * v),  # logits, then the gradient of the logits
+        acts={"none": Acts(fp32=s * v, sp=s * h, whole=s * h + 2 * s)},
+        # the gradients of the log-softmax output and of the logits (fp32: the loss upcasts)
+        transient=Acts(fp32=2 * s * v),
+        transient_tp=Acts(fp32=s * v),
+        output_split=s * v,  # the logits
         fwd_ops=10,  # LN, LM head (t, mm, views), log-softmax, NLL
         fwd_gemms=1,
         fwd_elementwise=s * h + 2 * s + s * v,  # LN, log-softmax

@@ -112,9 +112,10 @@ def transformer_block(m: TransformerModel, *, post_ln: bool = False) -> Unit:
     split = 4 * h * h + 2 * h * f + 3 * h + f
     whole = 2 * h + 4 * h
     none = Acts(
-        # q, k, v; SDPA output and log-sum-exp; the re-laid-out context (out-proj input); fc1 output
+        # q, k, v; SDPA output and log-sum-exp (the out-projection's input is a view of that
+        # output: SDPA lays it out sequence-major, so its transpose back needs no copy); fc1 output
         # (GELU input) and GELU output (fc2 input).
-        split=3 * s * h + s * h + a * s + s * h + 2 * s * f,
+        split=3 * s * h + s * h + a * s + 2 * s * f,
         # the inputs of the two layer norms (sequence parallel shards them)
         sp=2 * s * h,
         # the outputs of the two layer norms, saved by the column-parallel linears that read them

@@ -256,7 +256,8 @@ def _rank_memory(
         fresh = gather_bytes if pipelined else 0.0
     else:
         fresh = FP32 if accumulating else 0.0
-    acts, transient = 0.0, 0.0
+    acts, transient, one_micro_batch = 0.0, 0.0, 0.0
+    head_peak, body_peak = 0.0, 0.0  # the loss's backward peak, and every other unit's
 
     def saved_bytes(a) -> float:  # per sample, on this rank
         return (
@@ -264,6 +265,7 @@ def _rank_memory(
             + (a.sp / mp if s.sequence_parallel else a.sp) * whole_bytes
             + a.whole * whole_bytes
             + (a.reduced / mp if s.sequence_parallel else a.reduced) * split_bytes
+            + (a.fp32 / mp) * FP32
         )
 
     memo: dict[str, tuple[float, float]] = {}  # equal units (the blocks) are worked out once
@@ -274,7 +276,8 @@ def _rank_memory(
             if known is None:
                 a = u.saved(s.recompute)
                 per_sample = saved_bytes(a)
-                peak = b * u.transient.elements(mp, s.sequence_parallel) * FP32
+                short = u.transient_tp if mp > 1 and u.transient_tp is not None else u.transient
+                peak = b * short.elements(mp, s.sequence_parallel) * FP32
                 # the unit's own backward: its gradient temporaries beside its saved activations,
                 # with its largest parameter's fresh gradient and, under recompute, what the
                 # recompute re-materialises (full: all but the block's input; selective: what it
@@ -283,20 +286,29 @@ def _rank_memory(
                 if s.recompute != "none" and u.kind == "block":
                     own += b * max(0.0, saved_bytes(u.saved("none")) - per_sample)
                 if own:
-                    peak = max(peak, own + fresh * u.largest_on_rank(mp))
+                    peak = max(peak, own + fresh * u.fresh_grad_on_rank(mp))
                 known = (per_sample, peak)
                 if key is not None:
                     memo[key] = known
             acts += flight.get(i, 1) * b * known[0]
+            one_micro_batch += b * known[0]
             transient = max(transient, known[1])
+            if u.kind == "head":
+                head_peak = max(head_peak, known[1])
+            else:
+                body_peak = max(body_peak, known[1])
     if pipelined:
         # under sequence parallelism a stage sends, receives and holds its sequence shard
         shard_of_seq = mp if s.sequence_parallel else 1
         mem.pipeline_buffers = (
             _pipeline_buffers(chunks, local, flight, n, b, s.schedule) * whole_bytes / shard_of_seq
         )
+        last = len(chunks) - 1
+        if last in local:  # the last stage's outputs (the logits), from each forward to its backward
+            held = min(n, flight.get(local.index(last), 1))
+            mem.pipeline_buffers += held * b * chunks[last][-1].output_split / mp * split_bytes
     if fresh:
-        transient = max(transient, fresh * max((u.largest_on_rank(mp) for u in units), default=0.0))
+        transient = max(transient, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
     mem.activations = acts + transient
     # Every rank loads its share of the step's batch at once. On a GPU it stays in host memory and
     # each micro-batch is copied over in turn, except under a pipeline schedule, which takes the
@@ -309,19 +321,37 @@ def _rank_memory(
     # job (gradient_as_bucket_view, zeroed in place: runtime/optim.py); micro-batches under no_sync
     # accumulate into them, so there is no second copy (the dry run agrees to the byte on gpt/tiny dp 2)
     grads_live = mem.grads if (accumulating or engine in ("ddp", "zero1")) else 0.0
-    phases = [
-        (
-            "forward/backward",
-            {
-                "params": mem.params,
-                "grads": grads_live,
-                "optimizer": mem.optimizer,
-                "activations": mem.activations,
-                "inputs": mem.inputs,
-                "pipeline_buffers": mem.pipeline_buffers,
-            },
-        )
-    ]
+    during = {
+        "params": mem.params,
+        "grads": grads_live,
+        "optimizer": mem.optimizer,
+        "activations": mem.activations,
+        "inputs": mem.inputs,
+        "pipeline_buffers": mem.pipeline_buffers,
+    }
+    phases = [("forward/backward", during)]
+    if pipelined and s.schedule == "GPipe" and n > 1 and engine != "zero1":
+        # GPipe runs every forward before any backward: at the first backward all n micro-batches'
+        # activations are held but no gradient exists yet (zero_grad set them to None; ZeRO-1's
+        # buffer stays); the gradients are whole once that backward is done, when one micro-batch
+        # fewer is held. Neither moment holds both.
+        phases = [
+            ("forward/backward", {**during, "grads": 0.0}),
+            ("backward", {**during, "activations": mem.activations - one_micro_batch}),
+        ]
+    if engine == "fsdp" and reshard_after_forward(s.sharding_stage) and not pipelined and head_peak:
+        # ZeRO-3: the loss's backward (its gradients of the log-softmax output and of the logits)
+        # runs before any unit's backward gathers again, when every unit, the root included, has
+        # resharded after its forward (measured in the dry run). The units' own backward peaks
+        # come later, with the root and two blocks gathered.
+        rest = max(body_peak, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
+        phases = [
+            ("forward/backward", {**during, "activations": acts + rest}),
+            (
+                "loss backward",
+                {**during, "params": resting, "activations": acts + head_peak},
+            ),
+        ]
     if not accumulating and engine not in ("ddp", "zero1"):
         phases.append(
             (
@@ -338,7 +368,16 @@ def _rank_memory(
     # autocast's low-precision weight cache is gone by the optimizer step (cleared on leaving autocast)
     step_params = resting if engine == "fsdp" else (FP32 * p if engine in ("none", "ddp") else mem.params)
     step_grads = (0.0 if offloaded else FP32 * p / sh) if engine == "fsdp" else mem.grads
-    mem.step_temporaries = (FP32 * p / (sh if engine != "ddp" else 1)) if k == 2 else 0.0
+    # AdamW's sqrt(exp_avg_sq) and its quotient: on CUDA torch's multi-tensor step makes one for
+    # every parameter at once; on CPU its per-tensor loop makes two of one tensor at a time
+    # (runtime/optim.py: build_optimizer's foreach follows the job's device)
+    own = sh if engine in ("fsdp", "zero1") else 1  # FSDP and ZeRO-1 step their pieces of each tensor
+    if k != 2:
+        mem.step_temporaries = 0.0
+    elif cfg.hardware.device_type == "cuda":
+        mem.step_temporaries = FP32 * p / own
+    else:
+        mem.step_temporaries = 2 * FP32 * max((u.largest_on_rank(mp) for u in units), default=0.0) / own
     if engine == "zero1":
         # (the reduce-scatter is in place in the gradient buffer); after the update one bucket's
         # all-gather: its shard in, the whole bucket out, in the working dtype

@@ -31,14 +31,17 @@ class Acts:
     sp: float = 0.0
     whole: float = 0.0
     reduced: float = 0.0
+    # divided by mp like `split`, but fp32 whatever the precision: a vocabulary-parallel loss's
+    # log-softmax output (the trainer's loss upcasts the logits; autocast runs log-softmax in fp32)
+    fp32: float = 0.0
 
     def elements(self, mp: int, sequence_parallel: bool) -> float:
         seq = self.sp + self.reduced
-        return self.split / mp + (seq / mp if sequence_parallel else seq) + self.whole
+        return (self.split + self.fp32) / mp + (seq / mp if sequence_parallel else seq) + self.whole
 
     @property
     def total(self) -> float:
-        return self.split + self.sp + self.whole + self.reduced
+        return self.split + self.sp + self.whole + self.reduced + self.fp32
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,10 @@ class Unit:
     fwd_flops: float = 0.0  # per sample, matmul/conv FLOPs of the forward pass (2 per multiply-add)
     acts: dict[str, Acts] = field(default_factory=dict)  # recompute mode -> saved activations
     transient: Acts = Acts()  # short-lived peak on top of the saved ones (e.g. logits and their grad)
+    # the same under tensor parallelism, where it differs: a vocabulary-parallel loss
+    # (loss_parallel) computes the logits' gradient in its NLL backward and passes it through the
+    # log-softmax backward, one gradient where plain cross entropy makes two
+    transient_tp: Acts | None = None
     # gradients alive at the peak of a block's own backward, beside its saved (or recomputed)
     # activations, in the matmul dtype: a transformer block's first backward matmul (fc2) holds
     # its input's gradient (s x ffn) while the input itself is still saved
@@ -64,6 +71,10 @@ class Unit:
     selective_tp_recompute_flops: float = 0.0
     mp_allreduces: int = 0  # tensor-parallel all-reduces of a (seq, hidden) activation per forward
     boundary_elements: float = 0.0  # elements per sample sent to the next pipeline stage
+    # elements per sample of the unit's own output, divided by mp, in the matmul dtype: the LM head's
+    # logits, which torch's pipeline stage keeps (its fwd_cache) for each of the last stage's
+    # micro-batches from its forward to its backward
+    output_split: float = 0.0
     # aten ops the forward of one micro-batch dispatches (views included; the head counts its
     # loss): each costs the profile's op_overhead_us of host time. A test counts them in torch.
     fwd_ops: int = 0
@@ -92,6 +103,11 @@ class Unit:
 
     def largest_on_rank(self, mp: int) -> float:
         return max(self.largest_split / mp, self.largest_whole)
+
+    def fresh_grad_on_rank(self, mp: int) -> float:
+        """Elements of the largest gradient tensor the unit's backward makes on this rank (a
+        vocabulary-parallel embedding's is whole: `grad_replicated`)."""
+        return max(self.largest_on_rank(mp), self.grad_replicated)
 
     def params_on_rank(self, mp: int) -> float:
         return self.params_split / mp + self.params_whole

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
@@ -17,8 +18,23 @@ from fleetwise.runtime import checkpoint
 from fleetwise.runtime.zero1 import Zero1
 
 
-def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """Weight decay applies to matrices (ndim >= 2), not to biases and norms (as in GPT-2/nanoGPT)."""
+def build_optimizer(
+    params: list[nn.Parameter], cfg: OptimConfig, foreach: bool | None = None
+) -> torch.optim.Optimizer:
+    """Weight decay applies to matrices (ndim >= 2), not to biases and norms (as in GPT-2/nanoGPT).
+
+    foreach: torch's multi-tensor step (one temporary per parameter, all at once: AdamW's
+    sqrt(exp_avg_sq) of every tensor) or its per-tensor loop (one tensor's temporaries at a time);
+    None lets torch choose by the tensors' device (CUDA: multi-tensor; CPU: the loop). The trainer
+    passes the job's device's choice (`foreach_for`), so the dry run, whose fake tensors are CPU
+    tensors standing for CUDA ones, steps as the GPU run does.
+
+    One group per weight decay and per kind of tensor -- plain, or a DTensor of each device mesh:
+    a foreach op refuses to mix them ("mixed torch.Tensor and DTensor"), and under tensor
+    parallelism without FSDP the position embedding stays a plain tensor beside DTensor weights
+    (the dry run of such a GPU job, on torch's multi-tensor path as on a GPU, failed at its first
+    step). Every tensor's update is its own, so the groups change no value.
+    """
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     if cfg.name == "adamw":
@@ -27,15 +43,19 @@ def build_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim
         cls, kwargs = torch.optim.SGD, {"momentum": cfg.momentum}
     else:
         cls, kwargs = torch.optim.Adagrad, {"eps": cfg.eps}
-    groups = [
-        g
-        for g in (
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        )
-        if g["params"]
-    ]
-    return cls(groups, lr=cfg.lr, **kwargs)
+    groups = []
+    for members, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
+        kinds: dict = {}  # in order of first appearance: the same groups on every rank
+        for p in members:
+            kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        groups += [{"params": same, "weight_decay": weight_decay} for same in kinds.values()]
+    return cls(groups, lr=cfg.lr, foreach=foreach, **kwargs)
+
+
+def foreach_for(device_type: str) -> bool | None:
+    """`build_optimizer`'s foreach for a job on `device_type` (hardware.device_type): what torch
+    picks there by default (multi-tensor on CUDA), stated, so it does not depend on the tensors."""
+    return True if device_type == "cuda" else None
 
 
 def lr_factor(done: int, optim: OptimConfig, train: TrainConfig) -> float:
@@ -66,8 +86,10 @@ class Optimizers:
 
     lazy = False  # built at the first step (`build`) rather than here
 
-    def __init__(self, parts: list[nn.Module], optim: OptimConfig, train: TrainConfig):
-        self.parts, self.optim, self.train = parts, optim, train
+    def __init__(
+        self, parts: list[nn.Module], optim: OptimConfig, train: TrainConfig, foreach: bool | None = None
+    ):
+        self.parts, self.optim, self.train, self.foreach = parts, optim, train, foreach
         self._optimizers: list[torch.optim.Optimizer] = []
         self._schedulers: list = []
         if not self.lazy:
@@ -75,7 +97,7 @@ class Optimizers:
 
     def _make(self) -> list[torch.optim.Optimizer]:
         return [
-            build_optimizer([p for p in part.parameters() if p.requires_grad], self.optim)
+            build_optimizer([p for p in part.parameters() if p.requires_grad], self.optim, self.foreach)
             for part in self.parts
         ]
 
@@ -186,6 +208,7 @@ class Zero1Optimizers(Optimizers):
         *,
         working_dtype: torch.dtype = torch.float32,
         grad_divisor: int = 1,
+        foreach: bool | None = None,
     ):
         self.mesh = mesh
         self.zero = [
@@ -195,11 +218,11 @@ class Zero1Optimizers(Optimizers):
                 mesh,
                 working_dtype=working_dtype,
                 grad_divisor=grad_divisor,
-                build_optimizer=build_optimizer,
+                build_optimizer=functools.partial(build_optimizer, foreach=foreach),
             )
             for part in parts
         ]
-        super().__init__(parts, optim, train)
+        super().__init__(parts, optim, train, foreach)
 
     def _make(self) -> list[torch.optim.Optimizer]:
         return [z.build() for z in self.zero]

@@ -25,7 +25,7 @@ from fleetwise.runtime.faults import inject_fault
 from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv
 from fleetwise.runtime.modeling import build_source
-from fleetwise.runtime.optim import Optimizers, Zero1Optimizers
+from fleetwise.runtime.optim import Optimizers, Zero1Optimizers, foreach_for
 from fleetwise.runtime.parallelize import DTYPES, ParallelModel, memory_format, parallelize
 
 log = logging.getLogger("fleetwise")
@@ -54,9 +54,12 @@ class Trainer:
                 working_dtype=DTYPES[cfg.train.precision],
                 # a pipeline schedule's gradients are summed over micro-batches (scale_grads=False)
                 grad_divisor=cfg.train.accumulate_steps if layout.pp > 1 else 1,
+                foreach=foreach_for(cfg.hardware.device_type),
             )
         else:
-            self.optimizers = Optimizers(self.model.parts, cfg.optim, cfg.train)
+            self.optimizers = Optimizers(
+                self.model.parts, cfg.optim, cfg.train, foreach_for(cfg.hardware.device_type)
+            )
         self.pp_group = self.mesh["pp"].get_group() if layout.pp > 1 else None
         self.data = StepBatches(
             build_source(cfg),
@@ -137,8 +140,11 @@ class Trainer:
             last = i == n - 1
             with self._sync_context(part, last), self._loss_context():
                 with self.autocast():
-                    out = part(*[self._to_device(mb[k]) for k in spec.inputs])
-                    loss = self.model.loss(out, self._to_device(mb[spec.label]))
+                    # the output (a language model's logits) is not kept: bound to a name it would
+                    # stay alive through the whole backward, which needs only what autograd saved
+                    loss = self.model.loss(
+                        part(*[self._to_device(mb[k]) for k in spec.inputs]), self._to_device(mb[spec.label])
+                    )
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += _plain(loss)
