@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -371,7 +372,9 @@ class Counters(TorchDispatchMode):
         self.labels = labels
         self.formulas = {**flop_registry, **_cpu_attention_formulas()}
         self.reads = 0
-        self.found_inf: set[int] = set()  # storages of this step's GradScaler found-inf flags
+        # storages of the live GradScaler found-inf flags; a flag's key leaves with the flag (a
+        # freed storage's address is reused: a later tensor there, e.g. a metrics row, would read 0)
+        self.found_inf: set[int] = set()
         self.flops = 0
         self.paused = False  # pipelining's one-time stage initialization is not a step's work
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -410,7 +413,9 @@ class Counters(TorchDispatchMode):
         if func in _NOT_COUNTED:
             return NotImplemented
         if func is _aten._amp_foreach_non_finite_check_and_unscale_.default:
-            self.found_inf.add(args[1].untyped_storage()._cdata)
+            key = args[1].untyped_storage()._cdata
+            self.found_inf.add(key)
+            weakref.finalize(args[1], self.found_inf.discard, key)
         if self.paused:
             return func(*args, **kwargs)
         packet = func._overloadpacket
