@@ -184,3 +184,26 @@ def test_single_node_stores_listen_on_loopback_only():
     cmd = launch.torchrun_command(_cfg(), Path("/tmp/run"))
     assert cmd[2] == "fleetwise.launcher.agent" and "--local-addr=127.0.0.1" in cmd
     assert any(c.startswith("--rdzv-endpoint=127.0.0.1:") for c in cmd)
+
+
+def test_a_later_node_accepts_the_run_dir_node_0_is_still_writing(tmp_path):
+    """Node 0 checks the directory before it writes into it; node 1, starting a moment later, can
+    find node 0's .hydra/ and plan.json before its config.yaml (CI saw node 1 exit 2 there and node
+    0 wait for it): only a config of another job refuses the directory on a later node."""
+    run = tmp_path / "run"
+    node = ("hardware.nodes=2", "hardware.devices_per_node=2", "launch.rdzv_endpoint=127.0.0.1:29999")
+    run.mkdir()
+    (run / ".hydra").mkdir()
+    (run / "plan.json").write_text("{}")
+    assert launch.run_dir_problems(_cfg(f"run.dir={run}", *node, "launch.node_rank=1")) == []
+    # node 0 (or a single-node job) still refuses what it did not write itself
+    assert [p.loc for p in launch.run_dir_problems(_cfg(f"run.dir={run}", *node, "launch.node_rank=0"))] == [
+        "run.dir"
+    ]
+    import yaml
+
+    other = _cfg(f"run.dir={run}", *node, "launch.node_rank=0", "train.steps=7")
+    (run / "config.yaml").write_text(yaml.safe_dump(other.model_dump(mode="json")))
+    assert [p.loc for p in launch.run_dir_problems(_cfg(f"run.dir={run}", *node, "launch.node_rank=1"))] == [
+        "run.dir"
+    ]

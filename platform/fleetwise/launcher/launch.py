@@ -77,8 +77,17 @@ def run_dir_problems(cfg: RunConfig) -> list[Problem]:
     if not path.is_dir():
         return [] if not path.exists() else [Problem("run.dir", f"{path} is a file", "choose a directory")]
     entries = sorted(p.name for p in path.iterdir() if not p.name.startswith(LOCK_NAME))
-    if not entries or (_node_count(cfg) > 1 and _same_job(cfg, path / rundir.CONFIG_FILE)):
+    if not entries:
         return []
+    if _node_count(cfg) > 1:
+        written = path / rundir.CONFIG_FILE
+        if _same_job(cfg, written):
+            return []
+        if cfg.launch.node_rank > 0 and not written.exists():
+            # node 0 checked the directory before writing into it and may be writing it now (its
+            # .hydra/ and plan.json come before config.yaml): only a different job's config refuses
+            # it here -- else node 1 starting a moment late saw a half-written job and exited 2
+            return []
     shown = ", ".join(entries[:5]) + (", …" if len(entries) > 5 else "")
     return [
         Problem(
