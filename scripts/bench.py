@@ -26,6 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+from bench_slices import intervals_inside, steps_inside, take_turns
+
 from fleetwise import rundir
 from fleetwise.rundir import Metric
 
@@ -46,8 +49,8 @@ TARGETS = {
 # GPT whose step takes >= 0.5 s here (6 layers, d=768: 42.5M parameters in the blocks), where they
 # can neither hide nor dominate. model -> (overrides, steps, quick steps); WARMUP steps are excluded.
 OVERHEAD_MODELS = {
-    "gpt/tiny": (["recipe=gpt/tiny"], 30, 20),
-    "resnet/tiny": (["recipe=resnet/tiny"], 30, 20),
+    "gpt/tiny": (["recipe=gpt/tiny"], 150, 40),
+    "resnet/tiny": (["recipe=resnet/tiny"], 150, 40),
     "gpt d=768 L=6": (
         [
             "recipe=gpt/tiny",
@@ -59,11 +62,12 @@ OVERHEAD_MODELS = {
             "train.global_batch_size=4",
             "train.micro_batch_size=2",
         ],
-        8,
-        6,
+        16,
+        10,
     ),
 }
-OVERHEAD_REPS = 5  # interleaved repetitions of each (model, ranks) pair (not --quick)
+OVERHEAD_REPS = 7  # repetitions of each (model, ranks) pair (not --quick)
+SLICE_S, SLICE_STEPS = 0.2, 5  # the two jobs swap every max(SLICE_S, SLICE_STEPS steps) (bench_slices.py)
 AUTO_REPS = 3  # interleaved repetitions of each candidate (1 with --quick)
 # strategy=auto on real ranks: gpt/tiny and a ~20M-parameter GPT (6 layers, d=512: 12·d²·L = 18.9M
 # in the blocks, + embeddings)
@@ -164,8 +168,9 @@ class Bench:
         reps: int,
         models: list[str] | None = None,
         ranks: list[int] | None = None,
+        aa: bool = False,
     ):
-        self.out, self.quick, self.reps = out, quick, reps
+        self.out, self.quick, self.reps, self.aa = out, quick, reps, aa
         self.models = models or list(OVERHEAD_MODELS)  # the overhead suite's rows: these models ...
         self.ranks = ranks or [1, 2]  # ... at these rank counts
         self.tmp = Path(tempfile.mkdtemp(prefix="fleetwise-bench-"))
@@ -206,27 +211,13 @@ class Bench:
         self.first_step.setdefault(plan["world_size"], []).append(records[0]["time"] - launched)
         return run_dir, records, plan
 
-    def plain(self, config: Path, ranks: int) -> list[dict]:
-        out = self.tmp / f"plain{self.runs}.jsonl"
-        self.runs += 1
+    def plain_job(self, config: Path, ranks: int, out: Path) -> tuple[list[str], dict]:
+        """The plain loop's command and environment (the launcher's thread split: cores / ranks each)."""
         script = str(SCRIPTS / "bench_plain_loop.py")
-        if ranks == 1:
-            cmd = [PY, script, str(config), str(out)]
-        else:
-            cmd = [
-                PY,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={ranks}",
-                script,
-                str(config),
-                str(out),
-            ]
-        # the launcher's thread split: cores / ranks each
-        env = self.env | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
-        self.sh(cmd, retry=True, env=env)
-        return read_jsonl(out)
+        cmd = [PY, script, str(config), str(out)]
+        if ranks > 1:
+            cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *cmd[1:]]
+        return cmd, self.env | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
 
     # -- suites ----------------------------------------------------------------------------------
     def calibrate(self) -> dict:
@@ -235,9 +226,12 @@ class Bench:
         return {"measured": self.calibration["measured"], "profile": self.calibration["profile"]}
 
     def overhead(self) -> dict:
-        """fleetwise train against the plain loop on the same resolved config, interleaved
-        (fleetwise, plain, fleetwise, ...). Per model and rank count: the median step-time ratio and
-        the fixed per-step cost (fleetwise step - plain step, ms), medians over the repetitions."""
+        """fleetwise train against the plain loop on the same resolved config, the two taking turns
+        on the machine (scripts/bench_slices.py: one runs while the other is stopped, swapping every
+        slice), so both sides' steps come from the same minutes. Per model and rank count: the median
+        over repetitions of the step-time ratio and of the fixed per-step cost (the wall time between
+        step ends, fleetwise - plain, ms). With `aa`, the plain loop against itself: the
+        instrument's own resolution."""
         reps = self.reps if self.quick else max(self.reps, OVERHEAD_REPS)
         load = [os.getloadavg()[0]]
         rows = []
@@ -246,14 +240,56 @@ class Bench:
             for ranks in self.ranks:
                 n = quick_steps if self.quick else steps
                 overrides = [*base, f"hardware.devices_per_node={ranks}", f"train.steps={n}"]
-                fw_step, pl_step, fw_int, pl_int = [], [], [], []
-                for _ in range(reps):  # interleaved: fleetwise, plain, fleetwise, plain, ...
-                    run_dir, records, _ = self.train(overrides)
-                    fw_step.append(median_step(records))
-                    fw_int.append(median_interval(records))
-                    plain = self.plain(run_dir / rundir.CONFIG_FILE, ranks)
-                    pl_step.append(median_step(plain))
-                    pl_int.append(median_interval(plain))
+                # a short run resolves the config the plain loop trains, and sizes the slices: a few
+                # steps each, so that the one cut at each swap is a small share of them
+                run_dir, records, _ = self.train([*overrides, f"train.steps={WARMUP + 3}"])
+                slice_s = max(SLICE_S, SLICE_STEPS * median_step(records))
+                config = yaml.safe_load((run_dir / rundir.CONFIG_FILE).read_text())
+                config["train"]["steps"] = n
+                plain_config = self.tmp / f"plain{self.runs}.yaml"
+                plain_config.write_text(yaml.safe_dump(config))
+                fw_step, pl_step, fw_int, pl_int, kept = [], [], [], [], []
+                rep = 0
+                while rep < reps:
+                    self.runs += 1
+                    a = self.tmp / f"run{self.runs}"
+                    fw = (
+                        [PY, "-m", "fleetwise.cli", "train", "hardware=local", *overrides, f"run.dir={a}"],
+                        self.env,
+                    )
+                    pl_out = self.tmp / f"plain{self.runs}.jsonl"
+                    pl = self.plain_job(plain_config, ranks, pl_out)
+                    if self.aa:  # A/A: the plain loop against a second copy of itself
+                        fw = self.plain_job(plain_config, ranks, self.tmp / f"aa{self.runs}.jsonl")
+                    jobs = [fw, pl] if rep % 2 == 0 else [pl, fw]  # who starts alternates
+                    windows = take_turns(jobs, slice_s, cwd=ROOT)
+                    if rep % 2:
+                        windows.reverse()
+                    fw_records = read_jsonl(
+                        self.tmp / f"aa{self.runs}.jsonl" if self.aa else rundir.metrics_path(a)
+                    )
+                    pl_records = read_jsonl(pl_out)
+                    f = steps_inside(fw_records, windows[0], Metric.STEP_TIME, WARMUP)
+                    p = steps_inside(pl_records, windows[1], Metric.STEP_TIME, WARMUP)
+                    fi = intervals_inside(fw_records, windows[0], WARMUP)
+                    pi = intervals_inside(pl_records, windows[1], WARMUP)
+                    if min(len(f), len(p), len(fi), len(pi)) < (n - WARMUP) // 2:
+                        # steps slower than the short run said (a loaded machine): longer slices, again
+                        if slice_s >= 8 * SLICE_S * SLICE_STEPS:
+                            raise RuntimeError(
+                                f"{model}, {ranks} ranks: too few steps inside {slice_s:.1f} s slices ({len(f)}, {len(p)})"
+                            )
+                        slice_s *= 2
+                        self.retries.append(
+                            f"overhead {model} {ranks} ranks: {len(f)}, {len(p)} steps inside the slices, slices doubled to {slice_s:.2f} s"
+                        )
+                        continue
+                    fw_step.append(statistics.median(f))
+                    pl_step.append(statistics.median(p))
+                    fw_int.append(statistics.median(fi))
+                    pl_int.append(statistics.median(pi))
+                    kept.append((len(f) + len(p)) / (2 * (n - WARMUP)))
+                    rep += 1
                 ratios = [a / b for a, b in zip(fw_step, pl_step, strict=True)]
                 interval = [a / b for a, b in zip(fw_int, pl_int, strict=True)]
                 fixed = [(a - b) * 1e3 for a, b in zip(fw_int, pl_int, strict=True)]
@@ -261,6 +297,10 @@ class Bench:
                     {
                         "model": model,
                         "ranks": ranks,
+                        "slice_s": slice_s,
+                        "steps_kept": statistics.median(
+                            kept
+                        ),  # share of measured steps wholly inside a slice
                         "fleetwise_step_s": statistics.median(fw_step),
                         "plain_step_s": statistics.median(pl_step),
                         "ratio": statistics.median(ratios),
@@ -279,6 +319,9 @@ class Bench:
                 load.append(os.getloadavg()[0])
         return {
             "target": f"step-time ratio <= {TARGETS['overhead_ratio']}",
+            "method": "taking turns: one job runs while the other is stopped, swapping every slice; "
+            "only steps wholly inside their job's slices count",
+            "aa": self.aa,
             "reps": reps,
             "load_average": {"min": min(load), "max": max(load)},
             "rows": rows,
@@ -663,7 +706,7 @@ def markdown(results: dict) -> str:
         o = s["overhead"]
         la = o.get("load_average", {})
         out.append(
-            f"\n## 1. Overhead: fleetwise train / plain PyTorch loop ({o['reps']} interleaved reps; target ≤ {TARGETS['overhead_ratio']}; "
+            f"\n## 1. Overhead: fleetwise train / plain PyTorch loop{' (A/A: plain / plain)' if o.get('aa') else ''} ({o['reps']} reps taking turns; target ≤ {TARGETS['overhead_ratio']}; "
             f"1-min load average {la.get('min', 0):.2f}–{la.get('max', 0):.2f} on {os.cpu_count()} cores; {o.get('wall_s', 0):.0f} s)\n"
         )
         out.append(table(["model", "ranks", "fleetwise step", "plain step", "step ratio (min–max)", "per-step wall ratio (min–max)", "fixed per-step cost (min–max)", "met"],
@@ -786,6 +829,11 @@ def main() -> int:
         default=None,
         help="overhead suite: e.g. 2 or 1,2",
     )
+    p.add_argument(
+        "--aa",
+        action="store_true",
+        help="overhead suite: the plain loop against itself (the instrument's resolution)",
+    )
     args = p.parse_args()
     chosen = [x.strip() for x in args.suite.split(",") if x.strip()]
     unknown = set(chosen) - set(SUITES)
@@ -793,7 +841,7 @@ def main() -> int:
         p.error(f"unknown suite(s) {sorted(unknown)}; choose from {','.join(SUITES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(out, args.quick, args.reps or (2 if args.quick else 3), args.model, args.ranks)
+    bench = Bench(out, args.quick, args.reps or (2 if args.quick else 3), args.model, args.ranks, args.aa)
     started = time.perf_counter()
     import torch
 
