@@ -380,9 +380,9 @@ def _rank_memory(
         mem.step_temporaries = 2 * FP32 * max((u.largest_on_rank(mp) for u in units), default=0.0) / own
     if engine == "zero1":
         # (the reduce-scatter is in place in the gradient buffer); after the update one bucket's
-        # all-gather: its shard in, the whole bucket out, in the working dtype
+        # all-gather, in place: the whole bucket, in the working dtype
         bucket = min(p, ZERO1_BUCKET_ELEMENTS)
-        gather = (2 if mixed else FP32) * bucket * (1 + 1 / sh)
+        gather = (2 if mixed else FP32) * bucket
         mem.step_temporaries = max(mem.step_temporaries, gather)
     phases.append(
         (
@@ -935,8 +935,11 @@ def _comm(
         # per bucket: reduce-scatter of the fp32 gradients, all-gather of the updated working
         # weights (16-bit under mixed precision), all-reduce of the gradient shard across dp
         buckets = max(1, math.ceil(p / ZERO1_BUCKET_ELEMENTS))
-        vol["sharding"] = (sh - 1) / sh * (grad_bytes + gather * p)
-        cost["sharding"] = (sh - 1) / sh * (rs * grad_bytes + ag * gather * p)
+        if hw.backend == "gloo":  # all-reduces instead: gloo's reduce-scatter and all-gather are slower
+            vol["sharding"] = cost["sharding"] = 2 * (sh - 1) / sh * (grad_bytes + gather * p)
+        else:
+            vol["sharding"] = (sh - 1) / sh * (grad_bytes + gather * p)
+            cost["sharding"] = (sh - 1) / sh * (rs * grad_bytes + ag * gather * p)
         # + the all-reduce of the gradient chunks' squared norm (runtime/optim.py: zero_grad_norm)
         calls["sharding"] = 2 * buckets + 1 if sh > 1 else 0
         vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh
