@@ -17,8 +17,9 @@ Everything here is arithmetic on the validated config (no torch). Sources of the
   ops write (`elementwise_ns`) and per gradient element a micro-batch adds into the step's
   (`grad_accumulate_ns`), stretched by the pipeline bubble; plus the communication that is
   not overlapped with compute (latency per call + bytes over bandwidth); FSDP's host work per unit,
-  micro-batch and parameter tensor (`fsdp_us_per_tensor`); plus the parameter update once per step (a cost per tensor
-  and per element). `fleetwise calibrate` measures all of these constants. CPU ranks that
+  micro-batch and parameter tensor (`fsdp_us_per_tensor`), ZeRO-1's per parameter tensor in every micro-batch
+  (`zero1_us_per_tensor`: its gradient hook) and once a step (`zero1_step_us_per_tensor`); plus the parameter
+  update once per step (a cost per tensor and per element). `fleetwise calibrate` measures all of these constants. CPU ranks that
   outnumber the cores (`host_cores`) time-share them: their host and communication time stretch by
   ranks per core (their FLOP/s share is already peak / ranks); ranks that share a node also slow
   each other down (`co_run_slowdown`, measured with every core running a rank in lockstep).
@@ -671,6 +672,11 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     # every unit in every micro-batch's forward and backward, whatever the ZeRO stage; measured on
     # co-running ranks like DTensor's. A stage-3 re-gather adds only its collective's latency.
     fsdp_s = hw.fsdp_us_per_tensor * 1e-6 * hw.ranks_per_core if engine == "fsdp" else 0.0
+    # ZeRO-1's own host work (runtime/zero1.py), measured on co-running ranks like FSDP's: a Python
+    # gradient hook per parameter tensor in every micro-batch's backward, and per tensor once a
+    # step the reduce's bookkeeping, the squared norms of its pieces and the all-gather's copies
+    zero1_s = hw.zero1_us_per_tensor * 1e-6 * hw.ranks_per_core if engine == "zero1" else 0.0
+    zero1_step_s = hw.zero1_step_us_per_tensor * 1e-6 * hw.ranks_per_core if engine == "zero1" else 0.0
     # activation checkpointing's own machinery per forward op of a recomputed block, on top of the
     # re-run ops above (selective checkpointing's policy dispatch mode costs more than full)
     checkpoint_us = {"none": 0.0, "full": hw.checkpoint_op_us, "selective": hw.selective_checkpoint_op_us}
@@ -694,7 +700,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     accumulated_share = 1 / layout.sharding if (engine == "fsdp" and layout.pp == 1) else 1.0
     accumulate_s = slow * hw.grad_accumulate_ns * 1e-9 * hw.ranks_per_core
     stage_time, host_time, elementwise_time, update_time, device_flops = [], [], [], [], []
-    accumulate_time = []
+    accumulate_time, engine_step_time = [], []
     gemm_memo: dict[str, float] = {}  # GEMM efficiency per class of equal units
     again = block_recomputes(s.schedule, layout.pp, chunks)
     for r in range(layout.pp):
@@ -731,7 +737,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                 ops * op_s
                 + redo_ops * checkpoint_s
                 + convs * slow * hw.conv_call_us * 1e-6 * hw.ranks_per_core
-                + tensors * fsdp_s
+                + tensors * (fsdp_s + zero1_s)
                 + pp_actions * sum(1 for rr in ranks if rr == r) * action_s
             )
         )
@@ -742,8 +748,9 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         update_time.append(
             tensors * hw.update_us_per_tensor * 1e-6 + elements_updated * hw.update_ns_per_param * 1e-9
         )
+        engine_step_time.append(tensors * zero1_step_s)
     bubble = bubble_fraction(s.schedule, layout.pp, v, n)
-    update = max(update_time) * update_scale
+    update = max(u * update_scale + e for u, e in zip(update_time, engine_step_time, strict=True))
     compute = max(stage_time)
     pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
 
