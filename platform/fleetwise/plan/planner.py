@@ -576,16 +576,18 @@ def _stage_comm(
     rank: int,
     n: int,
     engine: str,
+    again: dict[int, int] | None = None,
 ) -> dict[str, int]:
     """Bytes a device of pipeline rank `rank` sends per step, by mesh dimension: gradient and
-    parameter traffic for its own parameters `p`, pipeline traffic for its own chunks."""
-    vol, _, _ = _comm(cfg, layout, chunks, ranks, p, n, engine)
+    parameter traffic for its own parameters `p`, pipeline traffic for its own chunks. `again`:
+    block_recomputes of the chunks, when the caller has it."""
+    vol, _, _ = _comm(cfg, layout, chunks, ranks, p, n, engine, data_parallel_only=True)
     residual = _act_bytes(cfg.train.precision, engine, family_of(cfg.model).convolutional)[1]
     # under sequence parallelism a stage sends its output's sequence shard
     residual /= layout.mp if cfg.strategy.sequence_parallel else 1
     vol["pp"] = _pp_bytes_of_rank(chunks, ranks, rank, n, cfg.train.micro_batch_size, residual)
     if layout.mp > 1:
-        again = block_recomputes(cfg.strategy.schedule, layout.pp, chunks)
+        again = again if again is not None else block_recomputes(cfg.strategy.schedule, layout.pp, chunks)
         vol["mp"] = _mp_comm(cfg, layout, _rank_units(chunks, ranks, rank), n, engine, again)[0]
     return {d: int(v) for d, v in vol.items()}
 
@@ -784,7 +786,9 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                 "memory_total_bytes": int(per_rank[r][0].total),
                 "flops_per_device": device_flops[r],  # this device's FLOPs per step, recompute included
                 # bytes this device sends per step, by mesh dimension (pp differs by stage)
-                "comm_bytes_per_step": _stage_comm(cfg, layout, chunks, ranks, per_rank[r][1], r, n, engine),
+                "comm_bytes_per_step": _stage_comm(
+                    cfg, layout, chunks, ranks, per_rank[r][1], r, n, engine, again
+                ),
                 "compute_s": stage_time[r],
             }
         )
@@ -909,7 +913,14 @@ def _latency(cfg: RunConfig, layout: Layout, dim: str) -> float:
 
 
 def _comm(
-    cfg: RunConfig, layout: Layout, chunks: list[list[Unit]], ranks: list[int], p: float, n: int, engine: str
+    cfg: RunConfig,
+    layout: Layout,
+    chunks: list[list[Unit]],
+    ranks: list[int],
+    p: float,
+    n: int,
+    engine: str,
+    data_parallel_only: bool = False,
 ) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
     """Bytes one device sends per step, collective calls, and the bytes' cost in all-reduce bytes
     (what moves at the profile's all-reduce bandwidth in the same time), per mesh dimension (worst pp
@@ -929,10 +940,14 @@ def _comm(
     rs = hw.intra_node_gbps / (hw.reduce_scatter_gbps or hw.intra_node_gbps)  # per byte, vs all-reduce
     ag = hw.intra_node_gbps / (hw.all_gather_gbps or hw.intra_node_gbps)
     cost = {"sharding": 0.0}
-    units_per_rank: list[list[Unit]] = [[] for _ in range(pp)]  # one pass (a search plans thousands)
-    for c, r in enumerate(ranks):
-        units_per_rank[r].extend(chunks[c])
-    worst_units = max(units_per_rank, key=lambda us: sum(u.params for u in us))
+    # data_parallel_only (_stage_comm, once per stage: it counts mp and pp itself): the bytes of
+    # dp and sharding, which need no units; their calls are not asked for
+    worst_units: list[Unit] = []
+    if not data_parallel_only:
+        units_per_rank: list[list[Unit]] = [[] for _ in range(pp)]  # one pass (a search plans thousands)
+        for c, r in enumerate(ranks):
+            units_per_rank[r].extend(chunks[c])
+        worst_units = max(units_per_rank, key=lambda us: sum(u.params for u in us))
     n_units = max(1, len(worst_units))
 
     if engine == "ddp":
@@ -961,6 +976,8 @@ def _comm(
         calls["sharding"] = (gathers_per_step + scatters) * n_units + 1 if sh > 1 else 0
         vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh  # HSDP: all-reduce of the shards across replicas
         calls["dp"] = n_units if dp > 1 else 0
+    if data_parallel_only:
+        return vol, calls, {dim: cost.get(dim, v) for dim, v in vol.items()}
     if mp > 1:
         again = block_recomputes(s.schedule, pp, chunks)
         vol["mp"], calls["mp"] = _mp_comm(cfg, layout, worst_units, n, engine, again)
