@@ -701,6 +701,11 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     adds = n if engine == "zero1" else n - 1
     accumulated_share = 1 / layout.sharding if (engine == "fsdp" and layout.pp == 1) else 1.0
     accumulate_s = slow * hw.grad_accumulate_ns * 1e-9 * hw.ranks_per_core
+    # ZeRO-1's gather is memory-bound work over the whole bucket once a step, charged per element
+    # like an accumulation pass: this rank's masters copied into its row and the other rows copied
+    # out into the working weights (a pass in all), and on gloo first the zeroing of the buffer it
+    # all-reduces (runtime/zero1.py)
+    gather_passes = (2.0 if hw.backend == "gloo" else 1.0) if engine == "zero1" else 0.0
     stage_time, host_time, elementwise_time, update_time, device_flops = [], [], [], [], []
     accumulate_time, engine_step_time = [], []
     gemm_memo: dict[str, float] = {}  # GEMM efficiency per class of equal units
@@ -750,7 +755,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         update_time.append(
             tensors * hw.update_us_per_tensor * 1e-6 + elements_updated * hw.update_ns_per_param * 1e-9
         )
-        engine_step_time.append(tensors * zero1_step_s)
+        engine_step_time.append(tensors * zero1_step_s + gather_passes * per_rank[r][1] * accumulate_s)
     bubble = bubble_fraction(s.schedule, layout.pp, v, n)
     update = max(u * update_scale + e for u, e in zip(update_time, engine_step_time, strict=True))
     compute = max(stage_time)
