@@ -31,6 +31,9 @@ A step:
    Adagrad: torch's own, over the master chunks) steps.
 4. `gather`: all-gather the updated masters (in the working dtype) and copy them out into the
    working weights.
+On gloo (`all_reduce`) steps 2 and 4 are all-reduces of the whole buffers instead (the gradient
+buffer in place; the masters from a zeroed buffer): gloo runs those far faster than its
+reduce-scatter and all-gather.
 
 No DDP, no hooks into a schedule: this works under tensor parallelism (the local shards are
 what is cut), under a pipeline schedule (gradients accumulate across its micro-batches; the
