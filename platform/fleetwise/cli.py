@@ -595,7 +595,8 @@ def cmd_calibrate(argv: list[str]) -> int:
             f"{cal.update_us_per_tensor:.0f} µs/tensor + {cal.update_ns_per_param:.2f} ns/param · conv call "
             f"{cal.conv_call_us:.0f} µs · checkpointing {cal.checkpoint_op_us:.0f} µs/op (selective "
             f"{cal.selective_checkpoint_op_us:.0f}) · DTensor {cal.dtensor_op_us:.0f} µs/op · FSDP "
-            f"{cal.fsdp_us_per_tensor:.0f} µs/unit pass·tensor · co-run slowdown {cal.co_run_slowdown:.2f}"
+            f"{cal.fsdp_us_per_tensor:.0f} µs/unit pass·tensor · ZeRO-1 {cal.zero1_us_per_tensor:.0f} µs/tensor·"
+            f"micro-batch + {cal.zero1_step_us_per_tensor:.0f} µs/tensor·step · co-run slowdown {cal.co_run_slowdown:.2f}"
             f"\n  profile written to {out}: use hardware={args.name}",
             highlight=False,
         )

@@ -278,9 +278,16 @@ def test_zero1_and_fsdp_pay_the_backends_own_reduce_scatter_and_all_gather(local
         assert problems == []
         return make_plan(cfg)
 
+    def on_nccl(*overrides):  # the backend's own collectives (a CPU job must run gloo)
+        cfg, problems = compose("recipe=gpt/tiny", "hardware=local", *overrides)
+        assert problems == []
+        return make_plan(
+            cfg.model_copy(update={"hardware": cfg.hardware.model_copy(update={"backend": "nccl"})})
+        )
+
     zero1 = ("strategy=sharding", "strategy.sharding_stage=1")
     slow = ("hardware.reduce_scatter_gbps=0.5", "hardware.all_gather_gbps=0.75")
-    dp, z_same, z_slow = plan("strategy=dp"), plan(*zero1), plan(*zero1, *slow)
+    dp, z_same, z_slow = plan("strategy=dp"), on_nccl(*zero1), on_nccl(*zero1, *slow)
     grads = 4 * dp.params
     assert dp.time_s["comm_dp"] == pytest.approx(grads / 1.5e9 + 200e-6)
     # same bytes as the all-reduce at its bandwidth; reduce-scatter, all-gather and the norm's all-reduce
@@ -289,7 +296,11 @@ def test_zero1_and_fsdp_pay_the_backends_own_reduce_scatter_and_all_gather(local
         0.5 * grads / 0.5e9 + 0.5 * grads / 0.75e9 + 3 * 200e-6
     )
     assert z_slow.comm_bytes_per_step == z_same.comm_bytes_per_step  # the bytes moved are the same
-    assert z_slow.step_time_s > dp.step_time_s  # DDP wins on gloo: ZeRO-1's smaller update does not pay
+    # on gloo ZeRO-1 all-reduces both buffers instead (runtime/zero1.py): twice the bytes, at the
+    # all-reduce's bandwidth, whatever its reduce-scatter's and all-gather's
+    z_gloo = plan(*zero1, *slow)
+    assert z_gloo.comm_bytes_per_step["sharding"] == 2 * z_slow.comm_bytes_per_step["sharding"]
+    assert z_gloo.time_s["comm_sharding"] == pytest.approx(2 * grads / 1.5e9 + 3 * 200e-6)
     fsdp, fsdp_slow = plan("strategy=sharding", "strategy.sharding_stage=2"), plan("strategy=sharding", *slow)
     n = 16 // 2 // 2  # micro-batches per rank: a gather (0.75 GB/s) and a reduce-scatter (0.5) each
     extra = n * 0.5 * grads * (1 / 0.5e9 - 1 / 1.5e9 + 1 / 0.75e9 - 1 / 1.5e9)
@@ -346,3 +357,42 @@ def test_probes_that_subtract_timings_interleave_them(monkeypatch):
     monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
     assert calibrate._interleaved([make("a"), make("b")], reps=3) == [5, 2]
     assert calls == ["a", "b"] * 4
+
+
+def test_zero1_pays_its_hook_per_tensor_and_micro_batch_and_its_copies_per_step(local_profile):
+    """ZeRO-1's own host work (runtime/zero1.py), which DDP does not do: a Python gradient hook per
+    parameter tensor in every micro-batch's backward (40 µs here) and, once a step, per tensor the
+    reduce's bookkeeping, the pieces' squared norms and the all-gather's copies (25 µs). Measured
+    on co-running ranks (no co-run slowdown on top); time-shared when ranks outnumber cores."""
+    from fleetwise.launcher.calibrate import Calibration, profile
+
+    written = profile(Calibration(**MEASURED, zero1_us_per_tensor=40.0, zero1_step_us_per_tensor=25.0))
+    assert (written["zero1_us_per_tensor"], written["zero1_step_us_per_tensor"]) == (40.0, 25.0)
+
+    def plan(hook: float, step: float, *overrides):
+        cfg, problems = compose(
+            "recipe=gpt/tiny",
+            "hardware=local",
+            f"hardware.zero1_us_per_tensor={hook}",
+            f"hardware.zero1_step_us_per_tensor={step}",
+            *overrides,
+        )
+        assert problems == []
+        return make_plan(cfg)
+
+    tensors = sum(u.param_tensors for u in model_units(compose("recipe=gpt/tiny")[0].model))
+    zero1 = ("strategy=sharding", "strategy.sharding_stage=1")
+    for mb, n, ranks in ((2, 4, 2), (8, 1, 2), (2, 2, 4)):  # 16 samples over the ranks
+        args = (*zero1, f"train.micro_batch_size={mb}", f"hardware.devices_per_node={ranks}")
+        z, bare = plan(40, 25, *args), plan(0, 0, *args)
+        per_core = ranks / 2  # ranks time-sharing the 2 cores
+        assert z.time_s["host_ops"] - bare.time_s["host_ops"] == pytest.approx(n * tensors * 40e-6 * per_core)
+        assert z.time_s["update"] - bare.time_s["update"] == pytest.approx(tensors * 25e-6 * per_core)
+        assert z.step_time_s - bare.step_time_s == pytest.approx((n * 40 + 25) * tensors * 1e-6 * per_core)
+    # DDP does neither
+    assert plan(40, 25, "strategy=dp").step_time_s == plan(0, 0, "strategy=dp").step_time_s
+    # the gather's memory-bound passes over the bucket, at the accumulation's 2 ns an element (1.5x
+    # co-run): on gloo zeroing the buffer it all-reduces, then the copies in and out (NCCL: the copies)
+    ns = ("hardware.grad_accumulate_ns=2", *zero1)
+    z, bare = plan(0, 0, *ns), plan(0, 0, *zero1)
+    assert z.time_s["update"] - bare.time_s["update"] == pytest.approx(2 * z.params * 2e-9 * 1.5)

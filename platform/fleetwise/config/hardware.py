@@ -138,6 +138,20 @@ class HardwareConfig(Section):
         "unit's all-gather and reduce-scatter) and parameter tensor, microseconds (calibrate measures "
         "it on CPUs; 0: not charged).",
     )
+    zero1_us_per_tensor: float = Field(
+        0.0,
+        ge=0,
+        description="Extra host time of the ZeRO-1 engine per parameter tensor and micro-batch (its "
+        "gradient hook, a Python call adding the fresh gradient into the fp32 buffer), microseconds "
+        "(calibrate measures it on CPUs; 0: not charged, as on GPUs, where it overlaps the kernels).",
+    )
+    zero1_step_us_per_tensor: float = Field(
+        0.0,
+        ge=0,
+        description="Extra host time of the ZeRO-1 engine per parameter tensor and optimizer step (the "
+        "reduce's bookkeeping, the pieces' squared norms, the all-gather's copies in and out), "
+        "microseconds (calibrate measures it on CPUs; 0: not charged).",
+    )
     pipeline_action_us: float = Field(
         0.0,
         ge=0,

@@ -69,6 +69,8 @@ HOST_COSTS = (
     "dtensor_op_us",
     "fsdp_us_per_tensor",
     "pipeline_action_us",
+    "zero1_us_per_tensor",
+    "zero1_step_us_per_tensor",
     "co_run_slowdown",
 )
 LATENCY_BYTES = 4
@@ -100,6 +102,8 @@ class Calibration:
     dtensor_op_us: float = 0.0
     fsdp_us_per_tensor: float = 0.0
     pipeline_action_us: float = 0.0
+    zero1_us_per_tensor: float = 0.0  # ZeRO-1's host work per parameter tensor and micro-batch
+    zero1_step_us_per_tensor: float = 0.0  # ... and per parameter tensor and step
     co_run_slowdown: float = 1.0
     conv_call_us: float = 0.0
     checkpoint_op_us: float = 0.0
@@ -397,6 +401,67 @@ def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16,
     return max(0.0, t_sharded - t_plain - collectives * latency_s) / layers / tensors * 1e6
 
 
+def zero1_host_us(
+    mesh, latency_s: float, layers: int = 8, width: int = 16, reps: int = 20
+) -> tuple[float, float]:
+    """(per parameter tensor and micro-batch, per parameter tensor and step): extra host time of
+    the ZeRO-1 engine (runtime/zero1.py) over the same plain module and update, after its three
+    collectives' latency (gradients, the norm, the weights) is taken out. Per
+    micro-batch: its gradient hook (a Python call adding the fresh gradient into the fp32 buffer);
+    per step: the reduce's bookkeeping, the pieces' squared norms and the all-gather's copies in
+    and out. Steps of 1 and 3 micro-batches tell the two apart. Run on every rank of `mesh`
+    (dims dp, sharding, mp: sharding over all ranks); the ranks co-run, like FSDP's probe."""
+    import torch.distributed as dist
+
+    from fleetwise.config.run import OptimConfig
+    from fleetwise.runtime.optim import build_optimizer, clip_, grad_norm
+    from fleetwise.runtime.zero1 import Zero1
+
+    torch.manual_seed(0)
+    cfg = OptimConfig(lr=1e-3)
+    plain, sharded = _Chain(layers, width), _Chain(layers, width)
+    params = list(plain.parameters())
+    opt = build_optimizer(params, cfg)
+    zero = Zero1(
+        sharded,
+        cfg,
+        mesh,
+        working_dtype=torch.float32,
+        grad_divisor=1,
+        build_optimizer=build_optimizer,
+        all_reduce=dist.get_backend(mesh["sharding"].get_group()) == "gloo",
+    )
+    zero.build()
+    x = torch.randn(2, 8, width)
+
+    def plain_step(n: int) -> None:
+        for _ in range(n):
+            plain(x).backward()
+        clip_(params, 1.0, grad_norm(params))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def zero_step(n: int) -> None:
+        for _ in range(n):
+            sharded(x).backward()
+        zero.reduce()
+        sq = zero.squared_norms()
+        dist.all_reduce(sq, group=zero.group)
+        zero.clip_(torch.clamp(1.0 / (sq.sum().sqrt() + 1e-6), max=1.0))
+        zero.optimizer.step()
+        zero.gather()
+        zero.optimizer.zero_grad(set_to_none=True)
+        zero.zero_grad()
+
+    p1, z1, p3, z3 = _interleaved(
+        [lambda: plain_step(1), lambda: zero_step(1), lambda: plain_step(3), lambda: zero_step(3)], reps
+    )
+    tensors = len(params)
+    per_micro = max(0.0, ((z3 - p3) - (z1 - p1)) / 2 / tensors)
+    per_step = max(0.0, (z1 - p1 - 3 * latency_s) / tensors - per_micro)
+    return per_micro * 1e6, per_step * 1e6
+
+
 def pipeline_action_us(latency_s: float, microbatches: int = 8, width: int = 16, reps: int = 10) -> float:
     """Host time per schedule action of torch.distributed.pipelining (a micro-batch's forward or
     backward on one stage, with its send or receive), beyond the stage's own compute and the P2P
@@ -499,6 +564,9 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
         results["fsdp_us_per_tensor"] = _slowest(fsdp_us_per_tensor(mesh, results[LATENCY_BYTES]))
         results["co_run_slowdown"] = co_run_slowdown()
         results["pipeline_action_us"] = _slowest(pipeline_action_us(results[LATENCY_BYTES]))
+        zero_mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp", "sharding", "mp"))
+        hook, step = zero1_host_us(zero_mesh, results[LATENCY_BYTES])
+        results["zero1_us_per_tensor"], results["zero1_step_us_per_tensor"] = _slowest(hook), _slowest(step)
     if rank == 0:
         Path(out_file).write_text(repr(results))
     dist.destroy_process_group()

@@ -17,8 +17,9 @@ Everything here is arithmetic on the validated config (no torch). Sources of the
   ops write (`elementwise_ns`) and per gradient element a micro-batch adds into the step's
   (`grad_accumulate_ns`), stretched by the pipeline bubble; plus the communication that is
   not overlapped with compute (latency per call + bytes over bandwidth); FSDP's host work per unit,
-  micro-batch and parameter tensor (`fsdp_us_per_tensor`); plus the parameter update once per step (a cost per tensor
-  and per element). `fleetwise calibrate` measures all of these constants. CPU ranks that
+  micro-batch and parameter tensor (`fsdp_us_per_tensor`), ZeRO-1's per parameter tensor in every micro-batch
+  (`zero1_us_per_tensor`: its gradient hook) and once a step (`zero1_step_us_per_tensor`); plus the parameter
+  update once per step (a cost per tensor and per element). `fleetwise calibrate` measures all of these constants. CPU ranks that
   outnumber the cores (`host_cores`) time-share them: their host and communication time stretch by
   ranks per core (their FLOP/s share is already peak / ranks); ranks that share a node also slow
   each other down (`co_run_slowdown`, measured with every core running a rank in lockstep).
@@ -380,9 +381,9 @@ def _rank_memory(
         mem.step_temporaries = 2 * FP32 * max((u.largest_on_rank(mp) for u in units), default=0.0) / own
     if engine == "zero1":
         # (the reduce-scatter is in place in the gradient buffer); after the update one bucket's
-        # all-gather: its shard in, the whole bucket out, in the working dtype
+        # all-gather, in place: the whole bucket, in the working dtype
         bucket = min(p, ZERO1_BUCKET_ELEMENTS)
-        gather = (2 if mixed else FP32) * bucket * (1 + 1 / sh)
+        gather = (2 if mixed else FP32) * bucket
         mem.step_temporaries = max(mem.step_temporaries, gather)
     phases.append(
         (
@@ -575,16 +576,18 @@ def _stage_comm(
     rank: int,
     n: int,
     engine: str,
+    again: dict[int, int] | None = None,
 ) -> dict[str, int]:
     """Bytes a device of pipeline rank `rank` sends per step, by mesh dimension: gradient and
-    parameter traffic for its own parameters `p`, pipeline traffic for its own chunks."""
-    vol, _, _ = _comm(cfg, layout, chunks, ranks, p, n, engine)
+    parameter traffic for its own parameters `p`, pipeline traffic for its own chunks. `again`:
+    block_recomputes of the chunks, when the caller has it."""
+    vol, _, _ = _comm(cfg, layout, chunks, ranks, p, n, engine, data_parallel_only=True)
     residual = _act_bytes(cfg.train.precision, engine, family_of(cfg.model).convolutional)[1]
     # under sequence parallelism a stage sends its output's sequence shard
     residual /= layout.mp if cfg.strategy.sequence_parallel else 1
     vol["pp"] = _pp_bytes_of_rank(chunks, ranks, rank, n, cfg.train.micro_batch_size, residual)
     if layout.mp > 1:
-        again = block_recomputes(cfg.strategy.schedule, layout.pp, chunks)
+        again = again if again is not None else block_recomputes(cfg.strategy.schedule, layout.pp, chunks)
         vol["mp"] = _mp_comm(cfg, layout, _rank_units(chunks, ranks, rank), n, engine, again)[0]
     return {d: int(v) for d, v in vol.items()}
 
@@ -671,6 +674,11 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     # every unit in every micro-batch's forward and backward, whatever the ZeRO stage; measured on
     # co-running ranks like DTensor's. A stage-3 re-gather adds only its collective's latency.
     fsdp_s = hw.fsdp_us_per_tensor * 1e-6 * hw.ranks_per_core if engine == "fsdp" else 0.0
+    # ZeRO-1's own host work (runtime/zero1.py), measured on co-running ranks like FSDP's: a Python
+    # gradient hook per parameter tensor in every micro-batch's backward, and per tensor once a
+    # step the reduce's bookkeeping, the squared norms of its pieces and the all-gather's copies
+    zero1_s = hw.zero1_us_per_tensor * 1e-6 * hw.ranks_per_core if engine == "zero1" else 0.0
+    zero1_step_s = hw.zero1_step_us_per_tensor * 1e-6 * hw.ranks_per_core if engine == "zero1" else 0.0
     # activation checkpointing's own machinery per forward op of a recomputed block, on top of the
     # re-run ops above (selective checkpointing's policy dispatch mode costs more than full)
     checkpoint_us = {"none": 0.0, "full": hw.checkpoint_op_us, "selective": hw.selective_checkpoint_op_us}
@@ -693,8 +701,13 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     adds = n if engine == "zero1" else n - 1
     accumulated_share = 1 / layout.sharding if (engine == "fsdp" and layout.pp == 1) else 1.0
     accumulate_s = slow * hw.grad_accumulate_ns * 1e-9 * hw.ranks_per_core
+    # ZeRO-1's gather is memory-bound work over the whole bucket once a step, charged per element
+    # like an accumulation pass: this rank's masters copied into its row and the other rows copied
+    # out into the working weights (a pass in all), and on gloo first the zeroing of the buffer it
+    # all-reduces (runtime/zero1.py)
+    gather_passes = (2.0 if hw.backend == "gloo" else 1.0) if engine == "zero1" else 0.0
     stage_time, host_time, elementwise_time, update_time, device_flops = [], [], [], [], []
-    accumulate_time = []
+    accumulate_time, engine_step_time = [], []
     gemm_memo: dict[str, float] = {}  # GEMM efficiency per class of equal units
     again = block_recomputes(s.schedule, layout.pp, chunks)
     for r in range(layout.pp):
@@ -731,7 +744,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                 ops * op_s
                 + redo_ops * checkpoint_s
                 + convs * slow * hw.conv_call_us * 1e-6 * hw.ranks_per_core
-                + tensors * fsdp_s
+                + tensors * (fsdp_s + zero1_s)
                 + pp_actions * sum(1 for rr in ranks if rr == r) * action_s
             )
         )
@@ -742,8 +755,9 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         update_time.append(
             tensors * hw.update_us_per_tensor * 1e-6 + elements_updated * hw.update_ns_per_param * 1e-9
         )
+        engine_step_time.append(tensors * zero1_step_s + gather_passes * per_rank[r][1] * accumulate_s)
     bubble = bubble_fraction(s.schedule, layout.pp, v, n)
-    update = max(update_time) * update_scale
+    update = max(u * update_scale + e for u, e in zip(update_time, engine_step_time, strict=True))
     compute = max(stage_time)
     pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
 
@@ -777,7 +791,9 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                 "memory_total_bytes": int(per_rank[r][0].total),
                 "flops_per_device": device_flops[r],  # this device's FLOPs per step, recompute included
                 # bytes this device sends per step, by mesh dimension (pp differs by stage)
-                "comm_bytes_per_step": _stage_comm(cfg, layout, chunks, ranks, per_rank[r][1], r, n, engine),
+                "comm_bytes_per_step": _stage_comm(
+                    cfg, layout, chunks, ranks, per_rank[r][1], r, n, engine, again
+                ),
                 "compute_s": stage_time[r],
             }
         )
@@ -902,7 +918,14 @@ def _latency(cfg: RunConfig, layout: Layout, dim: str) -> float:
 
 
 def _comm(
-    cfg: RunConfig, layout: Layout, chunks: list[list[Unit]], ranks: list[int], p: float, n: int, engine: str
+    cfg: RunConfig,
+    layout: Layout,
+    chunks: list[list[Unit]],
+    ranks: list[int],
+    p: float,
+    n: int,
+    engine: str,
+    data_parallel_only: bool = False,
 ) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
     """Bytes one device sends per step, collective calls, and the bytes' cost in all-reduce bytes
     (what moves at the profile's all-reduce bandwidth in the same time), per mesh dimension (worst pp
@@ -922,10 +945,14 @@ def _comm(
     rs = hw.intra_node_gbps / (hw.reduce_scatter_gbps or hw.intra_node_gbps)  # per byte, vs all-reduce
     ag = hw.intra_node_gbps / (hw.all_gather_gbps or hw.intra_node_gbps)
     cost = {"sharding": 0.0}
-    units_per_rank: list[list[Unit]] = [[] for _ in range(pp)]  # one pass (a search plans thousands)
-    for c, r in enumerate(ranks):
-        units_per_rank[r].extend(chunks[c])
-    worst_units = max(units_per_rank, key=lambda us: sum(u.params for u in us))
+    # data_parallel_only (_stage_comm, once per stage: it counts mp and pp itself): the bytes of
+    # dp and sharding, which need no units; their calls are not asked for
+    worst_units: list[Unit] = []
+    if not data_parallel_only:
+        units_per_rank: list[list[Unit]] = [[] for _ in range(pp)]  # one pass (a search plans thousands)
+        for c, r in enumerate(ranks):
+            units_per_rank[r].extend(chunks[c])
+        worst_units = max(units_per_rank, key=lambda us: sum(u.params for u in us))
     n_units = max(1, len(worst_units))
 
     if engine == "ddp":
@@ -935,8 +962,11 @@ def _comm(
         # per bucket: reduce-scatter of the fp32 gradients, all-gather of the updated working
         # weights (16-bit under mixed precision), all-reduce of the gradient shard across dp
         buckets = max(1, math.ceil(p / ZERO1_BUCKET_ELEMENTS))
-        vol["sharding"] = (sh - 1) / sh * (grad_bytes + gather * p)
-        cost["sharding"] = (sh - 1) / sh * (rs * grad_bytes + ag * gather * p)
+        if hw.backend == "gloo":  # all-reduces instead: gloo's reduce-scatter and all-gather are slower
+            vol["sharding"] = cost["sharding"] = 2 * (sh - 1) / sh * (grad_bytes + gather * p)
+        else:
+            vol["sharding"] = (sh - 1) / sh * (grad_bytes + gather * p)
+            cost["sharding"] = (sh - 1) / sh * (rs * grad_bytes + ag * gather * p)
         # + the all-reduce of the gradient chunks' squared norm (runtime/optim.py: zero_grad_norm)
         calls["sharding"] = 2 * buckets + 1 if sh > 1 else 0
         vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh
@@ -951,6 +981,8 @@ def _comm(
         calls["sharding"] = (gathers_per_step + scatters) * n_units + 1 if sh > 1 else 0
         vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh  # HSDP: all-reduce of the shards across replicas
         calls["dp"] = n_units if dp > 1 else 0
+    if data_parallel_only:
+        return vol, calls, {dim: cost.get(dim, v) for dim, v in vol.items()}
     if mp > 1:
         again = block_recomputes(s.schedule, pp, chunks)
         vol["mp"], calls["mp"] = _mp_comm(cfg, layout, worst_units, n, engine, again)

@@ -209,6 +209,7 @@ class Zero1Optimizers(Optimizers):
         working_dtype: torch.dtype = torch.float32,
         grad_divisor: int = 1,
         foreach: bool | None = None,
+        all_reduce: bool = False,
     ):
         self.mesh = mesh
         self.zero = [
@@ -219,6 +220,7 @@ class Zero1Optimizers(Optimizers):
                 working_dtype=working_dtype,
                 grad_divisor=grad_divisor,
                 build_optimizer=functools.partial(build_optimizer, foreach=foreach),
+                all_reduce=all_reduce,
             )
             for part in parts
         ]
