@@ -183,6 +183,21 @@ LAYOUTS = {
         "hardware.has_bf16=true",
         "hardware.devices_per_node=4",
     ),
+    # a vocabulary-parallel loss in 16 bits (FSDP stage 2, mp 2) with a vocabulary that dominates:
+    # the peak is the loss's forward, where the 16-bit logits, their fp32 upcast and the saved
+    # log-softmax output are alive at once -- more than its backward's one fp32 gradient (was
+    # -6.1%; ERNIE large sharding 2 x 32, mp 2, bf16 was -4.0% for the same reason)
+    "sh2_mp2_bf16_vocab16k": (
+        "strategy=hybrid",
+        "strategy.sharding_degree=2",
+        "strategy.sharding_stage=2",
+        "strategy.mp_degree=2",
+        "strategy.dp_degree=1",
+        "train.precision=bf16",
+        "hardware.has_bf16=true",
+        "hardware.devices_per_node=4",
+        "model.vocab_size=16384",
+    ),
     # DDP (torch's reducer on fake tensors): its gradients are its all-reduce buckets, 4
     # micro-batches accumulated in them under no_sync, one all-reduce of every bucket a step
     # (measured -0.01% memory; the planner's former "gloo bucket copy", +4 B per parameter, was
