@@ -39,6 +39,15 @@ LAYOUTS = {
         "train.micro_batch_size=1",
         "train.global_batch_size=16",
     ),
+    # ZeRO-3 with a vocabulary that dominates the parameters: the backward's first unit is the root
+    # (embedding, head), which gathers again once the loss's backward is done; copying out of the
+    # all-gather buffer holds the root twice (planner phase "root re-gather"; was -22.5%)
+    "sharding3_vocab8k": (
+        "strategy=sharding",
+        "strategy.sharding_stage=3",
+        "hardware.devices_per_node=4",
+        "model.vocab_size=8192",
+    ),
     # the q, k, v projections' input gradients all-reduced once (models/tp_plan.py)
     "mp2": ("strategy=mp", "strategy.mp_degree=2", "hardware.devices_per_node=2"),
     "mp2_sequence_parallel": (

@@ -258,6 +258,7 @@ def _rank_memory(
         fresh = FP32 if accumulating else 0.0
     acts, transient, one_micro_batch = 0.0, 0.0, 0.0
     head_peak, body_peak = 0.0, 0.0  # the loss's backward peak, and every other unit's
+    loss_done = 0.0  # what the activations change by once the loss's backward is done
 
     def saved_bytes(a) -> float:  # per sample, on this rank
         return (
@@ -304,6 +305,9 @@ def _rank_memory(
             transient = max(transient, known[1])
             if u.kind == "head":
                 head_peak = max(head_peak, known[1])
+                # once the loss's backward is done: its log-softmax output freed, the logits'
+                # gradient (in the matmul dtype) handed to the head
+                loss_done = b * (u.output_split / mp * split_bytes - u.saved(s.recompute).fp32 / mp * FP32)
             else:
                 body_peak = max(body_peak, known[1])
     if pipelined:
@@ -361,6 +365,17 @@ def _rank_memory(
                 {**during, "params": resting, "activations": acts + head_peak},
             ),
         ]
+    if engine == "fsdp" and reshard_after_forward(s.sharding_stage) and not pipelined:
+        # ZeRO-3, the backward's first unit: the root (embedding, head, final norm) gathers again
+        # once the loss's backward is done; while FSDP copies its parameters out of the
+        # all-gather buffer both are alive: twice the root, beside everything saved
+        root = p - sum(u.params_on_rank(mp) for u in units if u.kind == "block")
+        phases.append(
+            (
+                "root re-gather",
+                {**during, "params": resting + 2 * gather_bytes * root, "activations": acts + loss_done},
+            )
+        )
     if not accumulating and engine not in ("ddp", "zero1"):
         phases.append(
             (
