@@ -259,6 +259,8 @@ def _rank_memory(
     acts, transient, one_micro_batch = 0.0, 0.0, 0.0
     head_peak, body_peak = 0.0, 0.0  # the loss's backward peak, and every other unit's
     loss_done = 0.0  # what the activations change by once the loss's backward is done
+    head_saved = 0.0  # what the head saves for its backward, one micro-batch
+    block_saved = 0.0  # what a block saves for its backward, one micro-batch
 
     def saved_bytes(a) -> float:  # per sample, on this rank
         return (
@@ -305,11 +307,14 @@ def _rank_memory(
             transient = max(transient, known[1])
             if u.kind == "head":
                 head_peak = max(head_peak, known[1])
+                head_saved += b * known[0]
                 # once the loss's backward is done: its log-softmax output freed, the logits'
                 # gradient (in the matmul dtype) handed to the head
                 loss_done = b * (u.output_split / mp * split_bytes - u.saved(s.recompute).fp32 / mp * FP32)
             else:
                 body_peak = max(body_peak, known[1])
+            if u.kind == "block":
+                block_saved = max(block_saved, b * known[0])
     if pipelined:
         # under sequence parallelism a stage sends, receives and holds its sequence shard
         shard_of_seq = mp if s.sequence_parallel else 1
@@ -352,14 +357,35 @@ def _rank_memory(
             ("forward/backward", {**during, "grads": 0.0}),
             ("backward", {**during, "activations": mem.activations - one_micro_batch}),
         ]
+    if engine == "fsdp" and not pipelined:
+        # FSDP without a pipeline, a block's backward (measured in the dry run of gpt/tiny and of
+        # GPT-3 13B, ZeRO-3 x 8, mp 8): the head's saved activations are gone, and the root's
+        # gradients so far (the head's, unsharded, in the gather dtype) wait for the root's
+        # reduce-scatter at the end of the backward. The first block back peaks at fc2, with fc2's
+        # fresh weight gradient. Every later block has one block's saved activations fewer, but
+        # FSDP keeps the previous unit's fp32 reduce-scatter input until the next unit's
+        # (reduce_scatter_states), and it peaks in its attention's backward, past the MLP's
+        # temporaries, with all of the block's weight gradients
+        blocks_ = [u for u in units if u.kind == "block"]
+        block = max((u.params_on_rank(mp) for u in blocks_), default=0.0)
+        heads = sum(u.params_on_rank(mp) for u in units if u.kind == "head")
+        first_grad = max((u.fresh_grad_on_rank(mp) for u in blocks_), default=0.0)
+        mlp = max(
+            (b * u.backward_transient.elements(mp, s.sequence_parallel) * split_bytes for u in blocks_),
+            default=0.0,
+        )
+        first = acts - head_saved + body_peak + gather_bytes * (heads + first_grad)
+        later = first - block_saved - mlp + gather_bytes * (block - first_grad) + FP32 * block
+        block_backward = max(first, later if len(blocks_) > 1 else 0.0)
+        if not reshard_after_forward(s.sharding_stage):
+            phases.append(("block backward", {**during, "activations": block_backward}))
     if engine == "fsdp" and reshard_after_forward(s.sharding_stage) and not pipelined and head_peak:
         # ZeRO-3: the loss's backward (its gradients of the log-softmax output and of the logits)
         # runs before any unit's backward gathers again, when every unit, the root included, has
         # resharded after its forward (measured in the dry run). The units' own backward peaks
         # come later, with the root and two blocks gathered.
-        rest = max(body_peak, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
         phases = [
-            ("forward/backward", {**during, "activations": acts + rest}),
+            ("forward/backward", {**during, "activations": block_backward}),
             (
                 "loss backward",
                 {**during, "params": resting, "activations": acts + head_peak},
