@@ -100,7 +100,8 @@ class Plan:
     stages: list[dict[str, Any]] = field(default_factory=list)
     ps: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
-    # the worst device's peak: {"phase": "forward/backward" | "end of backward" | "optimizer step" |
+    # the worst device's peak: {"phase": "forward/backward" | "backward" (GPipe) | "loss backward" |
+    # "root re-gather" (ZeRO-3) | "block backward" (ZeRO-2) | "end of backward" | "optimizer step" |
     # "the fullest server" | "a trainer", "parts": {name: bytes}}, the parts adding up to memory_bytes["total"]
     memory_peak: dict[str, Any] = field(default_factory=dict)
 
