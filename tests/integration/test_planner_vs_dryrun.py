@@ -39,6 +39,27 @@ LAYOUTS = {
         "train.micro_batch_size=1",
         "train.global_batch_size=16",
     ),
+    # ZeRO-3 with a vocabulary that dominates the parameters: the backward's first unit is the root
+    # (embedding, head), which gathers again once the loss's backward is done; copying out of the
+    # all-gather buffer holds the root twice (planner phase "root re-gather"; was -22.5%)
+    "sharding3_vocab8k": (
+        "strategy=sharding",
+        "strategy.sharding_stage=3",
+        "hardware.devices_per_node=4",
+        "model.vocab_size=8192",
+    ),
+    # ZeRO-3 under full recompute with blocks wider than the vocabulary: the peak is a later
+    # block's backward (attention's), with all of its weight gradients, the head's (kept for the
+    # root's reduce-scatter) and the previous block's fp32 reduce-scatter input, which FSDP keeps
+    # to the next reduce-scatter (was -25%; GPT-3 13B ZeRO-3 x 8 mp 8 was -4.0%)
+    "sharding3_w8_full_wide": (
+        "strategy=sharding",
+        "strategy.sharding_stage=3",
+        "strategy.recompute=full",
+        "hardware.devices_per_node=8",
+        "model.hidden_size=256",
+        "model.ffn_hidden_size=1024",
+    ),
     # the q, k, v projections' input gradients all-reduced once (models/tp_plan.py)
     "mp2": ("strategy=mp", "strategy.mp_degree=2", "hardware.devices_per_node=2"),
     "mp2_sequence_parallel": (
@@ -134,6 +155,23 @@ LAYOUTS = {
         "strategy.recompute=full",
         "hardware.devices_per_node=4",
     ),
+    # zero bubble under FSDP's mixed precision (dp 2 replicates): a chunk's weight-gradient pass
+    # leaves 16-bit gradients that FSDP adds into its fp32 accumulators only at the chunk's next
+    # post-backward, so every local chunk but the first holds its gradients once more (rank 0 was
+    # -5.1%; GPT-3 13B zero bubble v 2 + SP + full recompute -3.4%). Rank 0 only: the last
+    # stage's zero-bubble peak is not modelled yet (see pp2_mp2_zero_bubble_full)
+    "pp2_dp2_zero_bubble_bf16": (
+        "strategy=hybrid",
+        "strategy.pp_degree=2",
+        "strategy.dp_degree=2",
+        "strategy.schedule=interleaved_zero_bubble",
+        "strategy.virtual_stages=2",
+        "train.precision=bf16",
+        "hardware.has_bf16=true",
+        "hardware.devices_per_node=4",
+        "--ranks",
+        "0",
+    ),
     # one micro-batch in flight under full recompute: the optimizer step is the peak, with AdamW's
     # temporaries. A GPU job's torch steps all tensors at once (one temporary per parameter); the
     # dry run's fake tensors are CPU tensors, which took torch's per-tensor loop instead until the
@@ -182,6 +220,21 @@ LAYOUTS = {
         "train.precision=bf16",
         "hardware.has_bf16=true",
         "hardware.devices_per_node=4",
+    ),
+    # a vocabulary-parallel loss in 16 bits (FSDP stage 2, mp 2) with a vocabulary that dominates:
+    # the peak is the loss's forward, where the 16-bit logits, their fp32 upcast and the saved
+    # log-softmax output are alive at once -- more than its backward's one fp32 gradient (was
+    # -6.1%; ERNIE large sharding 2 x 32, mp 2, bf16 was -4.0% for the same reason)
+    "sh2_mp2_bf16_vocab16k": (
+        "strategy=hybrid",
+        "strategy.sharding_degree=2",
+        "strategy.sharding_stage=2",
+        "strategy.mp_degree=2",
+        "strategy.dp_degree=1",
+        "train.precision=bf16",
+        "hardware.has_bf16=true",
+        "hardware.devices_per_node=4",
+        "model.vocab_size=16384",
     ),
     # DDP (torch's reducer on fake tensors): its gradients are its all-reduce buckets, 4
     # micro-batches accumulated in them under no_sync, one all-reduce of every bucket a step

@@ -101,7 +101,8 @@ class Plan:
     stages: list[dict[str, Any]] = field(default_factory=list)
     ps: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
-    # the worst device's peak: {"phase": "forward/backward" | "end of backward" | "optimizer step" |
+    # the worst device's peak: {"phase": "forward/backward" | "backward" (GPipe) | "loss backward" |
+    # "root re-gather" (ZeRO-3) | "block backward" (ZeRO-2) | "end of backward" | "optimizer step" |
     # "the fullest server" | "a trainer", "parts": {name: bytes}}, the parts adding up to memory_bytes["total"]
     memory_peak: dict[str, Any] = field(default_factory=dict)
 
@@ -259,6 +260,9 @@ def _rank_memory(
         fresh = FP32 if accumulating else 0.0
     acts, transient, one_micro_batch = 0.0, 0.0, 0.0
     head_peak, body_peak = 0.0, 0.0  # the loss's backward peak, and every other unit's
+    loss_done = 0.0  # what the activations change by once the loss's backward is done
+    head_saved = 0.0  # what the head saves for its backward, one micro-batch
+    block_saved = 0.0  # what a block saves for its backward, one micro-batch
 
     def saved_bytes(a) -> float:  # per sample, on this rank
         return (
@@ -288,6 +292,15 @@ def _rank_memory(
                     own += b * max(0.0, saved_bytes(u.saved("none")) - per_sample)
                 if own:
                     peak = max(peak, own + fresh * u.fresh_grad_on_rank(mp))
+                if u.output_split:
+                    # the loss's forward (ParallelModel.loss): the logits, in the matmul dtype,
+                    # and their fp32 upcast are alive beside the log-softmax output it saves
+                    # (under a pipeline the stage holds the logits already: pipeline_buffers).
+                    # Under a vocabulary-parallel loss in 16 bits that is more than its backward
+                    # (one fp32 gradient): ERNIE large mp2 bf16 was -4.0%
+                    logits = 0.0 if pipelined else split_bytes
+                    upcast = FP32 if split_bytes != FP32 else 0.0
+                    peak = max(peak, b * u.output_split / mp * (logits + upcast))
                 known = (per_sample, peak)
                 if key is not None:
                     memo[key] = known
@@ -296,8 +309,14 @@ def _rank_memory(
             transient = max(transient, known[1])
             if u.kind == "head":
                 head_peak = max(head_peak, known[1])
+                head_saved += b * known[0]
+                # once the loss's backward is done: its log-softmax output freed, the logits'
+                # gradient (in the matmul dtype) handed to the head
+                loss_done = b * (u.output_split / mp * split_bytes - u.saved(s.recompute).fp32 / mp * FP32)
             else:
                 body_peak = max(body_peak, known[1])
+            if u.kind == "block":
+                block_saved = max(block_saved, b * known[0])
     if pipelined:
         # under sequence parallelism a stage sends, receives and holds its sequence shard
         shard_of_seq = mp if s.sequence_parallel else 1
@@ -322,6 +341,14 @@ def _rank_memory(
     # job (gradient_as_bucket_view, zeroed in place: runtime/optim.py); micro-batches under no_sync
     # accumulate into them, so there is no second copy (the dry run agrees to the byte on gpt/tiny dp 2)
     grads_live = mem.grads if (accumulating or engine in ("ddp", "zero1")) else 0.0
+    if pipelined and engine == "fsdp" and mixed and "zero_bubble" in s.schedule:
+        # Zero bubble under FSDP's mixed precision: a chunk's weight-gradient pass leaves its
+        # 16-bit gradients on the unsharded parameters, and FSDP adds them into its fp32
+        # accumulators only at the chunk's next post-backward (the next micro-batch's input-gradient
+        # pass) -- every local chunk but the first, which torch back-propagates in one pass, holds
+        # its parameters' gradients once more in the gather dtype (dry run of GPT-3 13B, zero
+        # bubble v 2, rank 0: 786 MB, -3.7% before)
+        grads_live += gather_bytes * sum(u.params_on_rank(mp) for c in local if c != 0 for u in chunks[c])
     during = {
         "params": mem.params,
         "grads": grads_live,
@@ -340,19 +367,51 @@ def _rank_memory(
             ("forward/backward", {**during, "grads": 0.0}),
             ("backward", {**during, "activations": mem.activations - one_micro_batch}),
         ]
+    if engine == "fsdp" and not pipelined:
+        # FSDP without a pipeline, a block's backward (measured in the dry run of gpt/tiny and of
+        # GPT-3 13B, ZeRO-3 x 8, mp 8): the head's saved activations are gone, and the root's
+        # gradients so far (the head's, unsharded, in the gather dtype) wait for the root's
+        # reduce-scatter at the end of the backward. The first block back peaks at fc2, with fc2's
+        # fresh weight gradient. Every later block has one block's saved activations fewer, but
+        # FSDP keeps the previous unit's fp32 reduce-scatter input until the next unit's
+        # (reduce_scatter_states), and it peaks in its attention's backward, past the MLP's
+        # temporaries, with all of the block's weight gradients
+        blocks_ = [u for u in units if u.kind == "block"]
+        block = max((u.params_on_rank(mp) for u in blocks_), default=0.0)
+        heads = sum(u.params_on_rank(mp) for u in units if u.kind == "head")
+        first_grad = max((u.fresh_grad_on_rank(mp) for u in blocks_), default=0.0)
+        mlp = max(
+            (b * u.backward_transient.elements(mp, s.sequence_parallel) * split_bytes for u in blocks_),
+            default=0.0,
+        )
+        first = acts - head_saved + body_peak + gather_bytes * (heads + first_grad)
+        later = first - block_saved - mlp + gather_bytes * (block - first_grad) + FP32 * block
+        block_backward = max(first, later if len(blocks_) > 1 else 0.0)
+        if not reshard_after_forward(s.sharding_stage):
+            phases.append(("block backward", {**during, "activations": block_backward}))
     if engine == "fsdp" and reshard_after_forward(s.sharding_stage) and not pipelined and head_peak:
         # ZeRO-3: the loss's backward (its gradients of the log-softmax output and of the logits)
         # runs before any unit's backward gathers again, when every unit, the root included, has
         # resharded after its forward (measured in the dry run). The units' own backward peaks
         # come later, with the root and two blocks gathered.
-        rest = max(body_peak, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
         phases = [
-            ("forward/backward", {**during, "activations": acts + rest}),
+            ("forward/backward", {**during, "activations": block_backward}),
             (
                 "loss backward",
                 {**during, "params": resting, "activations": acts + head_peak},
             ),
         ]
+    if engine == "fsdp" and reshard_after_forward(s.sharding_stage) and not pipelined:
+        # ZeRO-3, the backward's first unit: the root (embedding, head, final norm) gathers again
+        # once the loss's backward is done; while FSDP copies its parameters out of the
+        # all-gather buffer both are alive: twice the root, beside everything saved
+        root = p - sum(u.params_on_rank(mp) for u in units if u.kind == "block")
+        phases.append(
+            (
+                "root re-gather",
+                {**during, "params": resting + 2 * gather_bytes * root, "activations": acts + loss_done},
+            )
+        )
     if not accumulating and engine not in ("ddp", "zero1"):
         phases.append(
             (
