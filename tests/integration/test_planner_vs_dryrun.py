@@ -87,8 +87,9 @@ LAYOUTS = {
     ),
     # the demo's layout (`make demo`): FSDP under a pipeline accumulates through autograd, so the
     # peak is at a block's fc2 backward (its input's gradient and a fresh weight gradient beside
-    # everything saved), and the vocabulary-parallel embedding's gradient is whole (measured
-    # -4.9% before: planner.Unit.backward_transient, grad_replicated)
+    # everything saved) (measured -4.9% before: planner.Unit.backward_transient); the
+    # vocabulary-parallel embedding's gradient is its own rows (models/tp_plan.py; it was whole on
+    # every mp rank with DTensor's embedding backward, and the planner counted that)
     "pp2_sh2_mp2_demo": (
         "strategy=hybrid",
         "strategy.pp_degree=2",
