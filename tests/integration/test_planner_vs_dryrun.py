@@ -108,8 +108,9 @@ LAYOUTS = {
     ),
     # the demo's layout (`make demo`): FSDP under a pipeline accumulates through autograd, so the
     # peak is at a block's fc2 backward (its input's gradient and a fresh weight gradient beside
-    # everything saved), and the vocabulary-parallel embedding's gradient is whole (measured
-    # -4.9% before: planner.Unit.backward_transient, grad_replicated)
+    # everything saved) (measured -4.9% before: planner.Unit.backward_transient); the
+    # vocabulary-parallel embedding's gradient is its own rows (models/tp_plan.py; it was whole on
+    # every mp rank with DTensor's embedding backward, and the planner counted that)
     "pp2_sh2_mp2_demo": (
         "strategy=hybrid",
         "strategy.pp_degree=2",
@@ -248,13 +249,17 @@ LAYOUTS = {
 }
 # (layout, quantity) -> bound on |planner / dry run - 1| where the 3% / 1% targets are not met yet
 KNOWN: dict[tuple[str, str], float] = {
-    # rank 2 -27.9% (was -30.0%; the held logits now counted, a per-block context copy not):
-    # at the dry run's peak (a weight-gradient pass) the recomputed tensors of
-    # several blocks are alive at once (in pp2 v2 without mp: nine blocks' fc1 outputs, q, k, v
-    # and attention outputs, which the weight-gradient pass does not read); the planner counts
-    # one recomputed block. Not modelled yet (it was -77% with torch's recompute per parameter
-    # group, before runtime/pipeline_stage.py's GraphExecGroup)
-    ("pp2_mp2_zero_bubble_full", "memory"): 0.28,
+    # rank 2 -4.1% (was -27.9%: the dry run's live-tensor tracker saved log_softmax's output with
+    # its grad_fn, a cycle that kept every micro-batch's last stage, W-pass recomputes included,
+    # to the end of the step -- runtime/memory.py; a GPU run never held it). What is left, at
+    # the peak (the weight step of micro-batch 6 on the last chunk): the zero-bubble weight
+    # steps' output gradients, captured at each input-gradient step (pipelining._backward; per
+    # micro-batch the q, k, v, fc1, out-proj, fc2, both norms', the final norm's and the logits'
+    # gradients: 172 KB, two micro-batches waiting: 344 KB) are not counted, and counts too high
+    # at that moment make up most of it (the planner's pipeline buffers 557 KB against 459 KB of
+    # sends and receive buffers live; the waiting micro-batches' log-softmax outputs, 66 KB, freed
+    # at their input-gradient step; its backward transient 215 KB against the weight step's 150 KB)
+    ("pp2_mp2_zero_bubble_full", "memory"): 0.05,
 }
 
 

@@ -30,3 +30,16 @@ def test_follows_in_place_storage_resizes_like_fsdp_frees_parameters():
         del q
     assert t.peak == 4096 + 1024
     assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # restored on exit
+
+
+def test_a_retained_graph_dies_with_its_last_reference_while_tracked():
+    """The tracker's saved-tensors hook must not keep what autograd saves alive: a node's saved
+    output (log_softmax's), saved as it is, would hold the node from inside it -- a cycle no
+    backward with retain_graph=True (the zero-bubble input-gradient step) ever breaks."""
+    x = torch.randn(64, 64, requires_grad=True)
+    with LiveTensorBytes([x]) as t:
+        loss = (x.log_softmax(-1) * 2).sum()  # log_softmax saves its 16 KiB output
+        torch.autograd.grad(loss, x, retain_graph=True)
+        loss.detach_()  # what pipelining does once the input gradient is computed
+        del loss
+        assert t.current == 64 * 64 * 4, t.current  # x only: the graph and its saved output are gone

@@ -62,7 +62,6 @@ def units(m: ERNIEModel) -> list[Unit]:
         param_tensors=5,  # 3 tables, LN
         largest_split=v * h,
         largest_whole=max(s, m.type_vocab_size) * h,
-        grad_replicated=v * h,  # vocabulary-parallel: DTensor returns the gradient whole
     )
     head = Unit(
         "head",

@@ -39,7 +39,6 @@ def units(m: GPTModel) -> list[Unit]:
         param_tensors=2,
         largest_split=v * h,
         largest_whole=s * h,
-        grad_replicated=v * h,  # vocabulary-parallel: DTensor returns the gradient whole
     )
     head = Unit(
         "head",

@@ -10,7 +10,13 @@ all-reduces become reduce-scatter + all-gather pairs (Korthikanti et al. 2022).
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+from types import MethodType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -21,10 +27,51 @@ from torch.distributed.tensor.parallel import (
 )
 
 
+class VocabParallelEmbedding(RowwiseParallel):
+    """A vocabulary-parallel nn.Embedding whose backward makes only this rank's rows of the gradient.
+
+    The weight is sharded like RowwiseParallel's (Shard(0): each mp rank holds v/mp rows) and the
+    output is the same replicated tensor, but the lookup runs on the local shard, as Megatron's
+    VocabParallelEmbedding does: token ids outside the rank's rows are masked, their output rows
+    zeroed, and the partial sums all-reduced. DTensor's own embedding backward has no vocabulary-
+    sharded rule: it computed the whole (v, h) gradient on every mp rank and sliced it afterwards
+    (GPT-3 175B: 2.5 GB fp32 per stage-0 rank). Here autograd differentiates the local lookup: a
+    (v/mp, h) gradient, Shard(0) like the weight."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if (
+            not isinstance(module, nn.Embedding)
+            or module.padding_idx is not None
+            or module.max_norm is not None
+        ):
+            raise NotImplementedError(
+                "VocabParallelEmbedding: a plain nn.Embedding (no padding_idx, max_norm)"
+            )
+        distribute_module(module, device_mesh, self._partition_embedding_fn)
+        module.forward = MethodType(_vocab_parallel_lookup, module)
+        return module
+
+
+def _vocab_parallel_lookup(module: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens [b, s] (the same on every mp rank) -> replicated embeddings [b, s, h]."""
+    weight = module.weight  # Shard(0) over the mp mesh (FSDP2 hands the TP DTensor to forward)
+    (rows, _), (start, _) = compute_local_shape_and_global_offset(
+        weight.shape, weight.device_mesh, weight.placements
+    )
+    outside = (tokens < start) | (tokens >= start + rows)
+    local = F.embedding((tokens - start).masked_fill(outside, 0), weight.to_local())
+    local = local.masked_fill(outside.unsqueeze(-1), 0)  # its gradient rows: zero there too
+    out = DTensor.from_local(local, weight.device_mesh, [Partial()], run_check=False)
+    return out.redistribute(placements=[Replicate()], async_op=True).to_local()
+
+
 def gpt_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     act = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
-        "embed.tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "embed.tok": VocabParallelEmbedding(),
         "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
         **_block_plan("layers.*", act, sequence_parallel, pre_ln=True),
     }
@@ -38,7 +85,7 @@ def gpt_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
 def ernie_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     act = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
-        "embed.word": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "embed.word": VocabParallelEmbedding(),
         "head.decoder": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         **_block_plan("layers.*", act, sequence_parallel, pre_ln=False),
     }

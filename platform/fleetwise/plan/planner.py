@@ -208,9 +208,6 @@ def _rank_memory(
     accumulating = n > 1 or pipelined
 
     mem = Memory()
-    # a vocabulary-parallel embedding's gradient is whole on every mp rank (Unit.grad_replicated):
-    # (mp - 1) / mp of it more wherever the gradients are held across micro-batches
-    replicated = (1 - 1 / mp) * sum(u.grad_replicated for u in units)
     shard = sh if engine == "fsdp" else 1
     resting = 0.0 if offloaded else FP32 * p / shard
     gather_bytes = 2 if mixed else FP32  # FSDP MixedPrecisionPolicy gathers in the compute dtype
@@ -232,7 +229,7 @@ def _rank_memory(
         # (torch.distributed.pipelining's REDUCE_GRAD), freeing each unit's unsharded gradients as
         # its sharded ones appear; the optimizer's zero_grad left no sharded gradients behind: one
         # fp32 copy of the chunk's gradients at most.
-        mem.grads = FP32 * (p + replicated) if pipelined else grads_sharded
+        mem.grads = FP32 * p if pipelined else grads_sharded
         mem.optimizer = 0.0 if offloaded else k * FP32 * p / sh
     elif engine == "zero1":
         # runtime/zero1.py: 16-bit working weights and the fp32 gradient buffer whole; fp32 masters
@@ -242,7 +239,7 @@ def _rank_memory(
         mem.optimizer = (k + (1 if mixed else 0)) * FP32 * p / sh
     else:
         mem.params = FP32 * p + (2 * p if mixed else 0.0)  # + autocast's low-precision weight cache
-        mem.grads = FP32 * (p + replicated)
+        mem.grads = FP32 * p
         mem.optimizer = k * FP32 * p
 
     split_bytes, whole_bytes = _act_bytes(cfg.train.precision, engine, family_of(cfg.model).convolutional)

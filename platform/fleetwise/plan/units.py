@@ -92,10 +92,6 @@ class Unit:
     # extra gradient of (at most) this size is briefly alive. A test compares with torch.
     largest_split: int = 0
     largest_whole: int = 0
-    # elements of params_split whose gradient tensor parallelism computes whole on every mp rank:
-    # a vocabulary-parallel embedding (RowwiseParallel) gets a Replicate gradient from DTensor,
-    # the full vocabulary x hidden, which lives as .grad wherever gradients are held
-    grad_replicated: int = 0
 
     @property
     def params(self) -> int:
@@ -105,9 +101,9 @@ class Unit:
         return max(self.largest_split / mp, self.largest_whole)
 
     def fresh_grad_on_rank(self, mp: int) -> float:
-        """Elements of the largest gradient tensor the unit's backward makes on this rank (a
-        vocabulary-parallel embedding's is whole: `grad_replicated`)."""
-        return max(self.largest_on_rank(mp), self.grad_replicated)
+        """Elements of the largest gradient tensor the unit's backward makes on this rank (the
+        vocabulary-parallel embedding's is its own rows: models/tp_plan.py VocabParallelEmbedding)."""
+        return self.largest_on_rank(mp)
 
     def params_on_rank(self, mp: int) -> float:
         return self.params_split / mp + self.params_whole

@@ -85,8 +85,13 @@ class LiveTensorBytes(TorchDispatchMode):
         return True
 
     def _saved(self, t: torch.Tensor) -> torch.Tensor:
+        """Count a tensor autograd saves, and save it detached (the same storage). Saved as it is,
+        a node's own output would hold the node (its grad_fn) from inside the node: a reference
+        cycle that outlives the graph wherever a backward keeps the graph (retain_graph=True, as
+        the zero-bubble schedules' input-gradient step does) -- the log-softmax output kept every
+        micro-batch's whole last stage alive to the end of the step, in this tracker's runs only."""
         self._track(t)
-        return t
+        return t.detach()
 
     def __enter__(self):
         tracker, resize = self, torch.UntypedStorage.resize_
