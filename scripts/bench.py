@@ -531,6 +531,7 @@ class Bench:
                 rows.append({"layout": name, "rank": x["rank"], "stage": x["coords"]["pp"], "wall_s": wall,
                              "dryrun": {k: mem.get(k, 0) for k in (*LARGE_CATEGORIES, "peak")},
                              "planner": planned, "planner_rel": x["planner"]["memory_bytes"]["rel"],
+                             "planner_peak": plan.stages[x["coords"]["pp"]]["memory_peak"],
                              "planner_worst_stage": plan.memory_bytes, "usable_bytes": usable,
                              "headroom": headroom, "least_headroom": least, "met": headroom >= least,
                              "microbatches": x["microbatches"]})  # fmt: skip
@@ -798,11 +799,14 @@ def markdown(results: dict) -> str:
         out.append("\n## 10. Large models on 80 GB A100s, bf16, by dry run (peak per rank by category; headroom "
                    f"of the usable memory; load average {lg['load_average'][0]:.1f})\n")  # fmt: skip
         gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
-        out.append(table(["layout", "rank (stage)", "params", "grads", "optimizer", "activations + temporaries", "peak GiB",
-                          "planner GiB (error)", "usable GiB", "headroom", "met", "dry run s"],
-                         [[r["layout"], f"{r['rank']} ({r['stage']})", *(gib(r["dryrun"][k]) for k in ("params", "grads", "optimizer")),
-                           gib(r["dryrun"]["activations_and_temporaries"] + r["dryrun"]["buffers"]), gib(r["dryrun"]["peak"]),
-                           f"{gib(r['planner'])} ({pct(r['planner_rel'])})", gib(r["usable_bytes"]), f"{r['headroom']:.1%}",
+        out.append("The dry run's categories are the state held after the step (gradients are freed by then: at a peak "
+                   "they are inside activations + temporaries); the planner's parts are those live at its peak.\n")  # fmt: skip
+        parts = lambda p: f"{p['phase']}: " + ", ".join(f"{k} {gib(v)}" for k, v in p["parts"].items())  # noqa: E731
+        out.append(table(["layout", "rank (stage)", *LARGE_CATEGORIES, "peak GiB", "planner GiB (error)", "planner's peak",
+                          "usable GiB", "headroom", "met", "dry run s"],
+                         [[r["layout"], f"{r['rank']} ({r['stage']})", *(gib(r["dryrun"][k]) for k in LARGE_CATEGORIES),
+                           gib(r["dryrun"]["peak"]), f"{gib(r['planner'])} ({pct(r['planner_rel'])})",
+                           parts(r["planner_peak"]) if "planner_peak" in r else "", gib(r["usable_bytes"]), f"{r['headroom']:.1%}",
                            f"{ok(r['met'])} ≥ {r['least_headroom']:.0%}", f"{r['wall_s']:.0f}"] for r in lg["rows"]]))  # fmt: skip
         for name, why in lg["refused"].items():
             out.append(f"\n{name}: not simulated: {why[0] if why else ''}")

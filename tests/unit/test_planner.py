@@ -402,3 +402,20 @@ def test_adamw_step_temporaries_follow_the_device():
     assert gpu.memory_bytes["step_temporaries"] == 4 * p0
     assert gpu.memory_peak["phase"] == "optimizer step"
     assert cpu.memory_peak["phase"] == "forward/backward"
+
+
+def test_every_pipeline_stage_reports_its_peak_phase_and_parts():
+    # issue 15's table sets the planner's parts beside the dry run's per stage: GPT 530B (pp 35, full
+    # recompute, 1F1B) peaks in stage 0's forward/backward (every in-flight micro-batch) and in the
+    # last stage's optimizer step (foreach AdamW: one fp32 temporary per parameter, 5 x 4 B each)
+    _, plan = plan_of("recipe=gpt/megatron_530b")
+    for st in plan.stages:
+        assert sum(st["memory_peak"]["parts"].values()) == pytest.approx(st["memory_total_bytes"], abs=8)
+    first, last = plan.stages[0]["memory_peak"], plan.stages[-1]["memory_peak"]
+    assert first["phase"] == "forward/backward" and first["parts"]["activations"] > 0
+    assert last["phase"] == "optimizer step"
+    p = last["parts"]
+    assert p["params"] == p["grads"] == p["step_temporaries"] and p["optimizer"] == 2 * p["params"]
+    assert plan.memory_peak == max(
+        (st["memory_peak"] for st in plan.stages), key=lambda m: sum(m["parts"].values())
+    )

@@ -845,6 +845,7 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                 "layers": sum(1 for u in units if u.kind == "block"),
                 "params_per_device": int(per_rank[r][1] / (layout.sharding if engine == "fsdp" else 1)),
                 "memory_total_bytes": int(per_rank[r][0].total),
+                "memory_peak": per_rank[r][0].peak_ints(),  # this stage's peak phase and its parts
                 "flops_per_device": device_flops[r],  # this device's FLOPs per step, recompute included
                 # bytes this device sends per step, by mesh dimension (pp differs by stage)
                 "comm_bytes_per_step": _stage_comm(
