@@ -413,48 +413,37 @@ def zero1_host_us(
     (dims dp, sharding, mp: sharding over all ranks); the ranks co-run, like FSDP's probe."""
     import torch.distributed as dist
 
-    from fleetwise.config.run import OptimConfig
-    from fleetwise.runtime.optim import build_optimizer, clip_, grad_norm
-    from fleetwise.runtime.zero1 import Zero1
+    from fleetwise.config.run import OptimConfig, TrainConfig
+    from fleetwise.runtime.optim import Optimizers, Zero1Optimizers
 
     torch.manual_seed(0)
-    cfg = OptimConfig(lr=1e-3)
+    optim, train = OptimConfig(lr=1e-3), TrainConfig(global_batch_size=1, micro_batch_size=1, steps=reps)
     plain, sharded = _Chain(layers, width), _Chain(layers, width)
     params = list(plain.parameters())
-    opt = build_optimizer(params, cfg)
-    zero = Zero1(
-        sharded,
-        cfg,
-        mesh,
-        working_dtype=torch.float32,
-        grad_divisor=1,
-        build_optimizer=build_optimizer,
-        all_reduce=dist.get_backend(mesh["sharding"].get_group()) == "gloo",
+    gloo = dist.get_backend(mesh["sharding"].get_group()) == "gloo"
+    # the trainer's own update path for each engine (Trainer.train_step: reduce, norm, clip, step)
+    engines = (
+        Optimizers([plain], optim, train),
+        Zero1Optimizers([sharded], optim, train, mesh, all_reduce=gloo),
     )
-    zero.build()
     x = torch.randn(2, 8, width)
 
-    def plain_step(n: int) -> None:
+    def step(engine: Optimizers, module: torch.nn.Module, n: int) -> None:
         for _ in range(n):
-            plain(x).backward()
-        clip_(params, 1.0, grad_norm(params))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def zero_step(n: int) -> None:
-        for _ in range(n):
-            sharded(x).backward()
-        zero.reduce()
-        sq = zero.squared_norms()
-        dist.all_reduce(sq, group=zero.group)
-        zero.clip_(torch.clamp(1.0 / (sq.sum().sqrt() + 1e-6), max=1.0))
-        zero.optimizer.step()
-        zero.gather()
-        zero.optimizer.zero_grad(set_to_none=True)
-        zero.zero_grad()
+            module(x).backward()
+        engine.reduce_grads()
+        own = [p for _, p in engine.named_params()]
+        engine.clip_(own, 1.0, engine.grad_norm(own, mesh, None, x.device))
+        engine.step()
+        engine.zero_grad()
 
     p1, z1, p3, z3 = _interleaved(
-        [lambda: plain_step(1), lambda: zero_step(1), lambda: plain_step(3), lambda: zero_step(3)], reps
+        [
+            lambda e=e, m=m, n=n: step(e, m, n)
+            for n in (1, 3)
+            for e, m in zip(engines, (plain, sharded), strict=True)
+        ],
+        reps,
     )
     tensors = len(params)
     per_micro = max(0.0, ((z3 - p3) - (z1 - p1)) / 2 / tensors)
