@@ -31,6 +31,7 @@ from bench_slices import intervals_inside, steps_inside, take_turns
 
 from fleetwise import rundir
 from fleetwise.rundir import Metric
+from fleetwise.runtime.hostmalloc import STEADY_MMAP_THRESHOLD, STEADY_TRIM_THRESHOLD
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -212,12 +213,21 @@ class Bench:
         return run_dir, records, plan
 
     def plain_job(self, config: Path, ranks: int, out: Path) -> tuple[list[str], dict]:
-        """The plain loop's command and environment (the launcher's thread split: cores / ranks each)."""
+        """The plain loop's command and environment: the launcher's thread split (cores / ranks each)
+        and the glibc malloc thresholds a fleetwise rank steps with (runtime/hostmalloc.py), set from
+        the start -- what a careful hand-written loop would do. Without them glibc maps and faults in
+        every tensor of a few MiB each step: at d=768 the plain loop was ~10% slower than fleetwise
+        for that alone (0.918, idle), a gap that would hide fleetwise's own fixed costs."""
         script = str(SCRIPTS / "bench_plain_loop.py")
         cmd = [PY, script, str(config), str(out)]
         if ranks > 1:
             cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *cmd[1:]]
-        return cmd, self.env | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+        return cmd, self.env | {
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
+            "MALLOC_ARENA_MAX": "2",
+            "MALLOC_MMAP_THRESHOLD_": str(STEADY_MMAP_THRESHOLD),
+            "MALLOC_TRIM_THRESHOLD_": str(STEADY_TRIM_THRESHOLD),
+        }
 
     # -- suites ----------------------------------------------------------------------------------
     def calibrate(self) -> dict:
