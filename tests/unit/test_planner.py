@@ -5,7 +5,13 @@ from conftest import compose
 
 from fleetwise.config.layout import Layout
 from fleetwise.plan import make_plan
-from fleetwise.plan.pipeline import bubble_fraction, chunk_ranks, chunks_in_flight, split_layers
+from fleetwise.plan.pipeline import (
+    bubble_fraction,
+    chunk_ranks,
+    chunks_in_flight,
+    split_layers,
+    weight_steps_waiting,
+)
 from fleetwise.plan.planner import _rank_memory, assign_units
 
 
@@ -187,6 +193,49 @@ def test_micro_batches_in_flight_follow_torchs_action_lists(schedule):
         for rank in range(pp):
             want = _torch_peak_in_flight(schedule, pp, v, n, rank)
             assert chunks_in_flight(schedule, pp, v, n, rank) == want, (pp, v, n, rank)
+
+
+def test_zero_bubble_weight_steps_waiting_follow_torchs_action_lists():
+    """At each weight step on the rank's last local chunk, per local chunk: the micro-batches in
+    flight (forward run, weight step not) and of those the ones waiting (input-gradient step run):
+    the planner's moment is the one of those holding the most in flight."""
+    from torch.distributed.pipelining import schedules as S
+
+    T = S._ComputationType
+    for pp, v, n in [(2, 2, 4), (2, 2, 8), (2, 2, 32), (4, 2, 8), (4, 2, 16), (4, 3, 8), (8, 2, 32)]:
+        for rank in range(pp):
+            sched = S.ScheduleInterleavedZeroBubble.__new__(S.ScheduleInterleavedZeroBubble)
+            sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, n
+            sched.number_of_rounds = max(1, n // pp)
+            sched.microbatches_per_round = n // sched.number_of_rounds
+            sched._num_stages = sched.num_stages = pp * v
+            stages = [rank + pp * i for i in range(v)]
+            fwd, inp, best = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0), None
+            for a in sched._calculate_single_rank_operations(rank):
+                if a is None:
+                    continue
+                if a.computation_type == T.FORWARD:
+                    fwd[a.stage_index] += 1
+                if a.computation_type == T.BACKWARD_INPUT:
+                    inp[a.stage_index] += 1
+                if a.computation_type == T.BACKWARD_WEIGHT:
+                    if a.stage_index == stages[-1]:  # the moment: its weight step about to run
+                        moment = ({i: fwd[st] for i, st in enumerate(stages)}, inp[stages[-1]])
+                        if best is None or sum(moment[0].values()) > sum(best[0].values()):
+                            best = moment
+                    fwd[a.stage_index] -= 1
+                    inp[a.stage_index] -= 1
+            flight, waiting = best
+            assert chunks_in_flight("interleaved_zero_bubble", pp, v, n, rank) == flight, (pp, v, n, rank)
+            assert weight_steps_waiting("interleaved_zero_bubble", pp, v, n, rank) == {v - 1: waiting}, (
+                pp,
+                v,
+                n,
+                rank,
+            )
+    assert (
+        weight_steps_waiting("1F1B", 4, 1, 8, 3) == {} == weight_steps_waiting("ZBV_zero_bubble", 2, 2, 8, 1)
+    )
 
 
 def test_gpipe_keeps_more_activations_than_1f1b():

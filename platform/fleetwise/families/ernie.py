@@ -76,6 +76,8 @@ def units(m: ERNIEModel) -> list[Unit]:
         transient=Acts(fp32=2 * s * v),  # the gradients of the log-softmax output and of the logits
         transient_tp=Acts(fp32=s * v),
         output_split=s * v,  # the decoder's logits
+        # the decoder's logits, the dense layer's output (replicated), the norm's output
+        weight_grad_outputs=Acts(split=s * v, partial=s * h, whole=s * h),
         fwd_ops=15,  # dense, GELU, LN, decoder (t, addmm, views), log-softmax, NLL
         fwd_gemms=2,
         fwd_elementwise=2 * s * h + 2 * s + s * v,  # GELU, LN, log-softmax

@@ -52,6 +52,7 @@ def units(m: GPTModel) -> list[Unit]:
         transient=Acts(fp32=2 * s * v),
         transient_tp=Acts(fp32=s * v),
         output_split=s * v,  # the logits
+        weight_grad_outputs=Acts(split=s * v, sp=s * h),  # the logits' and the final norm output's
         fwd_ops=10,  # LN, LM head (t, mm, views), log-softmax, NLL
         fwd_gemms=1,
         fwd_elementwise=s * h + 2 * s + s * v,  # LN, log-softmax

@@ -145,6 +145,9 @@ def transformer_block(m: TransformerModel, *, post_ln: bool = False) -> Unit:
         selective_tp_recompute_flops=2 * s * h * h + (2 * s * f * h if post_ln else 0),
         acts={"none": none, "selective": selective, "full": full},
         backward_transient=Acts(split=s * f),  # fc2's input gradient (the GELU output's)
+        # the q, k, v and fc1 outputs (column-parallel), the out-projection's and fc2's partial sums,
+        # the two norms' outputs
+        weight_grad_outputs=Acts(split=3 * s * h + s * f, partial=2 * s * h, sp=2 * s * h),
         mp_allreduces=2,
         boundary_elements=s * h,
         fwd_ops=39,  # pre- and post-LN alike: 2 LN, 6 linears (t, addmm, views), SDPA, GELU, 2 adds

@@ -68,6 +68,21 @@ def chunks_in_flight(schedule: str, pp: int, virtual: int, n: int, rank: int) ->
     return counts
 
 
+def weight_steps_waiting(schedule: str, pp: int, virtual: int, n: int, rank: int) -> dict[int, int]:
+    """Interleaved zero bubble: of the micro-batches in flight (`chunks_in_flight`), those whose
+    input-gradient step has run and whose weight step has not, per local chunk, at the moment the
+    rank's peak is: a weight step on its last local chunk. A waiting micro-batch keeps what its
+    weight step reads (each weighted op's input and output gradient, `Unit.weight_grad_outputs`)
+    and no longer what only its input gradients needed (the last stage's logits and log-softmax
+    output). From torch 2.13's action lists (pp 2-8, v 2-3): rank r has r+1 waiting on its last
+    local chunk there, and the others' in flight have run only their forwards. Empty for every
+    other schedule (ZBV's peak moments differ by rank: not modelled)."""
+    if pp == 1 or schedule != "interleaved_zero_bubble":
+        return {}
+    last = virtual - 1
+    return {last: min(rank + 1, chunks_in_flight(schedule, pp, virtual, n, rank)[last])}
+
+
 def bubble_fraction(schedule: str, pp: int, virtual: int, n: int) -> float:
     """Idle fraction of a pipeline step, assuming equal stage times and backward = 2 × forward.
 

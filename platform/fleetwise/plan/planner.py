@@ -47,6 +47,7 @@ from fleetwise.plan.pipeline import (
     chunks_in_flight,
     is_interleaved,
     split_layers,
+    weight_steps_waiting,
 )
 from fleetwise.plan.ps import placement as ps_placement
 from fleetwise.plan.units import Unit
@@ -260,6 +261,14 @@ def _rank_memory(
     loss_done = 0.0  # what the activations change by once the loss's backward is done
     head_saved = 0.0  # what the head saves for its backward, one micro-batch
     block_saved = 0.0  # what a block saves for its backward, one micro-batch
+    # Interleaved zero bubble on the rank holding the last chunk: the peak is a weight step there
+    # (pipeline.weight_steps_waiting), with micro-batches waiting for theirs
+    waiting = (
+        weight_steps_waiting(s.schedule, layout.pp, s.virtual_stages, n, rank)
+        if pipelined and len(chunks) - 1 in local
+        else {}
+    )
+    weight_wait, weight_step = 0.0, 0.0  # what waiting adds; the weight step's own peak
 
     def saved_bytes(a) -> float:  # per sample, on this rank
         return (
@@ -268,6 +277,7 @@ def _rank_memory(
             + a.whole * whole_bytes
             + (a.reduced / mp if s.sequence_parallel else a.reduced) * split_bytes
             + (a.fp32 / mp) * FP32
+            + a.partial * split_bytes
         )
 
     memo: dict[str, tuple[float, float]] = {}  # equal units (the blocks) are worked out once
@@ -302,6 +312,19 @@ def _rank_memory(
                 if key is not None:
                     memo[key] = known
             acts += flight.get(i, 1) * b * known[0]
+            wait = min(waiting.get(i, 0), flight.get(i, 1))
+            if wait:
+                # waiting for its weight step: the output gradients it reads, kept from its
+                # input-gradient step, which freed the log-softmax output
+                freed = u.saved(s.recompute).fp32 / mp * FP32
+                weight_wait += wait * b * (saved_bytes(u.weight_grad_outputs) - freed)
+            if waiting and c == local[-1]:
+                # the weight step of one of them: torch runs its parameter groups from the chunk's
+                # input up, each freeing its output gradients once its weight gradients exist; it
+                # peaks in the first, with the first block re-run under recompute (once for all of
+                # its groups, runtime/pipeline_stage.py) and a norm's small gradient
+                rerun = saved_bytes(u.saved("none")) - saved_bytes(u.saved(s.recompute))
+                weight_step = max(weight_step, b * rerun)
             one_micro_batch += b * known[0]
             transient = max(transient, known[1])
             if u.kind == "head":
@@ -318,15 +341,20 @@ def _rank_memory(
         # under sequence parallelism a stage sends, receives and holds its sequence shard
         shard_of_seq = mp if s.sequence_parallel else 1
         mem.pipeline_buffers = (
-            _pipeline_buffers(chunks, local, flight, n, b, s.schedule) * whole_bytes / shard_of_seq
+            _pipeline_buffers(chunks, local, flight, n, b, s.schedule, waiting or None)
+            * whole_bytes
+            / shard_of_seq
         )
         last = len(chunks) - 1
         if last in local:  # the last stage's outputs (the logits), from each forward to its backward
-            held = min(n, flight.get(local.index(last), 1))
+            i = local.index(last)
+            held = min(n, flight.get(i, 1)) - min(waiting.get(i, 0), flight.get(i, 1))
             mem.pipeline_buffers += held * b * chunks[last][-1].output_split / mp * split_bytes
     if fresh:
         transient = max(transient, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
-    mem.activations = acts + transient
+    # zero bubble's weight step: not the input-gradient steps' temporaries (the loss's backward,
+    # a block's input gradients), but the waiting micro-batches' output gradients
+    mem.activations = acts + (weight_wait + weight_step if waiting else transient)
     # Every rank loads its share of the step's batch at once. On a GPU it stays in host memory and
     # each micro-batch is copied over in turn, except under a pipeline schedule, which takes the
     # whole batch on the device and splits it itself.
@@ -460,7 +488,13 @@ def _rank_memory(
 
 
 def _pipeline_buffers(
-    chunks: list[list[Unit]], local: list[int], flight: dict[int, int], n: int, b: int, schedule: str
+    chunks: list[list[Unit]],
+    local: list[int],
+    flight: dict[int, int],
+    n: int,
+    b: int,
+    schedule: str,
+    waiting: dict[int, int] | None = None,
 ) -> float:
     """Elements a pipeline rank holds beyond its units' saved activations: per local chunk, the
     receive buffers of runtime/pipeline_stage.py (a set per micro-batch between its receive and the
@@ -473,7 +507,9 @@ def _pipeline_buffers(
     every send's Work to the end of the step, and a gloo or NCCL Work holds the tensor it sends:
     there every output and every input gradient sent to another rank stays until the step ends.
     The rank's peak comes late in the step (measured in the dry run on gpt/tiny, pp 2, v 2: the
-    gap grew by exactly one boundary tensor per send per micro-batch), so all n are counted."""
+    gap grew by exactly one boundary tensor per send per micro-batch), so all n are counted --
+    but the input gradients of micro-batches whose input-gradient step is still to come, where
+    `waiting` names the peak's zero-bubble weight step (pipeline.weight_steps_waiting)."""
     mine, held_sends = set(local), is_interleaved(schedule)
     total = 0.0
     for i, c in enumerate(local):
@@ -483,7 +519,7 @@ def _pipeline_buffers(
             received = max(0, activations - held)
             # input gradients sent back; looped BFS peaks at the end of its all-forward phase, before any
             if held_sends and c - 1 not in mine and schedule != "looped_BFS":
-                received += n
+                received += n if waiting is None else n - held + min(waiting.get(i, 0), held)
             total += received * b * chunks[c - 1][-1].boundary_elements
         if c < len(chunks) - 1:  # outputs: sent to the next chunk's rank, or kept for the backward
             outputs = n if held_sends and c + 1 not in mine else held

@@ -34,14 +34,22 @@ class Acts:
     # divided by mp like `split`, but fp32 whatever the precision: a vocabulary-parallel loss's
     # log-softmax output (the trainer's loss upcasts the logits; autocast runs log-softmax in fp32)
     fp32: float = 0.0
+    # a row-parallel matmul's own output, before its reduction (the partial sums): whole on every
+    # mp rank, sequence parallel or not, in the compute dtype like `split`
+    partial: float = 0.0
 
     def elements(self, mp: int, sequence_parallel: bool) -> float:
         seq = self.sp + self.reduced
-        return (self.split + self.fp32) / mp + (seq / mp if sequence_parallel else seq) + self.whole
+        return (
+            (self.split + self.fp32) / mp
+            + (seq / mp if sequence_parallel else seq)
+            + self.whole
+            + self.partial
+        )
 
     @property
     def total(self) -> float:
-        return self.split + self.sp + self.whole + self.reduced + self.fp32
+        return self.split + self.sp + self.whole + self.reduced + self.fp32 + self.partial
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,11 @@ class Unit:
     # activations, in the matmul dtype: a transformer block's first backward matmul (fc2) holds
     # its input's gradient (s x ffn) while the input itself is still saved
     backward_transient: Acts = Acts()
+    # zero bubble: the gradients of the outputs of the unit's weighted ops (its matmuls' and norms'
+    # outputs), which torch captures at a micro-batch's input-gradient step and keeps to its
+    # weight step (pipelining._backward.stage_backward_input, param_group["grads"]). A test sums
+    # torch's own captured gradients.
+    weight_grad_outputs: Acts = Acts()
     attn_flops: float = 0.0  # per sample, attention score/context FLOPs (part of fwd_flops)
     # per sample, FLOPs at the end of the forward that full recompute does not re-run: torch's
     # non-reentrant checkpoint stops recomputing once the last tensor backward needs is back
