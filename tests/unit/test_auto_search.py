@@ -243,3 +243,40 @@ def test_pruning_by_problem_location_drops_no_legal_layout(monkeypatch):
     monkeypatch.setattr(search, "_held", lambda problems, keys: False)
     assert pruned == ranked()
     assert len(pruned) > 10
+
+
+def test_the_searchs_plan_is_the_full_plan_less_its_stages_and_roles_share_no_wrong_memory():
+    """The search plans a fitting layout once, from the memory it asked first (`rank_memory`),
+    without the per-stage detail, and the planner works out pipeline ranks of one role once: the
+    plan is the full one less `stages`, and every stage's memory is its own rank's."""
+    from fleetwise.config.layout import Layout
+    from fleetwise.plan.pipeline import chunk_ranks
+    from fleetwise.plan.planner import _rank_memory, assign_units, rank_memory
+
+    base = compose("recipe=gpt/tiny", "hardware.devices_per_node=8", "model.num_layers=8")[0]
+    for sched, v in [
+        ("1F1B", 1),
+        ("GPipe", 1),
+        ("interleaved_1F1B", 2),
+        ("interleaved_zero_bubble", 2),
+        ("ZBV_zero_bubble", 2),
+        ("looped_BFS", 2),
+    ]:
+        for mb in (1, 2):  # 8 and 4 micro-batches
+            data = {**base.strategy.model_dump(), "pp_degree": 4, "dp_degree": 2, "schedule": sched}
+            data["virtual_stages"] = v
+            cfg = base.model_copy(
+                update={
+                    "strategy": _hybrid(data),
+                    "train": base.train.model_copy(update={"micro_batch_size": mb, "accumulate_steps": None}),
+                }
+            )
+            assert check(cfg) == [], (sched, mb)
+            cfg = resolve(cfg)
+            full = make_plan(cfg)
+            lean = make_plan(cfg, rank_memory(cfg), per_stage=False)
+            assert lean.stages == [] and lean.to_dict() == {**full.to_dict(), "stages": []}, (sched, mb)
+            layout, n = Layout.of(cfg), cfg.train.accumulate_steps
+            chunks, ranks = assign_units(cfg, layout), chunk_ranks(sched, 4, v)
+            own = [int(_rank_memory(cfg, layout, chunks, ranks, r, n)[0].total) for r in range(4)]
+            assert [s["memory_total_bytes"] for s in full.stages] == own, (sched, mb)

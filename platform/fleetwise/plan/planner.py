@@ -684,14 +684,43 @@ def _stage_comm(
     return {d: int(v) for d, v in vol.items()}
 
 
+def _role(chunks: list[list[Unit]], ranks: list[int], rank: int) -> tuple:
+    """What pipeline rank `rank`'s work and traffic depend on: per local chunk, whether it is the
+    first or the last one, its units (by class: equal units share one) and the unit whose output
+    it receives. Ranks with the same role compute and send the same."""
+    last, cls = len(chunks) - 1, _UNIT_CLASS.get
+
+    def keys(units: list[Unit]) -> tuple:
+        ids = [id(u) for u in units]
+        return tuple(map(cls, ids, ids))  # a unit outside the cache is its own class
+
+    return tuple(
+        (c == 0, c == last, keys(chunks[c]), keys(chunks[c - 1][-1:]) if c > 0 else None)
+        for c, r in enumerate(ranks)
+        if r == rank
+    )
+
+
+def _local_chunks(ranks: list[int], pp: int) -> list[list[int]]:
+    """The chunks each pipeline rank holds, in order (one pass: a search plans thousands)."""
+    out: list[list[int]] = [[] for _ in range(pp)]
+    for c, r in enumerate(ranks):
+        out[r].append(c)
+    return out
+
+
 def _rank_units(chunks: list[list[Unit]], ranks: list[int], rank: int) -> list[Unit]:
     """The units of every chunk pipeline rank `rank` holds."""
     return [u for c, r in enumerate(ranks) if r == rank for u in chunks[c]]
 
 
-def worst_memory(cfg: RunConfig) -> float:
-    """Bytes the worst device needs (the plan's memory_bytes["total"]) without timing the step:
-    what a layout search asks first, to drop layouts that do not fit before planning them."""
+RankMemory = dict[int, tuple[Memory, float]]  # pipeline rank -> (its peak memory, its parameters)
+
+
+def rank_memory(cfg: RunConfig) -> RankMemory:
+    """The memory of the pipeline ranks that can hold the most (`_memory_ranks`), without timing
+    the step: what a layout search asks first, to drop layouts that do not fit before planning
+    them. `make_plan(cfg, memory=...)` takes it, so that a layout that fits is not worked out twice."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     layout = Layout.of(cfg)
@@ -699,10 +728,53 @@ def worst_memory(cfg: RunConfig) -> float:
     chunks = assign_units(cfg, layout)
     v = s.virtual_stages if layout.pp > 1 else 1
     ranks = chunk_ranks(s.schedule, layout.pp, v) if layout.pp > 1 else [0]
-    return max(
-        _rank_memory(cfg, layout, chunks, ranks, r, n)[0].total
-        for r in _memory_ranks(s, layout, chunks, ranks, n)
-    )
+    return _memory_of(cfg, layout, chunks, ranks, n, _memory_ranks(s, layout, chunks, ranks, n))
+
+
+def _memory_of(
+    cfg: RunConfig,
+    layout: Layout,
+    chunks: list[list[Unit]],
+    ranks: list[int],
+    n: int,
+    which: list[int],
+    known: RankMemory | None = None,
+    roles: list[tuple] | None = None,
+) -> RankMemory:
+    """`_rank_memory` of the pipeline ranks `which` (those in `known` taken from it), worked out
+    once per memory role: ranks in the same role (`_role`) that keep as many micro-batches of each
+    local chunk in flight, beside the same neighbours, hold the same (the inner ranks of a deep
+    interleaved pipeline; of a 1F1B one while the micro-batches are fewer than the stages)."""
+    s = cfg.strategy
+    v = s.virtual_stages if layout.pp > 1 else 1
+    out: RankMemory = {r: known[r] for r in which if known and r in known}
+    todo = [r for r in which if r not in out]
+    if len(todo) < 2:  # nothing to share
+        return out | {r: _rank_memory(cfg, layout, chunks, ranks, r, n) for r in todo}
+    by_key: RankMemory = {}
+    local_chunks = _local_chunks(ranks, layout.pp)
+    for r in todo:
+        local = local_chunks[r]
+        flight = chunks_in_flight(s.schedule, layout.pp, v, n, r) if layout.pp > 1 else {}
+        key = (
+            roles[r] if roles is not None else _role(chunks, ranks, r),
+            tuple(flight.get(i, 1) for i in range(len(local))),
+            tuple((c - 1 in local, c + 1 in local) for c in local),
+        )
+        if key not in by_key:
+            by_key[key] = _rank_memory(cfg, layout, chunks, ranks, r, n)
+        out[r] = by_key[key]
+    return out
+
+
+def worst_of(memory: RankMemory) -> float:
+    """Bytes the worst device needs (the plan's memory_bytes["total"])."""
+    return max(mem.total for mem, _ in memory.values())
+
+
+def worst_memory(cfg: RunConfig) -> float:
+    """Bytes the worst device needs (the plan's memory_bytes["total"]) without timing the step."""
+    return worst_of(rank_memory(cfg))
 
 
 def _memory_ranks(
@@ -716,8 +788,7 @@ def _memory_ranks(
     last = len(chunks) - 1
     keep: list[int] = []
     groups: dict[tuple, list[tuple[tuple[int, ...], int]]] = {}
-    for r in range(layout.pp):
-        local = [c for c, rr in enumerate(ranks) if rr == r]
+    for r, local in enumerate(_local_chunks(ranks, layout.pp)):
         if 0 in local or last in local:
             keep.append(r)
             continue
@@ -733,7 +804,7 @@ def _memory_ranks(
     return keep
 
 
-def _collective_plan(cfg: RunConfig) -> Plan:
+def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage: bool = True) -> Plan:
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     layout = Layout.of(cfg)
@@ -745,9 +816,22 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     ranks = chunk_ranks(s.schedule, layout.pp, v) if layout.pp > 1 else [0]
     engine = dp_engine(layout, s.sharding_stage)
 
-    per_rank = [_rank_memory(cfg, layout, chunks, ranks, r, n) for r in range(layout.pp)]
-    worst = max(range(layout.pp), key=lambda r: per_rank[r][0].total)
-    mem = per_rank[worst][0]
+    # without the stages, only the ranks that can hold the most memory are planned (the worst is
+    # one of them); the others' parameters are all the time model needs of them
+    roles = [_role(chunks, ranks, r) for r in range(layout.pp)] if layout.pp > 1 else [()]  # see below
+    if per_stage:
+        planned = range(layout.pp)
+    else:  # those of `memory` (rank_memory's) when given
+        planned = memory.keys() if memory is not None else _memory_ranks(s, layout, chunks, ranks, n)
+    memory = _memory_of(cfg, layout, chunks, ranks, n, sorted(planned), memory, roles)
+    rank_params = [
+        memory[r][1]
+        if r in memory
+        else sum(u.params_on_rank(layout.mp) for u in _rank_units(chunks, ranks, r))
+        for r in range(layout.pp)
+    ]
+    worst = max(sorted(memory), key=lambda r: memory[r][0].total)
+    mem = memory[worst][0]
 
     all_units = [u for c in chunks for u in c]
     params = sum(u.params for u in all_units)
@@ -802,7 +886,11 @@ def _collective_plan(cfg: RunConfig) -> Plan:
     accumulate_time, engine_step_time = [], []
     gemm_memo: dict[str, float] = {}  # GEMM efficiency per class of equal units
     again = block_recomputes(s.schedule, layout.pp, chunks)
-    for r in range(layout.pp):
+
+    def rank_work(r: int) -> tuple[float, float, int, int, float, int, int, int]:
+        """The step's GEMM seconds and device FLOPs of pipeline rank `r`,
+        and per micro-batch its ops, re-run ops, elements written, convolutions, parameter
+        tensors and local chunks."""
         units = _rank_units(chunks, ranks, r)
         # both recompute modes re-run every op of a block in backward (selective reads saved
         # matmul results back, but still dispatches the ops); zero bubble: twice (block_recomputes)
@@ -824,12 +912,25 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                         gemm_memo[key] = fraction
                 gemm += n * passes * flops / (peak * fraction)
                 done += n * b * _device_flops_per_sample(u, s.recompute, layout.mp, again[id(u)]) / layout.mp
-        device_flops.append(done)
         redo_ops = sum(u.fwd_ops for u in redo)
-        ops = sum(u.fwd_ops for u in units) + redo_ops
-        elements = sum(u.fwd_elementwise for u in units + redo)
-        convs = sum(u.fwd_convs for u in units + redo)
-        tensors = sum(u.param_tensors for u in units)
+        return (
+            gemm,
+            done,
+            sum(u.fwd_ops for u in units) + redo_ops,
+            redo_ops,
+            sum(u.fwd_elementwise for u in units + redo),
+            sum(u.fwd_convs for u in units + redo),
+            sum(u.param_tensors for u in units),
+            sum(1 for rr in ranks if rr == r),
+        )
+
+    # ranks in the same role (the inner ranks of a deep pipeline) do the same work: counted once
+    work_of: dict[tuple, tuple[float, float, int, int, float, int, int, int]] = {}
+    for r in range(layout.pp):
+        if roles[r] not in work_of:
+            work_of[roles[r]] = rank_work(r)
+        gemm, done, ops, redo_ops, elements, convs, tensors, local_chunks = work_of[roles[r]]
+        device_flops.append(done)
         host_time.append(
             n
             * (
@@ -837,23 +938,23 @@ def _collective_plan(cfg: RunConfig) -> Plan:
                 + redo_ops * checkpoint_s
                 + convs * slow * hw.conv_call_us * 1e-6 * hw.ranks_per_core
                 + tensors * (fsdp_s + zero1_s)
-                + pp_actions * sum(1 for rr in ranks if rr == r) * action_s
+                + pp_actions * local_chunks * action_s
             )
         )
         elementwise_time.append(n * b * elements * elem_s)
-        accumulate_time.append(adds * per_rank[r][1] * accumulated_share * accumulate_s)
+        accumulate_time.append(adds * rank_params[r] * accumulated_share * accumulate_s)
         stage_time.append(slow * gemm + host_time[-1] + elementwise_time[-1] + accumulate_time[-1])
-        elements_updated = per_rank[r][1] / update_shard
+        elements_updated = rank_params[r] / update_shard
         update_time.append(
             tensors * hw.update_us_per_tensor * 1e-6 + elements_updated * hw.update_ns_per_param * 1e-9
         )
-        engine_step_time.append(tensors * zero1_step_s + gather_passes * per_rank[r][1] * accumulate_s)
+        engine_step_time.append(tensors * zero1_step_s + gather_passes * rank_params[r] * accumulate_s)
     bubble = bubble_fraction(s.schedule, layout.pp, v, n)
     update = max(u * update_scale + e for u, e in zip(update_time, engine_step_time, strict=True))
     compute = max(stage_time)
     pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
 
-    comm, calls, cost = _comm(cfg, layout, chunks, ranks, per_rank[worst][1], n, engine)
+    comm, calls, cost = _comm(cfg, layout, chunks, ranks, rank_params[worst], n, engine)
     bw = {dim: _bandwidth(cfg, layout, dim) for dim in ("dp", "sharding", "mp", "pp")}
     comm_time = {
         dim: (cost[dim] / bw[dim] + calls[dim] * _latency(cfg, layout, dim)) * hw.ranks_per_core
@@ -867,26 +968,27 @@ def _collective_plan(cfg: RunConfig) -> Plan:
         min(overlappable, _overlap_window(engine, layout, n, compute)) if hw.device_type == "cuda" else 0.0
     )
     exposed = comm_time["mp"] + comm_time["pp"] + overlappable - hidden
-    offload = _offload_time(cfg, engine, per_rank[worst][1], layout.sharding, n)
+    offload = _offload_time(cfg, engine, rank_params[worst], layout.sharding, n)
     step = pipelined_compute + exposed + update + offload
     mfu = flops_per_step / (step * layout.world_size * peak) if step > 0 else 0.0
 
     stages = []
-    for r in range(layout.pp):
+    comm_of: dict[tuple, dict[str, int]] = {}  # per role, like the work
+    for r in range(layout.pp) if per_stage else ():
+        if roles[r] not in comm_of:
+            comm_of[roles[r]] = _stage_comm(cfg, layout, chunks, ranks, rank_params[r], r, n, engine, again)
         units = [u for c, rr in enumerate(ranks) if rr == r for u in chunks[c]]
         stages.append(
             {
                 "rank": r,
                 "chunks": [c for c, rr in enumerate(ranks) if rr == r],
                 "layers": sum(1 for u in units if u.kind == "block"),
-                "params_per_device": int(per_rank[r][1] / (layout.sharding if engine == "fsdp" else 1)),
-                "memory_total_bytes": int(per_rank[r][0].total),
-                "memory_peak": per_rank[r][0].peak_ints(),  # this stage's peak phase and its parts
+                "params_per_device": int(rank_params[r] / (layout.sharding if engine == "fsdp" else 1)),
+                "memory_total_bytes": int(memory[r][0].total),
+                "memory_peak": memory[r][0].peak_ints(),  # this stage's peak phase and its parts
                 "flops_per_device": device_flops[r],  # this device's FLOPs per step, recompute included
                 # bytes this device sends per step, by mesh dimension (pp differs by stage)
-                "comm_bytes_per_step": _stage_comm(
-                    cfg, layout, chunks, ranks, per_rank[r][1], r, n, engine, again
-                ),
+                "comm_bytes_per_step": dict(comm_of[roles[r]]),
                 "compute_s": stage_time[r],
             }
         )
@@ -1224,8 +1326,11 @@ def _ps_plan(cfg: RunConfig) -> Plan:
     )
 
 
-def make_plan(cfg: RunConfig) -> Plan:
-    """Plan a resolved, valid config."""
+def make_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage: bool = True) -> Plan:
+    """Plan a resolved, valid config. `memory`: `rank_memory(cfg)` of this same config, when the
+    caller has it already (a layout search asks it first). `per_stage=False`: without
+    `plan.stages` (each pipeline stage's memory, FLOPs and traffic; a search ranks layouts by the
+    rest), so the ranks that cannot hold the most memory are not planned; all else is the same."""
     if isinstance(cfg.strategy, PSStrategy):
         return _ps_plan(cfg)
-    return _collective_plan(cfg)
+    return _collective_plan(cfg, memory, per_stage)

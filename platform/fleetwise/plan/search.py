@@ -29,7 +29,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import INTERLEAVED_SCHEDULES, HybridStrategy, Schedule
 from fleetwise.config.validate import check, resolve
 from fleetwise.families import family_of
-from fleetwise.plan.planner import Plan, make_plan, worst_memory
+from fleetwise.plan.planner import Plan, make_plan, rank_memory, worst_memory, worst_of
 
 GIB = 1024**3
 SCHEDULES: tuple[str, ...] = Schedule.__args__  # every schedule the config accepts
@@ -278,7 +278,8 @@ def search(
                 skipped.append(recompute)
                 continue
             result.legal += 1
-            mem = worst_memory(cfg)
+            memory = rank_memory(cfg)
+            mem = worst_of(memory)
             if smallest is None or mem < smallest[0]:
                 smallest = (mem, strategy, mb)
             if mem > budget:
@@ -286,7 +287,7 @@ def search(
                 if objective == "memory":
                     return []  # the modes after the leanest need more
                 continue
-            cand = Candidate(dict(strategy), mb, make_plan(cfg))
+            cand = Candidate(dict(strategy), mb, make_plan(cfg, memory, per_stage=False))
             result.planned += 1
             found.append(cand)
             if on_candidate:
