@@ -238,6 +238,68 @@ def test_zero_bubble_weight_steps_waiting_follow_torchs_action_lists():
     )
 
 
+def _torch_action_lists(cls, pp: int, v: int, n: int) -> dict:
+    """torch 2.13's own per-rank action lists of a multi-stage schedule, without a process group."""
+    sched = cls.__new__(cls)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, n
+    sched.number_of_rounds = max(1, n // pp)
+    sched.microbatches_per_round = n // sched.number_of_rounds
+    sched._num_stages = sched.num_stages = pp * v
+    sched.stage_index_to_group_rank = {}
+    return {r: [a for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(pp)}
+
+
+def _idle_fraction(lists: dict, last_stage: int) -> float:
+    """Run the lists with F = I = W = 1 per chunk and micro-batch (stage 0's input-gradient pass
+    a full backward of 2, its weight pass nothing: block_recomputes) and each action waiting for
+    the one it consumes: the slowest rank's idle share of the step."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    done, clock, busy, at = {}, dict.fromkeys(lists, 0.0), dict.fromkeys(lists, 0.0), dict.fromkeys(lists, 0)
+    moved = True
+    while moved:
+        moved = False
+        for r, acts in lists.items():
+            while at[r] < len(acts):
+                a = acts[at[r]]
+                s, m, kind = a.stage_index, a.microbatch_index, a.computation_type
+                if kind == T.FORWARD:
+                    key, dep, cost = "F", (s - 1, "F", m) if s else None, 1.0
+                elif kind in (T.BACKWARD_INPUT, T.FULL_BACKWARD):
+                    dep = (s, "F", m) if s == last_stage else (s + 1, "I", m)
+                    key, cost = "I", 2.0 if (kind == T.FULL_BACKWARD or s == 0) else 1.0
+                else:
+                    key, dep, cost = "W", (s, "I", m), 0.0 if s == 0 else 1.0
+                if dep is not None and dep not in done:
+                    break
+                clock[r] = max(clock[r], done[dep] if dep else 0.0) + cost
+                done[(s, key, m)] = clock[r]
+                busy[r] += cost
+                at[r] += 1
+                moved = True
+    assert all(at[r] == len(acts) for r, acts in lists.items()), "the action lists deadlock"
+    return 1 - max(busy.values()) / max(clock.values())
+
+
+def test_zero_bubble_bubbles_are_those_of_torchs_own_action_lists():
+    """The planner's bubble of torch's multi-stage schedules against their own action lists, at
+    every legal micro-batch count (a multiple of pp) up to 4·pp. ZB-V used to plan none from
+    m = 2p (the paper's), where torch's list idles the pipeline fill: 7.2% at pp 16, m = 32."""
+    from torch.distributed.pipelining import schedules as S
+
+    for name, cls, vs in [
+        ("interleaved_zero_bubble", S.ScheduleInterleavedZeroBubble, (2, 3)),
+        ("ZBV_zero_bubble", S.ScheduleZBVZeroBubble, (2,)),
+        ("interleaved_1F1B", S.ScheduleInterleaved1F1B, (2, 3)),
+    ]:
+        for pp in (2, 4, 8, 16):
+            for v in vs:
+                for n in (pp, 2 * pp, 3 * pp, 4 * pp):
+                    real = _idle_fraction(_torch_action_lists(cls, pp, v, n), pp * v - 1)
+                    assert bubble_fraction(name, pp, v, n) == pytest.approx(real, abs=1e-9), (name, pp, v, n)
+    assert bubble_fraction("ZBV_zero_bubble", 16, 2, 32) == pytest.approx(15 / 207)
+
+
 def test_gpipe_keeps_more_activations_than_1f1b():
     base = (
         "recipe=gpt/tiny",

@@ -88,21 +88,24 @@ def bubble_fraction(schedule: str, pp: int, virtual: int, n: int) -> float:
 
     GPipe and 1F1B: (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al. 2021).
     Interleaved with v chunks: (p-1)/(v·m+p-1) (Narayanan et al. 2021, section 2.2.2).
-    Zero-bubble schedules (Qi et al. 2024) fill the bubble with weight-gradient work; with
-    F = B_input = B_weight the ZB-H1/interleaved variant keeps a third of the interleaved bubble
-    and ZB-V about none once m >= 2p. These are the planner's estimates; `scripts/bench.py`
-    measures each schedule.
+    Zero-bubble schedules (Qi et al. 2024) fill the bubble with weight-gradient work: with
+    F = B_input = B_weight a rank does 3·v·m units and, as torch's own action lists run (torch 2.13
+    `pipeline_order`; the first chunk's input-gradient pass is a full backward, its weight pass
+    none), idles p-1 of them: the pipeline's fill. ZB-V reaches that only from m = 2p; at m = p
+    its two chunks cannot overlap and it idles as if one chunk did all the work. (The paper's ZB-V
+    idles about none from m >= 2p; torch's list does not, and the planner used to follow the
+    paper: 175B at pp 16, m = 32, 7.2% of the step uncharged.) `tests/unit/test_planner.py`
+    runs torch's lists; `scripts/bench.py` measures each schedule.
     """
     if pp == 1:
         return 0.0
     if schedule in ("GPipe", "1F1B"):
         return (pp - 1) / (n + pp - 1)
-    interleaved = (pp - 1) / (virtual * n + pp - 1)
     if schedule == "interleaved_zero_bubble":
-        return interleaved / 3
+        return (pp - 1) / (3 * virtual * n + pp - 1)
     if schedule == "ZBV_zero_bubble":
-        return 0.0 if n >= 2 * pp else (pp - 1) / (2 * n + pp - 1) / 3
-    return interleaved
+        return (pp - 1) / (3 * (virtual if n >= 2 * pp else 1) * n + pp - 1)
+    return (pp - 1) / (virtual * n + pp - 1)
 
 
 def is_interleaved(schedule: str) -> bool:
