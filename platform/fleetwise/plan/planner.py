@@ -294,14 +294,11 @@ def _rank_memory(
                 if own:
                     peak = max(peak, own + fresh * u.fresh_grad_on_rank(mp))
                 if u.output_split:
-                    # the loss's forward (ParallelModel.loss): the logits, in the matmul dtype,
-                    # and their fp32 upcast are alive beside the log-softmax output it saves
-                    # (under a pipeline the stage holds the logits already: pipeline_buffers).
-                    # Under a vocabulary-parallel loss in 16 bits that is more than its backward
-                    # (one fp32 gradient): ERNIE large mp2 bf16 was -4.0%
-                    logits = 0.0 if pipelined else split_bytes
+                    # the loss's forward (ParallelModel.loss): the logits' fp32 upcast is alive
+                    # beside the log-softmax output it saves; the 16-bit logits themselves die at
+                    # the upcast (under a pipeline the stage holds them anyway: pipeline_buffers)
                     upcast = FP32 if split_bytes != FP32 else 0.0
-                    peak = max(peak, b * u.output_split / mp * (logits + upcast))
+                    peak = max(peak, b * u.output_split / mp * upcast)
                 known = (per_sample, peak)
                 if key is not None:
                     memo[key] = known
