@@ -439,6 +439,13 @@ def _print_dryrun(out: dict) -> None:
             comm,
         )
     Console().print(table)
+    for r in out["ranks"]:
+        host = r["planner"].get("host_memory_bytes")
+        if host:
+            Console().print(
+                f"rank {r['rank']}: offloaded state in host memory, peak {host['dryrun'] / 2**30:.3f} GiB "
+                f"(planner {host['planner'] / 2**30:.3f} GiB, {pct(host['rel'])}); not in the device peak"
+            )
     Console().print(
         "Δ: planner relative to the dry run; comm: bytes this rank sends per step (ring algorithms)"
     )

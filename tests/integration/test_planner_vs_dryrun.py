@@ -60,6 +60,19 @@ LAYOUTS = {
         "model.hidden_size=256",
         "model.ffn_hidden_size=1024",
     ),
+    # ZeRO-3 with CPU offload on a GPU profile: the sharded fp32 params, their gradients, AdamW's
+    # state and its step live in host RAM, not on the device. The dry run runs on the cpu device,
+    # where FSDP's host<->device copies are no-ops; it counts that state apart (runtime/simulate.py
+    # "Offload"), and its host peak is held against the planner's `host` (was: all of it counted as
+    # device memory, GPT-3 1.3B on h100 -66.1%)
+    "sharding3_offload_bf16": (
+        "strategy=sharding",
+        "strategy.sharding_stage=3",
+        "strategy.offload=true",
+        "hardware=h100",
+        "hardware.devices_per_node=4",
+        "train.precision=bf16",
+    ),
     # the q, k, v projections' input gradients all-reduced once (models/tp_plan.py)
     "mp2": ("strategy=mp", "strategy.mp_degree=2", "hardware.devices_per_node=2"),
     "mp2_sequence_parallel": (
@@ -270,7 +283,14 @@ LAYOUTS = {
     "dp4_ddp_fp16": ("strategy=dp", "hardware=a100", "hardware.devices_per_node=4", "train.precision=fp16"),
 }
 # (layout, quantity) -> bound on |planner / dry run - 1| where the 3% / 1% targets are not met yet
-KNOWN: dict[tuple[str, str], float] = {}
+KNOWN: dict[tuple[str, str], float] = {
+    # -3.07%. Since the loss frees the 16-bit logits at their upcast (runtime/parallelize.py
+    # ParallelModel.loss: 17,111,400 -> 16,569,380 B here; ERNIE large rank 0 -125 MB, planner
+    # -0.06% there), this small model's peak is no longer the loss's forward but the end of the
+    # backward: the root's reduce-scatter (FSDP's fp32 input buffers of the root and of the unit
+    # before it, the head's 16-bit weight gradient), 508,708 B above what the planner has for it
+    ("sh2_mp2_bf16_vocab16k", "memory"): 0.031,
+}
 
 
 def _dryrun(tmp_path, *args):
@@ -298,6 +318,24 @@ def test_planner_matches_the_dry_run(tmp_path, name):
         for dim, v in cmp["comm_bytes_per_step"].items():
             if v["dryrun"] or v["planner"]:
                 assert abs(v["rel"]) <= KNOWN.get((name, dim), 0.01), (x["rank"], dim, v)
+        # a GPU job's offloaded state, in host RAM: reported apart, held against the planner's
+        offload = "strategy.offload=true" in LAYOUTS[name]
+        assert (x.get("host_memory_bytes") is not None) == offload, x.get("host_memory_bytes")
+        if offload:
+            host = x["host_memory_bytes"]
+            # AdamW's two moments per parameter (and a 4-byte step count per tensor)
+            assert 0 < 2 * host["params"] <= host["optimizer"] <= 2.01 * host["params"], host
+            assert x["memory_bytes"]["optimizer"] == 0, x["memory_bytes"]
+            assert abs(cmp["host_memory_bytes"]["rel"]) <= 0.03, (x["rank"], cmp["host_memory_bytes"])
+    if name == "sharding3_offload_bf16":
+        # the same job on CPU devices: host and device are one memory, and everything counts in the
+        # peak -- the device peak plus the offloaded state, at least (its own step, not at once)
+        on_cpu = [a for a in LAYOUTS[name] if not a.startswith(("hardware=", "train.precision="))]
+        cpu = _dryrun(tmp_path, *on_cpu, "hardware=cpu")
+        for g, c in zip(ranks, cpu, strict=True):
+            assert c["host_memory_bytes"] is None and "host_memory_bytes" not in c["planner"]
+            assert c["memory_bytes"]["optimizer"] == g["host_memory_bytes"]["optimizer"]
+            assert c["memory_bytes"]["peak"] > g["host_memory_bytes"]["peak"] > 0
     if name in ("pp2_1F1B_16mb", "pp2_dp2_zero_bubble_bf16"):
         # sampling (1F1B: simulated 3+4 / 2+3 micro-batches; zero bubble 8+10 / 6+8), scaled to 16,
         # equals simulating all 16

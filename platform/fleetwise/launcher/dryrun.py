@@ -267,10 +267,17 @@ def compare(plan: Plan, report: dict[str, Any]) -> dict[str, Any]:
         want = stage.get("comm_bytes_per_step", plan.comm_bytes_per_step).get(dim, 0)
         comm[dim] = {"planner": want, "dryrun": got, "rel": rel(want, got)}
     flops = stage.get("flops_per_device", 0.0)
-    return {
+    out = {
         "memory_bytes": {"planner": planned_mem, "dryrun": report["memory_bytes"]["peak"]}
         | {"rel": rel(planned_mem, report["memory_bytes"]["peak"])},
         "flops_per_step": {"planner": flops, "dryrun": report["flops_per_step"]}
         | {"rel": rel(flops, report["flops_per_step"])},
         "comm_bytes_per_step": comm,
     }
+    host = report.get("host_memory_bytes")
+    if host:  # a GPU job's offloaded state, in host RAM
+        planned_host = stage.get("host_memory_bytes", plan.memory_bytes.get("host", 0))
+        out["host_memory_bytes"] = {"planner": planned_host, "dryrun": host["peak"]} | {
+            "rel": rel(planned_host, host["peak"])
+        }
+    return out

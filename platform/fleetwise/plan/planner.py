@@ -65,6 +65,10 @@ class Memory:
     pipeline_buffers: float = 0.0  # pipeline receive buffers and held outputs (runtime/pipeline_stage.py)
     step_temporaries: float = 0.0  # the optimizer step's own temporaries (foreach AdamW: one per param)
     total: float = 0.0
+    # offload on a GPU (FSDP CPUOffloadPolicy): the peak of the host RAM this rank's offloaded state
+    # takes -- sharded fp32 params, grads, optimizer state and the optimizer step's temporaries,
+    # which run on the host. Not device memory, so not part of `total`
+    host: float = 0.0
     # what is live at the peak: the phase and its parts, which add up to `total` (plan.memory_peak)
     peak: dict[str, Any] = field(default_factory=dict)
 
@@ -300,14 +304,11 @@ def _rank_memory(
                 if own:
                     peak = max(peak, own + fresh * u.fresh_grad_on_rank(mp))
                 if u.output_split:
-                    # the loss's forward (ParallelModel.loss): the logits, in the matmul dtype,
-                    # and their fp32 upcast are alive beside the log-softmax output it saves
-                    # (under a pipeline the stage holds the logits already: pipeline_buffers).
-                    # Under a vocabulary-parallel loss in 16 bits that is more than its backward
-                    # (one fp32 gradient): ERNIE large mp2 bf16 was -4.0%
-                    logits = 0.0 if pipelined else split_bytes
+                    # the loss's forward (ParallelModel.loss): the logits' fp32 upcast is alive
+                    # beside the log-softmax output it saves; the 16-bit logits themselves die at
+                    # the upcast (under a pipeline the stage holds them anyway: pipeline_buffers)
                     upcast = FP32 if split_bytes != FP32 else 0.0
-                    peak = max(peak, b * u.output_split / mp * (logits + upcast))
+                    peak = max(peak, b * u.output_split / mp * upcast)
                 known = (per_sample, peak)
                 if key is not None:
                     memo[key] = known
@@ -463,6 +464,9 @@ def _rank_memory(
         mem.step_temporaries = FP32 * p / own
     else:
         mem.step_temporaries = 2 * FP32 * max((u.largest_on_rank(mp) for u in units), default=0.0) / own
+    if offloaded:  # the step runs on the offloaded shards, in host memory (foreach too: the job's device's)
+        mem.host = FP32 * p / sh * (2 + k) + mem.step_temporaries
+        mem.step_temporaries = 0.0
     if engine == "zero1":
         # (the reduce-scatter is in place in the gradient buffer); after the update one bucket's
         # all-gather, in place: the whole bucket, in the working dtype
@@ -985,6 +989,7 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
                 "layers": sum(1 for u in units if u.kind == "block"),
                 "params_per_device": int(rank_params[r] / (layout.sharding if engine == "fsdp" else 1)),
                 "memory_total_bytes": int(memory[r][0].total),
+                "host_memory_bytes": int(memory[r][0].host),  # offloaded state (GPU offload only)
                 "memory_peak": memory[r][0].peak_ints(),  # this stage's peak phase and its parts
                 "flops_per_device": device_flops[r],  # this device's FLOPs per step, recompute included
                 # bytes this device sends per step, by mesh dimension (pp differs by stage)
@@ -998,6 +1003,11 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
     notes = []
     if s.offload and hw.device_type == "cpu":
         notes.append("offload keeps state in host memory, which on a CPU device is the same memory")
+    elif mem.host:
+        notes.append(
+            f"offload: {mem.host / 2**30:.2f} GiB of host memory per device at most (sharded params, grads, "
+            "optimizer state and the optimizer step), not counted in the device's peak"
+        )
     notes += family.plan_notes(cfg.model)
     if s.recompute != "none" and max(again.values(), default=1) > 1:
         once = [

@@ -33,42 +33,79 @@ class LiveTensorBytes(TorchDispatchMode):
     torch.compile'd blocks (train.compile) run as one fused kernel sequence the mode does not see
     (`ignore_compile_internals`: dynamo refuses to compile under any other mode); what they keep
     for backward is still counted, through a saved-tensors hook, so the peak misses only the
-    transient buffers inside one compiled block."""
+    transient buffers inside one compiled block.
 
-    def __init__(self, tensors: list[torch.Tensor]):
+    Host memory, kept apart (`host`: tensors that start in it): a GPU job's offloaded state
+    (FSDP's CPUOffloadPolicy) lives in host RAM, not on the device, but its dry run simulates
+    every tensor on the one cpu device. Given host tensors, the tracker counts their storages in
+    `host_current` / `host_peak` instead of `current` / `peak`, and so does every op's output whose
+    inputs (those of more than one element that it tracks) are all in host storages -- where a
+    GPU runs that op (the optimizer step on offloaded shards, the gradient norm): a tensor's device
+    follows its inputs'. The dry run moves the rest across itself (`to_host`, `on_device`:
+    runtime/simulate.py `_offload_on_the_host`), where FSDP's host<->device copies are no-ops on
+    a cpu device. Without host tensors (every real run, and dry runs of CPU jobs, whose offloaded
+    state is in the same RAM) everything counts in `peak`, as before."""
+
+    def __init__(self, tensors: list[torch.Tensor], host: list[torch.Tensor] = ()):
         super().__init__()
         self.live: dict[int, int] = {}
         # the dry run counts fake tensors (they are its whole model); a real run holds none
         self.fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
         self.current = 0
         self.peak = 0
+        self.host: set[int] = set()  # keys of the storages in host memory
+        self.host_current = 0
+        self.host_peak = 0
+        self.separate_host = bool(host)
+        self._device_scope = 0
+        for t in host:
+            self._track(t, host=True)
         for t in tensors:
             self._track(t)
 
-    def _track(self, t: torch.Tensor) -> None:
+    @staticmethod
+    def _storage(t: torch.Tensor):
+        """The storage of this rank's part of `t` that the tracker counts, or None."""
         from torch.distributed.tensor import DTensor
 
         if isinstance(t, DTensor):
             t = t._local_tensor
         if t.device.type != "cpu" or t.is_meta:
-            return
-        if not self.fake and is_fake(t):  # torch.compile's tracing tensors, not this rank's memory
-            return
+            return None
         try:
-            storage = t.untyped_storage()
+            return t.untyped_storage()
         except (NotImplementedError, RuntimeError):  # wrapper subclasses without storage
+            return None
+
+    def _track(self, t: torch.Tensor, host: bool = False) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if not self.fake and is_fake(t._local_tensor if isinstance(t, DTensor) else t):
+            return  # torch.compile's tracing tensors, not this rank's memory
+        storage = self._storage(t)
+        if storage is None:
             return
         key = storage._cdata
         if key in self.live:
             return
         nbytes = storage.nbytes()
         self.live[key] = nbytes
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        if host:
+            self.host.add(key)
+            self.host_current += nbytes
+            self.host_peak = max(self.host_peak, self.host_current)
+        else:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
+        nbytes = self.live.pop(key, 0)
+        if key in self.host:
+            self.host.discard(key)
+            self.host_current -= nbytes
+        else:
+            self.current -= nbytes
 
     def _resized(self, storage, nbytes: int) -> None:
         """A storage resized in place: FSDP2 frees a resharded parameter with `resize_(0)` and
@@ -76,9 +113,56 @@ class LiveTensorBytes(TorchDispatchMode):
         key = storage._cdata
         if key not in self.live:
             return
-        self.current += nbytes - self.live[key]
-        self.live[key] = nbytes
-        self.peak = max(self.peak, self.current)
+        delta, self.live[key] = nbytes - self.live[key], nbytes
+        if key in self.host:
+            self.host_current += delta
+            self.host_peak = max(self.host_peak, self.host_current)
+        else:
+            self.current += delta
+            self.peak = max(self.peak, self.current)
+
+    def in_host(self, t: torch.Tensor) -> bool:
+        storage = self._storage(t)
+        return storage is not None and storage._cdata in self.host
+
+    def to_host(self, t: torch.Tensor) -> None:
+        """`t`'s storage is in host memory from now on (a GPU would hold a host copy of it and
+        free its device original: FSDP's offloaded gradient)."""
+        storage = self._storage(t)
+        if storage is None:
+            return
+        key = storage._cdata
+        if key not in self.live:
+            self._track(t, host=True)
+        elif key not in self.host:
+            nbytes = self.live[key]
+            self.current -= nbytes
+            self.host.add(key)
+            self.host_current += nbytes
+            self.host_peak = max(self.host_peak, self.host_current)
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """Outputs of ops inside are device memory whatever their inputs (the copies a GPU makes
+        of host tensors on the device: FSDP's all-gather inputs from offloaded shards)."""
+        self._device_scope += 1
+        try:
+            yield
+        finally:
+            self._device_scope -= 1
+
+    def _on_host(self, args, kwargs) -> bool:
+        """An op's outputs are host memory when its tracked inputs of more than one element all are
+        (scalars -- a learning rate, a norm -- go where they are needed, and cost nothing)."""
+        if not self.host or self._device_scope:
+            return False
+        keys = []
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.numel() > 1:
+                storage = self._storage(t)
+                if storage is not None and storage._cdata in self.live:
+                    keys.append(storage._cdata)
+        return bool(keys) and all(k in self.host for k in keys)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -114,10 +198,11 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        host = self._on_host(args, kwargs)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self._track(t, host=host)
         return out
 
 
@@ -157,6 +242,10 @@ class TensorPeak:
         self.samples = samples  # steps still to track
         self.peak = 0  # running max over measured steps
         self.reserved = 0  # CUDA: running max of the allocator's reserved bytes (0 elsewhere)
+        # the dry run of a GPU job with offload only: its host-resident state (() -> tensors), and
+        # the running max of the host bytes live (LiveTensorBytes' `host`); a real run has none
+        self.host_state = None
+        self.host_peak = 0
 
     @contextlib.contextmanager
     def measure(self, modules: list, optimizers: list, stages: list = (), extra: list = ()) -> Iterator[None]:
@@ -170,7 +259,9 @@ class TensorPeak:
             yield
             return
         self.samples -= 1
-        tracker = LiveTensorBytes(state_tensors(modules, optimizers, stages, extra))
+        host = self.host_state() if self.host_state is not None else []
+        tracker = LiveTensorBytes(state_tensors(modules, optimizers, stages, extra), host=host)
         with tracker:
             yield
         self.peak = max(self.peak, tracker.peak)
+        self.host_peak = max(self.host_peak, tracker.host_peak)

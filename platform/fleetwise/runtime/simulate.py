@@ -473,8 +473,10 @@ def mesh_group_labels(mesh) -> dict[str, str]:
     return out
 
 
-def state_bytes(trainer) -> dict[str, int]:
-    """Bytes of what outlives a step on this rank, by category (DTensors by their local shard)."""
+def state_bytes(trainer, host: list[torch.Tensor] = ()) -> dict[str, int]:
+    """Bytes of what outlives a step on this rank, by category (DTensors by their local shard).
+    Those in the storages of `host` (a GPU job's offloaded state) count under `host_<category>`
+    instead, beside the device's categories."""
     from fleetwise.runtime.trainer import _local
 
     def size(t) -> int:
@@ -482,21 +484,26 @@ def state_bytes(trainer) -> dict[str, int]:
         return t.untyped_storage().nbytes() if t.numel() else 0
 
     seen: set[int] = set()
+    on_host = {_local(t).untyped_storage()._cdata for t in host}
+    host_bytes: dict[str, int] = defaultdict(int)
 
-    def total(tensors) -> int:
+    def total(tensors, category: str = "") -> int:
         n = 0
         for t in tensors:
             key = _local(t).untyped_storage()._cdata
             if key not in seen:
                 seen.add(key)
-                n += size(t)
+                if key in on_host:
+                    host_bytes[category] += size(t)
+                else:
+                    n += size(t)
         return n
 
     params = list(trainer.model.parameters())
     # ZeRO-1's own: the gradient buffers, and the fp32 masters (optimizer state, as in Megatron)
     engine = trainer.optimizers.engine_tensors()
-    out = {"params": total(params)}
-    out["grads"] = total([p.grad for p in params if p.grad is not None] + engine["grads"])
+    out = {"params": total(params, "params")}
+    out["grads"] = total([p.grad for p in params if p.grad is not None] + engine["grads"], "grads")
     out["optimizer"] = total(
         [
             v
@@ -505,9 +512,12 @@ def state_bytes(trainer) -> dict[str, int]:
             for v in s.values()
             if torch.is_tensor(v)
         ]
-        + engine["optimizer"]
+        + engine["optimizer"],
+        "optimizer",
     )
     out["buffers"] = total(b for part in trainer.model.parts for b in part.buffers())
+    if host:
+        out.update({f"host_{k}": host_bytes.get(k, 0) for k in ("params", "grads", "optimizer")})
     return out
 
 
@@ -754,6 +764,99 @@ def _one_mesh() -> None:
     Layout.build_mesh = build_mesh
 
 
+# ------------------------------------------------------------------------------------------------
+# Offload. A GPU job with `strategy.offload` (FSDP's CPUOffloadPolicy) keeps its sharded parameters,
+# their gradients and the optimizer state -- and so the optimizer step -- in host RAM; the device
+# holds only what FSDP gathers and computes. The dry run simulates every tensor on its one cpu
+# device, where FSDP's host<->device copies (`.to(device)` of a shard before its all-gather,
+# `.to("cpu")` of a reduce-scatter's output) are no-ops: without the following, the offloaded state
+# was counted as device memory (GPT-3 1.3B ZeRO-3 + offload on h100: 4.00 GiB, the same as without
+# offload, planned 1.35 GiB). The live-tensor tracker keeps host storages apart (runtime/memory.py
+# LiveTensorBytes `host`): the state is host from the start of each step, and here the two copies
+# are made what a GPU makes of them. Only for a GPU job: on a CPU device, host and device are one
+# memory (the planner says so too), and the real runs never take this path.
+
+
+def _live_tracker():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from fleetwise.runtime.memory import LiveTensorBytes
+
+    return next(
+        (m for m in _get_current_dispatch_mode_stack() if isinstance(m, LiveTensorBytes) and m.separate_host),
+        None,
+    )
+
+
+def _offloaded_params(trainer) -> list:
+    """FSDP's parameters of this rank that live on the host (FSDPParam with offload_to_cpu)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for part in trainer.model.parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                for group in m._get_fsdp_state()._fsdp_param_groups:
+                    out.extend(fp for fp in group.fsdp_params if fp.offload_to_cpu)
+    return out
+
+
+def _offload_on_the_host(trainer, cfg) -> bool:
+    """Count the host-resident state of a GPU job with offload as host memory (see above)."""
+    if not (cfg.strategy.offload and cfg.hardware.device_type == "cuda" and trainer.model.engine == "fsdp"):
+        return False
+    _fsdp_copies_cross_to_the_host()
+
+    def host_state() -> list[torch.Tensor]:
+        params = _offloaded_params(trainer)
+        states = [opt.state.get(fp.sharded_param, {}) for fp in params for opt in trainer.optimizers.local()]
+        return (
+            [fp._sharded_param_data for fp in params]
+            + [fp.sharded_param for fp in params]
+            + [fp.sharded_param.grad for fp in params if fp.sharded_param.grad is not None]
+            + [v for st in states for v in st.values() if torch.is_tensor(v)]
+        )
+
+    trainer.memory.host_state = host_state
+    return True
+
+
+def _fsdp_copies_cross_to_the_host() -> None:
+    """FSDP's two copies across the host link, as a GPU makes them (this process only):
+    - a shard's all-gather input (`FSDPParam.all_gather_inputs`: `.to(device)`, then the cast to
+      the compute dtype) is a device copy, not the host shard itself;
+    - the reduce-scatter's output becomes the host gradient (`foreach_reduce`: `.to("cpu")`; the
+      device output dies with the call on a GPU): its storage moves to the host.
+    (Under mixed precision a GPU first copies the fp32 shard over, then casts: one transient fp32
+    shard of one parameter that this does not make.)"""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    if hasattr(_fsdp_param_group.foreach_reduce, "original"):  # installed already
+        return
+    reduce, inputs = _fsdp_param_group.foreach_reduce, FSDPParam.all_gather_inputs
+
+    def foreach_reduce(fsdp_params, *args, **kwargs):
+        out = reduce(fsdp_params, *args, **kwargs)
+        tracker = _live_tracker()
+        if tracker is not None:
+            for fp in fsdp_params:
+                if fp.offload_to_cpu and fp.sharded_param.grad is not None:
+                    tracker.to_host(fp.sharded_param.grad)
+        return out
+
+    def all_gather_inputs(self):
+        tracker = _live_tracker()
+        if tracker is None or not self.offload_to_cpu:
+            return inputs.fget(self)
+        with tracker.on_device():
+            return [t.clone() if tracker.in_host(t) else t for t in inputs.fget(self)]
+
+    foreach_reduce.original = reduce
+    _fsdp_param_group.foreach_reduce = foreach_reduce
+    FSDPParam.all_gather_inputs = property(all_gather_inputs)
+
+
 def _peak_of_forward_backward(trainer) -> list[int]:
     """The live-tensor peak of each step's forward and backward (all micro-batches), appended to
     the returned list at its end; the tracker then restarts from the bytes live, so that the
@@ -798,15 +901,16 @@ def _run_trainer(
     # then na and nb again, both with optimizer state: the two points every count is scaled from
     per_step = [n] * steps if counts is None else [counts[1], counts[0], counts[1]]
     trainer.memory.samples = len(per_step)  # the live-tensor tracker of the real run, every step
+    host = _offload_on_the_host(trainer, cfg)
     current: list[Counters] = []
     _hook_initialization(trainer, lambda: current[-1], helper)
-    results, peaks, phases = [], [], []
+    results, peaks, phases, host_peaks = [], [], [], []
     forward_backward_peaks = _peak_of_forward_backward(trainer)
     layers = len(trainer.model.parts[0].layers) if hasattr(trainer.model.parts[0], "layers") else None
     for step, k in enumerate(per_step, start=1):
         if counts is not None:
             _use_microbatches(trainer, full_schedule, k)
-        trainer.memory.peak = 0  # each step's own peak
+        trainer.memory.peak = trainer.memory.host_peak = 0  # each step's own peak
         counters = Counters(labels)
         current.append(counters)
         try:
@@ -818,24 +922,27 @@ def _run_trainer(
         # the step's peak: the larger of its forward-backward's and the rest's (the tracker restarts)
         phases.append((forward_backward_peaks[-1], trainer.memory.peak))
         peaks.append(max(phases[-1]))
+        host_peaks.append(trainer.memory.host_peak)
         print(
             f"dryrun: rank {rank} step {step}/{len(per_step)} ({k} micro-batches"
             f"{'' if layers is None else f', {layers} blocks a chunk'}) {time.perf_counter() - built:.1f} s",
             file=sys.stderr,
             flush=True,
         )
-    state = state_bytes(trainer)
-    peak, last = max(peaks), results[-1]
+    state = state_bytes(trainer, trainer.memory.host_state() if host else ())
+    peak, last, host_peak = max(peaks), results[-1], max(host_peaks)
     phase_peaks = [max(p[i] for p in phases) for i in range(2)]
     if counts is not None:
         (na, nb), at_na, at_nb = counts, results[-2], results[-1]
         last = _affine(at_na, at_nb, na, nb, n)
         peak = _affine(peaks[-2], peaks[-1], na, nb, n)
+        host_peak = _affine(host_peaks[-2], host_peaks[-1], na, nb, n)
         phase_peaks = [_affine(phases[-2][i], phases[-1][i], na, nb, n) for i in range(2)]
     return {
         "counts": last,
         "peak": peak,
         "phase_peaks": phase_peaks,
+        "host_peak": host_peak,
         "state": state,
         "reads": results[-1]["reads"],
         "coords": trainer.coords,
@@ -897,6 +1004,7 @@ def simulate_rank(
             )
     run = runs[-1]
     last, peak, state, reads = run["counts"], run["peak"], run["state"], run["reads"]
+    host_peak = run["host_peak"]
     if layers is not None:
         (la, lb), (a, b) = samples, runs
         last = _affine(a["counts"], b["counts"], la, lb, layers)
@@ -906,15 +1014,20 @@ def simulate_rank(
             _affine(pa, pb, la, lb, layers) for pa, pb in zip(a["phase_peaks"], b["phase_peaks"], strict=True)
         )
         state = _affine(a["state"], b["state"], la, lb, layers)
+        host_peak = _affine(a["host_peak"], b["host_peak"], la, lb, layers)
         reads = int(round(_affine(a["reads"], b["reads"], la, lb, layers)))
     state = {k: int(round(v)) for k, v in state.items()}
+    host = {k.removeprefix("host_"): state.pop(k) for k in [k for k in state if k.startswith("host_")]}
     peak = int(round(peak))
     state_total = sum(state.values())
+    # a GPU job's offloaded state (see "Offload" above): in host RAM, beside the device's peak
+    host_memory = {**host, "peak": int(round(host_peak))} if host else None
     return {
         "rank": rank,
         "coords": run["coords"],
         "chunks": run["chunks"],
         "memory_bytes": {**state, "activations_and_temporaries": max(peak - state_total, 0), "peak": peak},
+        "host_memory_bytes": host_memory,
         "flops_per_step": int(round(last["flops"])),
         "comm_bytes_per_step": {g: int(round(sum(ops.values()))) for g, ops in last["bytes"].items()},
         "comm_by_op": {g: {k: int(round(v)) for k, v in ops.items()} for g, ops in last["bytes"].items()},
