@@ -211,6 +211,66 @@ def test_records_without_step_or_time_are_numbered_by_line_across_batches(store,
     t.finish("FINISHED")
 
 
+def test_repeated_values_are_sent_as_their_runs_ends_and_every_step_is_recoverable(store, tmp_path):
+    """A run-length delivery (README: "Tracking runs in MLflow"): of a metric that keeps its value
+    only each run's first and last step, and every delivery's last step, reach MLflow; the charts
+    (lines between points) and the values of every step are exactly what metrics.jsonl says."""
+    run_dir = make_run_dir(tmp_path, "run-elided")
+    t = tracker(run_dir)
+    run_id = t.start()
+    calls = []
+    real = t._client.log_batch
+
+    def counting(run_id, metrics=(), **kw):
+        calls.append(len(metrics))
+        return real(run_id, metrics=metrics, **kw)
+
+    t._client.log_batch = counting
+
+    def step_record(step: int) -> dict:  # as rank 0 writes them: 8 metrics change every step, 7 rarely
+        varying = {f"perf/v{k}": step * 10.0 + k for k in range(8)}
+        rare = {
+            "job/world_size": 2.0,
+            "job/attempt": 0.0 if step <= 150 else 1.0,  # a restart
+            "memory/predicted_bytes": 1e9,
+            "memory/peak_bytes_max": 5e8 if step == 1 else 6e8,
+            "memory/peak_bytes_mean": 3e8 if step in (40, 41) else 4e8,
+            "memory/rss_peak_bytes_max": 7e8 + (step // 100),
+            "train/skipped_steps": float("nan") if step == 77 else 0.0,
+        }
+        return {"step": step, "time": 1.7e9 + step, **varying, **rare}
+
+    steps = range(1, 301)
+    for chunk in range(10):  # ten deliveries, as the launcher's thread makes them
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            for step in steps[chunk * 30 : (chunk + 1) * 30]:
+                f.write(json.dumps(step_record(step)) + "\n")
+        assert t.poll() == 30
+    t.finish("FINISHED")
+
+    points = 0
+    for key in step_record(1):
+        if key in ("step", "time"):
+            continue
+        hist = dict(history(store, run_id, key))
+        points += len(hist)
+        logged = sorted(hist)
+        assert logged[-1] == 300, key  # MLflow's latest value is the last step's
+        for step in steps:  # each step: its own point, or equal points on either side of it
+            want = step_record(step)[key]
+            if step in hist:
+                got = hist[step]
+            else:
+                before = max(s for s in logged if s < step)
+                after = min(s for s in logged if s > step)
+                assert repr(hist[before]) == repr(hist[after]), (key, step)
+                got = hist[before]
+            assert repr(got) == repr(want), (key, step, got, want)
+    assert len(dict(history(store, run_id, "job/world_size"))) == 11  # step 1 and each delivery's last
+    assert 8 * 300 < points <= 8 * 300 + 100  # not 15 x 300 = 4500: one point per metric and step
+    assert sum(calls) == points and len(calls) == 10  # one log_batch per delivery of < 1000 points
+
+
 def test_a_dead_server_costs_seconds_is_reported_once_and_keeps_the_spool(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{refused_port()}")
     run_dir = make_run_dir(tmp_path, "run-dead")

@@ -1,9 +1,11 @@
 """The launcher's MLflow thread yields the CPU to the ranks once they train (README: "Tracking runs
-in MLflow"): nice STEPPING_NICE from the first growth of metrics.jsonl, not before."""
+in MLflow"): nice STEPPING_NICE from the first growth of metrics.jsonl, not before; and a delivery
+every DELIVER_EVERY_S from then on, not every POLL_EVERY_S."""
 
 import os
 import sys
 import threading
+import time
 
 import pytest
 
@@ -38,3 +40,34 @@ def test_the_tracking_thread_yields_to_the_ranks_once_they_train(tmp_path):
     finally:
         stop.set()
         thread.join()
+
+
+def test_the_tracking_thread_delivers_less_often_once_the_ranks_train(tmp_path, monkeypatch):
+    polls: list[int] = []
+
+    class Tracker:  # stands in for RunTracker: records when it is asked to deliver
+        def poll(self, max_batches: int = 10) -> int:
+            polls.append(max_batches)
+            return 0
+
+    monkeypatch.setattr(_Tracking, "POLL_EVERY_S", 0.02)
+    monkeypatch.setattr(_Tracking, "DELIVER_EVERY_S", 0.5)
+    t = object.__new__(_Tracking)  # only what _deliver reads
+    t.tracker, t._yielded, t._stop = Tracker(), False, threading.Event()
+    t.start = lambda: None  # the run exists
+    thread = threading.Thread(target=t._deliver, daemon=True)
+    thread.start()
+    try:
+        time.sleep(1.0)
+        before = len(polls)
+        t._yielded = True  # the ranks train (what _yield_to_ranks sets)
+        time.sleep(0.1)  # the wait under way when they started ends
+        during = len(polls)
+        time.sleep(1.6)
+        after = len(polls) - during
+    finally:
+        t._stop.set()
+        thread.join(10)
+    assert before >= 5, before  # every 0.02 s while the ranks start (fewer on a loaded machine)
+    assert after <= 4, after  # every 0.5 s once they train: ~3 in 1.6 s, not ~80
+    assert set(polls) == {_Tracking.MAX_BATCHES}  # a delivery takes the whole backlog

@@ -79,6 +79,7 @@ class Trainer:
         self._offender: str | None = None  # this rank's non-finite gradient at the last reading step
         # the rank whose loss counts: one per data-parallel replica, on the last pipeline stage
         self.reports_loss = self.model.has_last and self.coords["mp"] == 0
+        self._tokens_per_sample = family_of(cfg.model).tokens_per_sample(cfg.model)
         self.autocast = self._autocast_context()
         self.image_format = memory_format(cfg, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type) if cfg.train.precision == "fp16" else None
@@ -349,36 +350,50 @@ class Trainer:
             rows = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(rows, mine)
         table = torch.stack(rows).cpu()  # [rank, step, column]: one device-to-host copy
-        finite = table[:, :, _FINITE].amin(0).tolist()  # per step: 1.0 where every rank's was finite
-        bad = next((i for i, f in enumerate(finite) if f < 1), None)
-        records = [] if self.env.rank != 0 else [self._metrics(r, table[:, i]) for i, r in enumerate(steps)]
+        # reduced over ranks for all the steps at once, then read in one call (a row per step): a
+        # few tensor ops per read, not a dozen per step (the dry run's fake tensors read 1.0 each)
+        reduced = torch.stack(
+            [
+                table[:, :, _FINITE].amin(0),  # 1.0 where every rank's gradients were finite
+                table[:, :, _LOSS].sum(0) / table[:, :, _REPORTS].sum(0),
+                table[0, :, _NORM],  # the global norm (rank 0's copy)
+                table[:, :, _TIME].amax(0),  # the slowest rank's step
+                table[:, :, _PEAK].amax(0),
+                table[:, :, _PEAK].mean(0),
+                table[:, :, _RSS].amax(0),
+                table[:, :, _RESERVED].amax(0),
+            ],
+            dim=1,
+        ).tolist()
+        bad = next((i for i, row in enumerate(reduced) if row[0] < 1), None)
+        records = [] if self.env.rank != 0 else [self._metrics(r, reduced[i]) for i, r in enumerate(steps)]
         if bad is not None:
             self._append(records[: bad + 1])
             raise self._non_finite(bad, steps, table)
         return records
 
-    def _metrics(self, r: _StepRecord, table: torch.Tensor) -> dict[str, float]:
-        """One step's record from its row of every rank (columns: _COLUMNS)."""
-        step_time = float(table[:, _TIME].max())
+    def _metrics(self, r: _StepRecord, reduced: list[float]) -> dict[str, float]:
+        """One step's record from its row reduced over ranks (see _read_records)."""
+        _, loss, norm, step_time, peak_max, peak_mean, rss_max, reserved_max = reduced
         plan, cfg, world = self.plan, self.cfg, self.env.world_size
         samples = cfg.train.global_batch_size / step_time
-        tokens_per_sample = family_of(cfg.model).tokens_per_sample(cfg.model)
+        tokens_per_sample = self._tokens_per_sample
         metrics = {
             "step": r.step,
             "time": r.ended,  # when the step ended (the tracker's timestamp if delivery is late)
-            Metric.LOSS: float(table[:, _LOSS].sum() / table[:, _REPORTS].sum()),
+            Metric.LOSS: loss,
             Metric.LR: r.lr,
-            Metric.GRAD_NORM: float(table[0, _NORM]),  # the global norm (rank 0's copy)
+            Metric.GRAD_NORM: norm,
             Metric.STEP_TIME: step_time,
             Metric.SAMPLES_PER_S: samples,
             Metric.TOKENS_PER_S: samples * tokens_per_sample,
             Metric.TFLOPS_PER_DEVICE: plan.flops_per_step / step_time / world / 1e12,
             Metric.MFU: plan.flops_per_step / (step_time * world * plan.device_peak_flops),
-            Metric.PEAK_BYTES_MAX: float(table[:, _PEAK].max()),
-            Metric.PEAK_BYTES_MEAN: float(table[:, _PEAK].mean()),
-            Metric.RSS_PEAK_BYTES_MAX: float(table[:, _RSS].max()),
+            Metric.PEAK_BYTES_MAX: peak_max,
+            Metric.PEAK_BYTES_MEAN: peak_mean,
+            Metric.RSS_PEAK_BYTES_MAX: rss_max,
             Metric.PREDICTED_BYTES: float(plan.memory_bytes["total"]),
-            Metric.RESERVED_BYTES_MAX: float(table[:, _RESERVED].max()),
+            Metric.RESERVED_BYTES_MAX: reserved_max,
             Metric.SKIPPED_STEPS: float(r.skipped),
             Metric.ATTEMPT: float(self.env.restart),
             Metric.WORLD_SIZE: float(world),

@@ -18,8 +18,10 @@ only delays delivery: later polls, finish(), or `fleetwise sync` deliver the res
 
 from __future__ import annotations
 
+import functools
 import getpass
 import logging
+import math
 import sys
 import threading
 import time
@@ -81,7 +83,10 @@ class _Line:
     end_offset: int
     malformed: bool = False  # not a JSON object (a blank line is neither shipped nor counted)
     rerun: bool = False  # a step at or before one already delivered (re-run after a resume)
-    metrics: list = field(default_factory=list)  # mlflow.entities.Metric
+    step: int | None = None  # the step this line delivers (None: malformed, a re-run, no metrics, refused)
+    stamp: int = 0  # its timestamp, ms
+    values: dict[str, float] = field(default_factory=dict)  # every metric of the step, by MLflow key
+    metrics: list = field(default_factory=list)  # mlflow.entities.Metric: the points sent (see _elide)
 
 
 class RunTracker:
@@ -122,6 +127,7 @@ class RunTracker:
         self.state: TrackingState | None = None
         self.uri: str | None = None
         self.delivered_total = 0  # steps this object has shipped
+        self._previous: dict[str, float] = {}  # the metrics of the last step delivered (see _elide)
         self._lock = RunDirLock(self.run_dir)
         self._client: Any = None
         self._connected = False  # the run exists and has its params/tags
@@ -388,37 +394,62 @@ class RunTracker:
 
     def _batches(self, raw: list[tuple[int, bytes]]) -> Iterator[list[_Line]]:
         """Whole lines grouped so that a batch holds at most MAX_METRICS_PER_BATCH metrics."""
-        from mlflow.entities import Metric
-
         now, first_line = _now_ms(), self.state.delivered_lines  # before any batch advances it
         # After a resume the steps since the last checkpoint are trained again and appended again.
         # MLflow already has them (and cannot replace a point), so each step is logged once: the
         # first time. In fp32 on the same layout the re-run values are identical anyway;
         # metrics.jsonl keeps both.
         latest = self.state.last_step
-        batch: list[_Line] = []
-        count = 0
+        lines: list[_Line] = []
         for i, (end, text) in enumerate(raw):
             record = parse_record(text)
             line = _Line(end, malformed=record is None and bool(text.strip()))
             if record is not None:
-                stamp = int(record["time"] * 1000) if finite(record.get("time")) else now
                 explicit = finite(record.get("step"))
                 step = int(record["step"]) if explicit else first_line + i
                 if explicit and step <= latest:
                     line.rerun = True
                 else:
                     latest = max(latest, step)
-                    line.metrics = [
-                        Metric(clean_key(k), v, stamp, step) for k, v in metric_values(record).items()
-                    ]
-            if batch and count + len(line.metrics) > MAX_METRICS_PER_BATCH:
-                yield batch
+                    line.values = {_key(k): v for k, v in metric_values(record).items()}
+                    if line.values:
+                        line.step = step
+                        line.stamp = int(record["time"] * 1000) if finite(record.get("time")) else now
+            lines.append(line)
+        self._elide(lines)
+        batch: list[_Line] = []
+        count = 0
+        for line in lines:
+            if batch and count + len(line.values) > MAX_METRICS_PER_BATCH:  # room for it whole
+                yield _whole_last(batch)
                 batch, count = [], 0
             batch.append(line)
             count += len(line.metrics)
         if batch:
-            yield batch
+            yield _whole_last(batch)
+
+    def _elide(self, lines: list[_Line]) -> None:
+        """Each line's points to send: every metric of the step, except a value equal to the same
+        metric's at the step before it and at the step after it, both in metrics.jsonl (a run of
+        equal values is sent as its first and last step: world size, attempt, predicted and peak
+        memory go a few times per delivery instead of every step). Lossless: a step missing from
+        a metric's MLflow history has the value of the points on either side of it, which are
+        equal, so a chart (lines between points) shows every step as it was. The decision reads
+        only the file, so an outage or a crash between batches cannot make it wrong; and the last
+        step of every batch is sent whole (_whole_last), so MLflow's latest value of every metric
+        is always the newest delivered step's."""
+        from mlflow.entities import Metric
+
+        steps = [line for line in lines if line.step is not None]
+        before = self._previous  # the values of the step delivered before these ({} if unknown)
+        for i, line in enumerate(steps):
+            after = steps[i + 1].values if i + 1 < len(steps) else None
+            line.metrics = [
+                Metric(k, v, line.stamp, line.step)
+                for k, v in line.values.items()
+                if after is None or not (_same(before.get(k), v) and _same(after.get(k), v))
+            ]
+            before = line.values
 
     def _send(self, batch: list[_Line]) -> int:
         """Log one batch; on success advance the cursor past it. Returns steps delivered."""
@@ -434,10 +465,9 @@ class RunTracker:
                 # MLflow refused something in it: find the culprit line by line, keep the rest.
                 return sum(self._send([line]) for line in batch if self._connected)
             self._reject(batch[0], exc)
-            batch[0].metrics = []
         self._advance(batch)
         self._recovered()
-        return sum(1 for line in batch if line.metrics)
+        return sum(1 for line in batch if line.step is not None)
 
     def _advance(self, batch: list[_Line]) -> None:
         state = self.state
@@ -445,14 +475,16 @@ class RunTracker:
         state.delivered_lines += len(batch)
         state.skipped_lines += sum(1 for line in batch if line.malformed)
         state.rerun_lines += sum(1 for line in batch if line.rerun)
-        steps = [m.step for line in batch for m in line.metrics]
+        steps = [line.step for line in batch if line.step is not None]
         if steps:
             state.last_step = max(state.last_step, *steps)
-        self.delivered_total += sum(1 for line in batch if line.metrics)
+        self._previous = next((line.values for line in reversed(batch) if line.values), self._previous)
+        self.delivered_total += len(steps)
         self._save()
 
     def _reject(self, line: _Line, exc: BaseException) -> None:
         self.state.skipped_lines += 1
+        line.metrics, line.step = [], None
         if not self._rejection_told:
             self._rejection_told = True
             self._say(
@@ -614,6 +646,26 @@ def sync_run_dir(run_dir: Path, notify: Notify | None = None) -> int:
     finally:
         tracker._lock.release()
     return tracker.delivered_total
+
+
+def _whole_last(batch: list[_Line]) -> list[_Line]:
+    """The batch, its last step with all of its metrics (see RunTracker._elide)."""
+    from mlflow.entities import Metric
+
+    last = next((line for line in reversed(batch) if line.step is not None), None)
+    if last is not None and len(last.metrics) < len(last.values):
+        last.metrics = [Metric(k, v, last.stamp, last.step) for k, v in last.values.items()]
+    return batch
+
+
+@functools.lru_cache(maxsize=4096)
+def _key(name: str) -> str:
+    return clean_key(name)  # the same few names every step
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    """Equal values, -0.0 and 0.0 told apart (NaN is never equal: always sent)."""
+    return a is not None and b is not None and a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
 
 
 def _now_ms() -> int:
