@@ -30,6 +30,7 @@ import yaml
 from bench_slices import intervals_inside, steps_inside, take_turns
 
 from fleetwise import rundir
+from fleetwise.launcher.launch import HOST_MALLOC
 from fleetwise.rundir import Metric
 from fleetwise.runtime.hostmalloc import STEADY_MMAP_THRESHOLD, STEADY_TRIM_THRESHOLD
 
@@ -224,7 +225,7 @@ class Bench:
             cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *cmd[1:]]
         return cmd, self.env | {
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)),
-            "MALLOC_ARENA_MAX": "2",
+            "MALLOC_ARENA_MAX": HOST_MALLOC["MALLOC_ARENA_MAX"],
             "MALLOC_MMAP_THRESHOLD_": str(STEADY_MMAP_THRESHOLD),
             "MALLOC_TRIM_THRESHOLD_": str(STEADY_TRIM_THRESHOLD),
         }

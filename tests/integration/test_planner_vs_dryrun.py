@@ -15,6 +15,17 @@ import pytest
 from conftest import run_cli
 
 GPT = ("recipe=gpt/tiny", "optim=adamw")
+# interleaved zero bubble v2 on pp 2 × mp 2, full recompute (two rows: 2 and 4 blocks a chunk)
+ZERO_BUBBLE_FULL = (
+    "strategy=hybrid",
+    "strategy.pp_degree=2",
+    "strategy.mp_degree=2",
+    "strategy.dp_degree=1",
+    "strategy.schedule=interleaved_zero_bubble",
+    "strategy.virtual_stages=2",
+    "strategy.recompute=full",
+    "hardware.devices_per_node=4",
+)
 LAYOUTS = {
     # 8 fake ranks, ZeRO-3 (FSDP reshards after forward): roles 0 and 7
     "sharding3_w8": ("strategy=sharding", "strategy.sharding_stage=3", "hardware.devices_per_node=8"),
@@ -164,32 +175,11 @@ LAYOUTS = {
     # input-gradient steps (Unit.weight_grad_outputs), and without their logits and log-softmax
     # outputs; the two input gradients still to come are not sent yet; the step's own peak is the
     # first block re-run (rank 2 was -4.1%, KNOWN)
-    "pp2_mp2_zero_bubble_full": (
-        "strategy=hybrid",
-        "strategy.pp_degree=2",
-        "strategy.mp_degree=2",
-        "strategy.dp_degree=1",
-        "strategy.schedule=interleaved_zero_bubble",
-        "strategy.virtual_stages=2",
-        "strategy.recompute=full",
-        "hardware.devices_per_node=4",
-    ),
+    "pp2_mp2_zero_bubble_full": ZERO_BUBBLE_FULL,
     # the same with 4 blocks a chunk, last stage: the waiting micro-batches' output gradients grow
     # with the blocks (rank 2 was -15.3%). Rank 0 (-7.0%) is not modelled yet: its first chunk runs
     # one full backward at its weight step
-    "pp2_mp2_zero_bubble_full_16_layers": (
-        "strategy=hybrid",
-        "strategy.pp_degree=2",
-        "strategy.mp_degree=2",
-        "strategy.dp_degree=1",
-        "strategy.schedule=interleaved_zero_bubble",
-        "strategy.virtual_stages=2",
-        "strategy.recompute=full",
-        "hardware.devices_per_node=4",
-        "model.num_layers=16",
-        "--ranks",
-        "2",
-    ),
+    "pp2_mp2_zero_bubble_full_16_layers": (*ZERO_BUBBLE_FULL, "model.num_layers=16", "--ranks", "2"),
     # zero bubble under FSDP's mixed precision (dp 2 replicates): a chunk's weight-gradient pass
     # leaves 16-bit gradients that FSDP adds into its fp32 accumulators only at the chunk's next
     # post-backward, so every local chunk but the first holds its gradients once more (rank 0 was
