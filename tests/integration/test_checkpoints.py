@@ -272,14 +272,15 @@ def test_non_finite_gradients_abort_or_skip_naming_the_parameter(tmp_path):
         "fault.mode=nan_grad",
         "train.steps=4",
     )
-    r = train(tmp_path, tmp_path / "abort", *args, check=False)
+    r = train(tmp_path, tmp_path / "abort", *args, "train.log_interval=1", check=False)
     assert r.returncode != 0
     assert "non-finite gradient at step 2" in r.stderr and "'embed.tok.weight' on rank 1" in r.stderr
     r = train(tmp_path, tmp_path / "skip", *args, "fault.on_nonfinite=skip")
     records = read_metrics(tmp_path / "skip")
     assert [m["train/skipped_steps"] for m in records] == [0, 1, 1, 1]
     assert all(m["train/loss"] == m["train/loss"] for m in records)  # no NaN made it into the weights
-    # reading the device only every 3 steps: found at step 3, named as step 2; steps 1-2 recorded
+    # reading the device at step 1 and then every 3 steps: found at step 3, named as step 2;
+    # steps 1-2 recorded
     r = train(tmp_path, tmp_path / "late", *args, "train.log_interval=3", check=False)
     assert r.returncode != 0
     assert "non-finite gradient at step 2 (found at step 3" in r.stderr, r.stderr[-2000:]

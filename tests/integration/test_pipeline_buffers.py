@@ -29,7 +29,7 @@ def test_1f1b_reuses_receive_buffers_and_memory_matches_the_plan(tmp_path):
     # between a receive and its backward; torch's stage would hold 32 of each
     assert sets == {0: {"activations": 0, "gradients": 1}, 1: {"activations": 1, "gradients": 0}}, sets
     records = read_metrics(run_dir)
-    # log_interval=2: steps 1-2 read at step 2, step 3 (the last) at step 3; one record per step
+    # log_interval=2: step 1 (the first), 2 and 3 (the last) read; one record per step
     assert [m["step"] for m in records] == [1, 2, 3]
     last = records[-1]
     # live-tensor peak of the worst rank within 2% of the plan (it was 16% over the plan's

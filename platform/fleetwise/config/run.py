@@ -59,10 +59,12 @@ class TrainConfig(Section):
     steps: int = Field(ge=1, description="Optimizer steps to run.")
     seed: int = Field(42, description="Seed of the model initialisation.")
     log_interval: int = Field(
-        1,
+        10,
         ge=1,
-        description="Steps between console lines, and between reads of the device: the steps in between "
-        "never wait for it (their metrics are read, and a non-finite gradient found, at the next one).",
+        description="Steps between console lines, and between reads of the device (the first step reads "
+        "too): the steps in between never wait for it, nor for the other ranks (their metrics are "
+        "read, and a non-finite gradient found, at the next one; every step still reaches "
+        "metrics.jsonl and MLflow). 1 reads every step and names a non-finite gradient's parameter.",
     )
     warmup_steps_excluded: int = Field(
         2, ge=0, description="Leading steps left out of throughput summaries (start-up, allocator warm-up)."

@@ -235,11 +235,13 @@ class Trainer:
         return self._read_records() if reading else []
 
     def reads_host(self, step: int) -> bool:
-        """Whether step `step` reads the device (metrics, finite flags): a logging step, a
-        checkpoint step (no checkpoint of weights that went non-finite unseen) and the last one."""
+        """Whether step `step` reads the device (metrics, finite flags): a logging step, the first
+        (the user sees the job alive and its initial loss at once), a checkpoint step (no checkpoint
+        of weights that went non-finite unseen) and the last one."""
         t, ck = self.cfg.train, self.cfg.checkpoint
         return (
-            step % t.log_interval == 0
+            step == 1
+            or step % t.log_interval == 0
             or step >= t.steps
             or (ck.enabled and bool(ck.interval) and step % ck.interval == 0)
         )

@@ -353,7 +353,7 @@ class MetricsSink:
             line = self._line(self.next - 1, [recs[t] for t in sorted(recs)])
             self.lines.append(line)
             append_record(self.run_dir, line)
-            if line["step"] % self.cfg.train.log_interval == 0 or line["step"] == self.cfg.train.steps:
+            if line["step"] in (1, self.cfg.train.steps) or line["step"] % self.cfg.train.log_interval == 0:
                 log(
                     role,
                     f"step {line['step']}/{self.cfg.train.steps}: loss {line[Metric.LOSS]:.4f}, "
