@@ -396,3 +396,29 @@ def test_zero1_pays_its_hook_per_tensor_and_micro_batch_and_its_copies_per_step(
     ns = ("hardware.grad_accumulate_ns=2", *zero1)
     z, bare = plan(0, 0, *ns), plan(0, 0, *zero1)
     assert z.time_s["update"] - bare.time_s["update"] == pytest.approx(2 * z.params * 2e-9 * 1.5)
+
+
+def test_the_gemm_curve_never_falls_with_size(monkeypatch):
+    """A larger GEMM is never written as less efficient than a smaller one: a noisy top point
+    (two idle calibrations read 0.96 and 0.87 at 2e9 FLOPs) would rank larger micro-batches
+    slower in the search. Timed here with a fake probe: the 1024 GEMM's run is twice as slow
+    as its FLOPs say, the others at peak."""
+    from fleetwise.launcher import calibrate
+
+    peak = 1e11
+
+    def timed(fn, reps, sync=None, typical=False):
+        n = fn.__defaults__[0].in_features  # the probe's Linear
+        inner = fn.__defaults__[3]
+        return inner * 3 * 2 * n**3 / peak * (2.0 if n == 1024 else 1.0)
+
+    monkeypatch.setattr(calibrate, "_timed", timed)
+    curve = calibrate.gemm_curve(peak, overhead_us=0.0)
+    assert list(curve) == [str(2 * n**3) for n in calibrate.CURVE_SIZES]
+    assert curve[str(2 * 1024**3)] == curve[str(2 * 512**3)] == 1.0, curve
+    assert calibrate.monotone({"1e9": 0.87, "1e5": 0.1, "3e8": 0.96, "1e7": 0.5}) == {
+        "1e5": 0.1,
+        "1e7": 0.5,
+        "3e8": 0.96,
+        "1e9": 0.96,
+    }
