@@ -177,9 +177,10 @@ LAYOUTS = {
     # first block re-run (rank 2 was -4.1%, KNOWN)
     "pp2_mp2_zero_bubble_full": ZERO_BUBBLE_FULL,
     # the same with 4 blocks a chunk, last stage: the waiting micro-batches' output gradients grow
-    # with the blocks (rank 2 was -15.3%). Rank 0 (-7.0%) is not modelled yet: its first chunk runs
-    # one full backward at its weight step
-    "pp2_mp2_zero_bubble_full_16_layers": (*ZERO_BUBBLE_FULL, "model.num_layers=16", "--ranks", "2"),
+    # with the blocks (rank 2 was -15.3%). Rank 0 peaks the same way, in a weight step on its last
+    # local chunk (was -7.0% without it), with the receive buffers torch's lowered action list
+    # takes (planner.recv_buffer_sets: 2 + 1 and 1 sets, where the bound said 4 + 2 and 2)
+    "pp2_mp2_zero_bubble_full_16_layers": (*ZERO_BUBBLE_FULL, "model.num_layers=16", "--ranks", "0,2"),
     # zero bubble under FSDP's mixed precision (dp 2 replicates): a chunk's weight-gradient pass
     # leaves 16-bit gradients that FSDP adds into its fp32 accumulators only at the chunk's next
     # post-backward, so every local chunk but the first holds its gradients once more (rank 0 was
