@@ -820,6 +820,12 @@ def _memory_of(
             roles[r] if roles is not None else _role(chunks, ranks, r),
             tuple(flight.get(i, 1) for i in range(len(local))),
             tuple((c - 1 in local, c + 1 in local) for c in local),
+            # interleaved zero bubble: rank r has r + 1 waiting for a weight step and r + 1
+            # gradient receive sets (recv_buffer_sets)
+            tuple(sorted(weight_steps_waiting(s.schedule, layout.pp, v, n, r).items()))
+            if layout.pp > 1
+            else (),
+            min(n, r + 1) if s.schedule == "interleaved_zero_bubble" else 0,
         )
         if key not in by_key:
             by_key[key] = _rank_memory(cfg, layout, chunks, ranks, r, n)
