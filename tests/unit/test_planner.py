@@ -12,7 +12,7 @@ from fleetwise.plan.pipeline import (
     split_layers,
     weight_steps_waiting,
 )
-from fleetwise.plan.planner import _rank_memory, assign_units
+from fleetwise.plan.planner import _rank_memory, assign_units, recv_buffer_sets
 
 
 def plan_of(*overrides):
@@ -236,6 +236,41 @@ def test_zero_bubble_weight_steps_waiting_follow_torchs_action_lists():
     assert (
         weight_steps_waiting("1F1B", 4, 1, 8, 3) == {} == weight_steps_waiting("ZBV_zero_bubble", 2, 2, 8, 1)
     )
+
+
+def test_zero_bubble_receive_buffer_sets_follow_torchs_lowered_action_lists():
+    """runtime/pipeline_stage.py takes a set of receive buffers at a micro-batch's RECV action and
+    gives it back at its weight step; its pool's high-water mark per chunk, from torch's own
+    lowered lists (with the sends and receives), is what the planner counts: the first local
+    chunk's activation sets, the last one's, and every chunk's gradient sets."""
+    from torch.distributed.pipelining import schedules as S
+
+    T = S._ComputationType
+    for pp, v, n in [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 2, 16), (8, 2, 32), (4, 3, 8)]:
+        compute = _torch_action_lists(S.ScheduleInterleavedZeroBubble, pp, v, n)
+        lowered = S._add_send_recv(compute, stage_to_rank=lambda st, pp=pp: st % pp, num_stages=pp * v)
+        for rank, actions in lowered.items():
+            live, most = {}, {}
+            for a in actions:
+                key = {T.RECV_F: "act", T.RECV_B: "grad"}.get(a.computation_type)
+                if key:
+                    live.setdefault((key, a.stage_index), set()).add(a.microbatch_index)
+                    most[key, a.stage_index] = max(
+                        most.get((key, a.stage_index), 0), len(live[key, a.stage_index])
+                    )
+                if a.computation_type == T.BACKWARD_WEIGHT:
+                    for k in ("act", "grad"):
+                        live.get((k, a.stage_index), set()).discard(a.microbatch_index)
+            flight = chunks_in_flight("interleaved_zero_bubble", pp, v, n, rank)
+            for i in range(v):
+                stage = rank + pp * i
+                acts, grads = recv_buffer_sets("interleaved_zero_bubble", n, flight[i], rank, i, v)
+                if stage < pp * v - 1:
+                    assert most.get(("grad", stage), 0) == grads, (pp, v, n, rank, i)
+                if stage > 0 and i in (0, v - 1):  # a middle chunk's is bounded: 2 x in flight
+                    assert most.get(("act", stage), 0) == acts, (pp, v, n, rank, i)
+                elif stage > 0:
+                    assert most.get(("act", stage), 0) <= acts, (pp, v, n, rank, i)
 
 
 def _torch_action_lists(cls, pp: int, v: int, n: int) -> dict:

@@ -107,8 +107,9 @@ class Plan:
     ps: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     # the worst device's peak: {"phase": "forward/backward" | "backward" (GPipe) | "loss backward" |
-    # "root re-gather" (ZeRO-3) | "block backward" (ZeRO-2) | "end of backward" | "optimizer step" |
-    # "the fullest server" | "a trainer", "parts": {name: bytes}}, the parts adding up to memory_bytes["total"]
+    # "root re-gather" (ZeRO-3) | "block backward" (ZeRO-2) | "root reduce-scatter" (FSDP) |
+    # "end of backward" | "optimizer step" | "the fullest server" | "a trainer", "parts": {name: bytes}},
+    # the parts adding up to memory_bytes["total"]
     memory_peak: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -265,13 +266,10 @@ def _rank_memory(
     loss_done = 0.0  # what the activations change by once the loss's backward is done
     head_saved = 0.0  # what the head saves for its backward, one micro-batch
     block_saved = 0.0  # what a block saves for its backward, one micro-batch
-    # Interleaved zero bubble on the rank holding the last chunk: the peak is a weight step there
-    # (pipeline.weight_steps_waiting), with micro-batches waiting for theirs
-    waiting = (
-        weight_steps_waiting(s.schedule, layout.pp, s.virtual_stages, n, rank)
-        if pipelined and len(chunks) - 1 in local
-        else {}
-    )
+    # Interleaved zero bubble: every rank peaks in a weight step on its last local chunk
+    # (pipeline.weight_steps_waiting), with micro-batches waiting for theirs (rank 0 too: its first
+    # chunk's one full backward is not the moment; gpt/tiny pp 2 v 2, 16 layers, rank 0 was -7.0%)
+    waiting = weight_steps_waiting(s.schedule, layout.pp, s.virtual_stages, n, rank) if pipelined else {}
     weight_wait, weight_step = 0.0, 0.0  # what waiting adds; the weight step's own peak
 
     def saved_bytes(a) -> float:  # per sample, on this rank
@@ -342,9 +340,16 @@ def _rank_memory(
         # under sequence parallelism a stage sends, receives and holds its sequence shard
         shard_of_seq = mp if s.sequence_parallel else 1
         mem.pipeline_buffers = (
-            _pipeline_buffers(chunks, local, flight, n, b, s.schedule, waiting or None)
+            _pipeline_buffers(chunks, local, flight, n, b, s.schedule, waiting or None, rank)
             * whole_bytes
             / shard_of_seq
+        )
+        # at the optimizer step the schedule is done: its held sends and kept outputs are gone
+        # (torch drops the send Works when `step` returns), its pooled receive buffers stay
+        # (runtime/pipeline_stage.py; GPT-3 13B zero bubble v 2, rank 0 was +3.4%: the step
+        # phase with every send still held)
+        step_buffers = (
+            _receive_buffers(chunks, local, flight, n, b, s.schedule, rank) * whole_bytes / shard_of_seq
         )
         last = len(chunks) - 1
         if last in local:  # the last stage's outputs (the logits), from each forward to its backward
@@ -415,6 +420,23 @@ def _rank_memory(
         block_backward = max(first, later if len(blocks_) > 1 else 0.0)
         if not reshard_after_forward(s.sharding_stage):
             phases.append(("block backward", {**during, "activations": block_backward}))
+        # The root's reduce-scatter, the backward's last unit (FSDP runs it in its final callback,
+        # after autograd is done): every unit resharded, every activation freed, but the root's
+        # fp32 reduce-scatter input (its unsharded gradients) and output (its new sharded ones,
+        # beside those of the micro-batches before, or of the units before under offload: those
+        # are on the host) are alive, and so is the head's weight gradient in the gather dtype:
+        # autograd still holds it (a real gloo run holds it too: measured with the dry run's fake
+        # tensors and with real ones). It wins where the root dominates (a large vocabulary on a
+        # small model: gpt/tiny, vocab 16k, ZeRO-2 x mp 2 was -3.07%)
+        root = p - sum(u.params_on_rank(mp) for u in blocks_)
+        head_grad = max((u.fresh_grad_on_rank(mp) for u in units if u.kind == "head"), default=0.0)
+        root_reduce_scatter = {
+            "params": resting,
+            "grads": grads_sharded + (FP32 * root / sh if n > 1 or offloaded else 0.0),
+            "optimizer": mem.optimizer,
+            "activations": FP32 * root + gather_bytes * head_grad,
+            "inputs": mem.inputs,
+        }
     if engine == "fsdp" and reshard_after_forward(s.sharding_stage) and not pipelined and head_peak:
         # ZeRO-3: the loss's backward (its gradients of the log-softmax output and of the logits)
         # runs before any unit's backward gathers again, when every unit, the root included, has
@@ -438,6 +460,8 @@ def _rank_memory(
                 {**during, "params": resting + 2 * gather_bytes * root, "activations": acts + loss_done},
             )
         )
+    if engine == "fsdp" and not pipelined:
+        phases.append(("root reduce-scatter", root_reduce_scatter))
     if not accumulating and engine not in ("ddp", "zero1"):
         phases.append(
             (
@@ -481,7 +505,7 @@ def _rank_memory(
                 "grads": step_grads,
                 "optimizer": mem.optimizer,
                 "step_temporaries": mem.step_temporaries,
-                "pipeline_buffers": mem.pipeline_buffers,
+                "pipeline_buffers": step_buffers if pipelined else 0.0,
             },
         )
     )
@@ -499,6 +523,7 @@ def _pipeline_buffers(
     b: int,
     schedule: str,
     waiting: dict[int, int] | None = None,
+    rank: int = 0,
 ) -> float:
     """Elements a pipeline rank holds beyond its units' saved activations: per local chunk, the
     receive buffers of runtime/pipeline_stage.py (a set per micro-batch between its receive and the
@@ -518,7 +543,7 @@ def _pipeline_buffers(
     total = 0.0
     for i, c in enumerate(local):
         held = min(n, flight.get(i, 1))
-        activations, gradients = recv_buffer_sets(schedule, n, held)
+        activations, gradients = recv_buffer_sets(schedule, n, held, rank, i, len(local))
         if c > 0:
             received = max(0, activations - held)
             # input gradients sent back; looped BFS peaks at the end of its all-forward phase, before any
@@ -531,7 +556,31 @@ def _pipeline_buffers(
     return total
 
 
-def recv_buffer_sets(schedule: str, n: int, held: int) -> tuple[int, int]:
+def _receive_buffers(
+    chunks: list[list[Unit]],
+    local: list[int],
+    flight: dict[int, int],
+    n: int,
+    b: int,
+    schedule: str,
+    rank: int,
+) -> float:
+    """Elements of the receive buffers a pipeline rank keeps between steps: the sets of
+    `recv_buffer_sets` of each local chunk, activations (all but the first chunk) and gradients
+    (all but the last), pooled for the life of the stage (runtime/pipeline_stage.py)."""
+    total = 0.0
+    for i, c in enumerate(local):
+        activations, gradients = recv_buffer_sets(schedule, n, min(n, flight.get(i, 1)), rank, i, len(local))
+        if c > 0:
+            total += activations * b * chunks[c - 1][-1].boundary_elements
+        if c < len(chunks) - 1:
+            total += gradients * b * chunks[c][-1].boundary_elements
+    return total
+
+
+def recv_buffer_sets(
+    schedule: str, n: int, held: int, rank: int = 0, local: int = 0, virtual: int = 1
+) -> tuple[int, int]:
     """Sets of receive buffers (activations, gradients) one pipeline chunk makes, for a chunk that
     holds `held` micro-batches in flight at its peak. Counted on gpt/tiny with 32 micro-batches
     (`pipeline receive buffers` in the rank logs): 1F1B and GPipe receive an activation only for
@@ -539,7 +588,14 @@ def recv_buffer_sets(schedule: str, n: int, held: int) -> tuple[int, int]:
     2, 1 activation sets on stages 1-3 = pp - r, one gradient set each); looped BFS posts every
     micro-batch's receives of a phase at once (32 and 32); the interleaved and zero-bubble
     schedules post ahead of their backwards (pp 2, v 2: up to 2 × the micro-batches in flight
-    and 2 gradient sets; taken as the bound)."""
+    and 2 gradient sets; taken as the bound). Interleaved zero bubble, from torch 2.13's lowered
+    action lists (each receive taken at its RECV action, given back at the micro-batch's weight
+    step; pp 2-8, v 2-3; rank `rank`, local chunk `local` of `virtual`): its first local chunk
+    2 × in flight, its last one in flight, r + 1 gradient sets (the bound was rank 0's 4 + 2 and
+    2 + 2 for 2 + 1 and 1: planner +3.7% on gpt/tiny pp 2 v 2 rank 0)."""
+    if schedule == "interleaved_zero_bubble":
+        acts = held if local == virtual - 1 and virtual > 1 else 2 * held
+        return min(n, acts), min(n, rank + 1)
     if schedule == "looped_BFS":
         return n, n
     if schedule in ("1F1B", "GPipe"):
@@ -764,6 +820,12 @@ def _memory_of(
             roles[r] if roles is not None else _role(chunks, ranks, r),
             tuple(flight.get(i, 1) for i in range(len(local))),
             tuple((c - 1 in local, c + 1 in local) for c in local),
+            # interleaved zero bubble: rank r has r + 1 waiting for a weight step and r + 1
+            # gradient receive sets (recv_buffer_sets)
+            tuple(sorted(weight_steps_waiting(s.schedule, layout.pp, v, n, r).items()))
+            if layout.pp > 1
+            else (),
+            min(n, r + 1) if s.schedule == "interleaved_zero_bubble" else 0,
         )
         if key not in by_key:
             by_key[key] = _rank_memory(cfg, layout, chunks, ranks, r, n)
