@@ -7,6 +7,8 @@ zero bubble), except ZBV which folds the chunks into a V (rank r holds chunks r 
 
 from __future__ import annotations
 
+from functools import cache
+
 from fleetwise.config.strategy import INTERLEAVED_SCHEDULES
 
 
@@ -26,6 +28,7 @@ def chunk_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
     return [c % pp for c in range(chunks)]
 
 
+@cache  # the search asks it for every rank of every candidate (callers never mutate the dict)
 def chunks_in_flight(schedule: str, pp: int, virtual: int, n: int, rank: int) -> dict[int, int]:
     """Micro-batches whose activations a rank holds at its peak, per local chunk index.
 
