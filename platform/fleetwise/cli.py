@@ -603,7 +603,9 @@ def cmd_calibrate(argv: list[str]) -> int:
             f"{cal.conv_call_us:.0f} µs · checkpointing {cal.checkpoint_op_us:.0f} µs/op (selective "
             f"{cal.selective_checkpoint_op_us:.0f}) · DTensor {cal.dtensor_op_us:.0f} µs/op · FSDP "
             f"{cal.fsdp_us_per_tensor:.0f} µs/unit pass·tensor · ZeRO-1 {cal.zero1_us_per_tensor:.0f} µs/tensor·"
-            f"micro-batch + {cal.zero1_step_us_per_tensor:.0f} µs/tensor·step · co-run slowdown {cal.co_run_slowdown:.2f}"
+            f"micro-batch + {cal.zero1_step_us_per_tensor:.0f} µs/tensor·step · zero-bubble split "
+            f"{cal.zero_bubble_split_op_us:.0f} µs/op + {cal.zero_bubble_split_ns_per_param:.2f} ns/param · co-run "
+            f"slowdown {cal.co_run_slowdown:.2f}"
             f"\n  profile written to {out}: use hardware={args.name}",
             highlight=False,
         )

@@ -31,6 +31,8 @@ MEASURED = dict(
     conv_call_us=200.0,
     checkpoint_op_us=20.0,
     selective_checkpoint_op_us=50.0,
+    zero_bubble_split_op_us=30.0,
+    zero_bubble_split_ns_per_param=0.5,
 )
 
 
@@ -232,6 +234,43 @@ def test_pipeline_schedule_actions_pay_their_host_cost(local_profile, schedule, 
         "hardware.pipeline_action_us=0",
     )
     assert make_plan(dp).time_s["host_ops"] == pytest.approx(make_plan(dp_free).time_s["host_ops"])
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "ZBV_zero_bubble"])
+def test_zero_bubble_split_backward_is_charged_on_every_chunk_but_the_first(local_profile, schedule):
+    """Zero bubble's split backward pays the profile's 30 µs per forward op and 0.5 ns per parameter
+    of every unit in chunks 1.. (torch runs chunk 0's backward whole), per micro-batch, 1.5x slower
+    with the other rank running; other schedules pay nothing."""
+    from fleetwise.plan.planner import Layout, assign_units
+
+    def plan(schedule, *overrides):
+        cfg, problems = compose(
+            "recipe=gpt/tiny",
+            "hardware=local",
+            "hardware.devices_per_node=2",
+            "strategy=pp",
+            "strategy.pp_degree=2",
+            f"strategy.schedule={schedule}",
+            "strategy.virtual_stages=2",
+            *overrides,
+        )
+        assert problems == []
+        return cfg, make_plan(cfg, per_stage=True)
+
+    free = ("hardware.zero_bubble_split_op_us=0", "hardware.zero_bubble_split_ns_per_param=0")
+    cfg, charged = plan(schedule)
+    _, uncharged = plan(schedule, *free)
+    chunks = assign_units(cfg, Layout.of(cfg))
+    n = charged.batch["accumulate_steps"]
+    stage = {s["rank"]: s for s in charged.stages}
+    for r, before in ((s["rank"], s) for s in uncharged.stages):
+        split = [u for c in stage[r]["chunks"] if c > 0 for u in chunks[c]]
+        ops, params = sum(u.fwd_ops for u in split), sum(u.params_on_rank(1) for u in split)
+        assert ops > 0
+        extra = stage[r]["compute_s"] - before["compute_s"]
+        assert extra == pytest.approx(n * 1.5 * (ops * 30e-6 + params * 0.5e-9))
+    for other in ("interleaved_1F1B", "looped_BFS"):
+        assert plan(other)[1].step_time_s == pytest.approx(plan(other, *free)[1].step_time_s)
 
 
 def test_co_running_ranks_and_convolutions_are_charged(local_profile):

@@ -184,6 +184,19 @@ class HardwareConfig(Section):
         description="The same for selective checkpointing, whose policy dispatch mode sees every op twice "
         "(calibrate measures it on CPUs; 0: not charged).",
     )
+    zero_bubble_split_op_us: float = Field(
+        0.0,
+        ge=0,
+        description="Extra host time per forward op of a block whose backward a zero-bubble schedule "
+        "splits into input- and weight-gradient passes, beyond one full backward, microseconds "
+        "(calibrate measures it on CPUs; 0: not charged).",
+    )
+    zero_bubble_split_ns_per_param: float = Field(
+        0.0,
+        ge=0,
+        description="The same split's extra time per parameter of the block (a memory-bound pass over "
+        "its weights), nanoseconds (calibrate measures it on CPUs; 0: not charged).",
+    )
     host_link_gbps: float | None = Field(
         None,
         gt=0,

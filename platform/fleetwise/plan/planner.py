@@ -339,18 +339,13 @@ def _rank_memory(
     if pipelined:
         # under sequence parallelism a stage sends, receives and holds its sequence shard
         shard_of_seq = mp if s.sequence_parallel else 1
-        mem.pipeline_buffers = (
-            _pipeline_buffers(chunks, local, flight, n, b, s.schedule, waiting or None, rank)
-            * whole_bytes
-            / shard_of_seq
-        )
+        in_step, pooled = _pipeline_buffers(chunks, local, flight, n, b, s.schedule, waiting or None, rank)
+        mem.pipeline_buffers = in_step * whole_bytes / shard_of_seq
         # at the optimizer step the schedule is done: its held sends and kept outputs are gone
         # (torch drops the send Works when `step` returns), its pooled receive buffers stay
         # (runtime/pipeline_stage.py; GPT-3 13B zero bubble v 2, rank 0 was +3.4%: the step
         # phase with every send still held)
-        step_buffers = (
-            _receive_buffers(chunks, local, flight, n, b, s.schedule, rank) * whole_bytes / shard_of_seq
-        )
+        step_buffers = pooled * whole_bytes / shard_of_seq
         last = len(chunks) - 1
         if last in local:  # the last stage's outputs (the logits), from each forward to its backward
             i = local.index(last)
@@ -524,13 +519,15 @@ def _pipeline_buffers(
     schedule: str,
     waiting: dict[int, int] | None = None,
     rank: int = 0,
-) -> float:
-    """Elements a pipeline rank holds beyond its units' saved activations: per local chunk, the
-    receive buffers of runtime/pipeline_stage.py (a set per micro-batch between its receive and the
-    end of its backward, reused: `recv_buffer_sets`) for the activations it receives (all but the
-    first chunk; those of in-flight micro-batches are the first block's saved input already) and
-    for the gradients (all but the last chunk); and the outputs it sends on: each in-flight
-    micro-batch's output is kept until its backward.
+) -> tuple[float, float]:
+    """Elements a pipeline rank holds beyond its units' saved activations, (during the step, at
+    the optimizer step).
+
+    During the step, per local chunk: the receive buffers of runtime/pipeline_stage.py (a set per
+    micro-batch between its receive and the end of its backward, reused: `recv_buffer_sets`) for
+    the activations it receives (all but the first chunk; those of in-flight micro-batches are the
+    first block's saved input already) and for the gradients (all but the last chunk); and the
+    outputs it sends on: each in-flight micro-batch's output is kept until its backward.
 
     torch's multi-stage schedules (interleaved, zero bubble, looped BFS: `is_interleaved`) keep
     every send's Work to the end of the step, and a gloo or NCCL Work holds the tensor it sends:
@@ -538,44 +535,29 @@ def _pipeline_buffers(
     The rank's peak comes late in the step (measured in the dry run on gpt/tiny, pp 2, v 2: the
     gap grew by exactly one boundary tensor per send per micro-batch), so all n are counted --
     but the input gradients of micro-batches whose input-gradient step is still to come, where
-    `waiting` names the peak's zero-bubble weight step (pipeline.weight_steps_waiting)."""
+    `waiting` names the peak's zero-bubble weight step (pipeline.weight_steps_waiting).
+
+    At the optimizer step only the pooled receive sets remain, every one of them (the stage keeps
+    them for its life)."""
     mine, held_sends = set(local), is_interleaved(schedule)
-    total = 0.0
+    in_step = pooled = 0.0
     for i, c in enumerate(local):
         held = min(n, flight.get(i, 1))
         activations, gradients = recv_buffer_sets(schedule, n, held, rank, i, len(local))
         if c > 0:
+            boundary = b * chunks[c - 1][-1].boundary_elements
+            pooled += activations * boundary
             received = max(0, activations - held)
             # input gradients sent back; looped BFS peaks at the end of its all-forward phase, before any
             if held_sends and c - 1 not in mine and schedule != "looped_BFS":
                 received += n if waiting is None else n - held + min(waiting.get(i, 0), held)
-            total += received * b * chunks[c - 1][-1].boundary_elements
+            in_step += received * boundary
         if c < len(chunks) - 1:  # outputs: sent to the next chunk's rank, or kept for the backward
+            boundary = b * chunks[c][-1].boundary_elements
+            pooled += gradients * boundary
             outputs = n if held_sends and c + 1 not in mine else held
-            total += (gradients + outputs) * b * chunks[c][-1].boundary_elements
-    return total
-
-
-def _receive_buffers(
-    chunks: list[list[Unit]],
-    local: list[int],
-    flight: dict[int, int],
-    n: int,
-    b: int,
-    schedule: str,
-    rank: int,
-) -> float:
-    """Elements of the receive buffers a pipeline rank keeps between steps: the sets of
-    `recv_buffer_sets` of each local chunk, activations (all but the first chunk) and gradients
-    (all but the last), pooled for the life of the stage (runtime/pipeline_stage.py)."""
-    total = 0.0
-    for i, c in enumerate(local):
-        activations, gradients = recv_buffer_sets(schedule, n, min(n, flight.get(i, 1)), rank, i, len(local))
-        if c > 0:
-            total += activations * b * chunks[c - 1][-1].boundary_elements
-        if c < len(chunks) - 1:
-            total += gradients * b * chunks[c][-1].boundary_elements
-    return total
+            in_step += (gradients + outputs) * boundary
+    return in_step, pooled
 
 
 def recv_buffer_sets(
@@ -936,6 +918,14 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
     # backward into input- and weight-gradient actions. Measured on co-running stages, like DTensor's.
     pp_actions = (3 if "zero_bubble" in s.schedule else 2) if layout.pp > 1 else 0
     action_s = hw.pipeline_action_us * 1e-6 * hw.ranks_per_core
+    # ... and the zero-bubble split itself: torch's input-gradient pass keeps the graph for the
+    # weight-gradient pass, which walks it again (host time per forward op) and makes a
+    # memory-bound pass over the chunk's weights, in every chunk but the first (which torch runs as
+    # one full backward). Measured by calibrate on fleetwise's own block; a 6-layer d=512 GPT on 2
+    # CPU ranks ran ~4 ms per block and micro-batch longer under interleaved zero bubble than 1F1B.
+    split = s.schedule in ZERO_BUBBLE and layout.pp > 1
+    split_op_s = slow * hw.zero_bubble_split_op_us * 1e-6 * hw.ranks_per_core
+    split_param_s = slow * hw.zero_bubble_split_ns_per_param * 1e-9 * hw.ranks_per_core
     # gradient accumulation: each micro-batch's gradient is added into the step's, a memory-bound
     # pass over the rank's gradients (every micro-batch into ZeRO-1's fp32 buffer, whose hook also
     # takes the first; under DDP autograd adds micro-batches 2..n into .grad; FSDP without a pipeline
@@ -953,11 +943,12 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
     gemm_memo: dict[str, float] = {}  # GEMM efficiency per class of equal units
     again = block_recomputes(s.schedule, layout.pp, chunks)
 
-    def rank_work(r: int) -> tuple[float, float, int, int, float, int, int, int]:
+    def rank_work(r: int) -> tuple[float, float, int, int, float, int, int, int, int, float]:
         """The step's GEMM seconds and device FLOPs of pipeline rank `r`,
         and per micro-batch its ops, re-run ops, elements written, convolutions, parameter
-        tensors and local chunks."""
+        tensors, local chunks, and the ops and parameters whose backward zero bubble splits."""
         units = _rank_units(chunks, ranks, r)
+        splits = [u for c, rr in enumerate(ranks) if split and rr == r and c > 0 for u in chunks[c]]
         # both recompute modes re-run every op of a block in backward (selective reads saved
         # matmul results back, but still dispatches the ops); zero bubble: twice (block_recomputes)
         redo = (
@@ -988,14 +979,18 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
             sum(u.fwd_convs for u in units + redo),
             sum(u.param_tensors for u in units),
             sum(1 for rr in ranks if rr == r),
+            sum(u.fwd_ops for u in splits),
+            sum(u.params_on_rank(layout.mp) for u in splits),
         )
 
     # ranks in the same role (the inner ranks of a deep pipeline) do the same work: counted once
-    work_of: dict[tuple, tuple[float, float, int, int, float, int, int, int]] = {}
+    work_of: dict[tuple, tuple[float, float, int, int, float, int, int, int, int, float]] = {}
     for r in range(layout.pp):
         if roles[r] not in work_of:
             work_of[roles[r]] = rank_work(r)
-        gemm, done, ops, redo_ops, elements, convs, tensors, local_chunks = work_of[roles[r]]
+        gemm, done, ops, redo_ops, elements, convs, tensors, local_chunks, split_ops, split_params = work_of[
+            roles[r]
+        ]
         device_flops.append(done)
         host_time.append(
             n
@@ -1005,10 +1000,13 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
                 + convs * slow * hw.conv_call_us * 1e-6 * hw.ranks_per_core
                 + tensors * (fsdp_s + zero1_s)
                 + pp_actions * local_chunks * action_s
+                + split_ops * split_op_s
             )
         )
         elementwise_time.append(n * b * elements * elem_s)
-        accumulate_time.append(adds * rank_params[r] * accumulated_share * accumulate_s)
+        accumulate_time.append(
+            adds * rank_params[r] * accumulated_share * accumulate_s + n * split_params * split_param_s
+        )
         stage_time.append(slow * gemm + host_time[-1] + elementwise_time[-1] + accumulate_time[-1])
         elements_updated = rank_params[r] / update_shard
         update_time.append(
