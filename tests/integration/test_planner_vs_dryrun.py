@@ -255,7 +255,8 @@ LAYOUTS = {
     # loss frees the 16-bit logits at their upcast (runtime/parallelize.py ParallelModel.loss), this
     # small model peaks at the root's reduce-scatter, the end of the last micro-batch's backward:
     # the root's fp32 reduce-scatter input and output beside every sharded gradient, and the head's
-    # 16-bit weight gradient (planner phase "root reduce-scatter"; was -3.07%, KNOWN)
+    # 16-bit weight gradient (planner phase "root reduce-scatter"; was -3.07%, KNOWN), and gloo's
+    # copy of that input, which the dry run missed until it matched a real run (test_dryrun.py)
     "sh2_mp2_bf16_vocab16k": (
         "strategy=hybrid",
         "strategy.sharding_degree=2",

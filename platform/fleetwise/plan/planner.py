@@ -427,14 +427,17 @@ def _rank_memory(
         # are on the host) are alive, and so is the head's weight gradient in the gather dtype:
         # autograd still holds it (a real gloo run holds it too: measured with the dry run's fake
         # tensors and with real ones). It wins where the root dominates (a large vocabulary on a
-        # small model: gpt/tiny, vocab 16k, ZeRO-2 x mp 2 was -3.07%)
+        # small model: gpt/tiny, vocab 16k, ZeRO-2 x mp 2 was -3.07%). gloo reduces a copy of the
+        # whole input, alive for the call (NCCL reduces in place): the input twice there (the same
+        # row, dry run and real run: -20.2% without it)
         root = p - sum(u.params_on_rank(mp) for u in blocks_)
         head_grad = max((u.fresh_grad_on_rank(mp) for u in units if u.kind == "head"), default=0.0)
+        copies = 2 if cfg.hardware.backend == "gloo" else 1
         root_reduce_scatter = {
             "params": resting,
             "grads": grads_sharded + (FP32 * root / sh if n > 1 or offloaded else 0.0),
             "optimizer": mem.optimizer,
-            "activations": FP32 * root + gather_bytes * head_grad,
+            "activations": copies * FP32 * root + gather_bytes * head_grad,
             "inputs": mem.inputs,
         }
     if engine == "fsdp" and reshard_after_forward(s.sharding_stage) and not pipelined and head_peak:
