@@ -255,7 +255,8 @@ LAYOUTS = {
     # loss frees the 16-bit logits at their upcast (runtime/parallelize.py ParallelModel.loss), this
     # small model peaks at the root's reduce-scatter, the end of the last micro-batch's backward:
     # the root's fp32 reduce-scatter input and output beside every sharded gradient, and the head's
-    # 16-bit weight gradient (planner phase "root reduce-scatter"; was -3.07%, KNOWN)
+    # 16-bit weight gradient (planner phase "root reduce-scatter"; was -3.07%, KNOWN), and gloo's
+    # copy of that input, which the dry run missed until it matched a real run (test_dryrun.py)
     "sh2_mp2_bf16_vocab16k": (
         "strategy=hybrid",
         "strategy.sharding_degree=2",
@@ -266,6 +267,16 @@ LAYOUTS = {
         "hardware.has_bf16=true",
         "hardware.devices_per_node=4",
         "model.vocab_size=16384",
+    ),
+    # ZB-V on pp 2 (rank r holds stages r and 3-r): rank 0 peaks inside the last stage's
+    # input-gradient step, late in the step, keeping every output gradient it makes for the weight
+    # step that follows at once (planner: `Unit.weight_grad_outputs` of the chunk; was -3.33%,
+    # rank 1 -0.95%); receive sets from torch's lowered lists (recv_buffer_sets)
+    "pp2_zbv": (
+        "strategy=pp",
+        "strategy.schedule=ZBV_zero_bubble",
+        "strategy.virtual_stages=2",
+        "hardware.devices_per_node=2",
     ),
     # DDP (torch's reducer on fake tensors): its gradients are its all-reduce buckets, 4
     # micro-batches accumulated in them under no_sync, one all-reduce of every bucket a step

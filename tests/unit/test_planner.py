@@ -273,6 +273,72 @@ def test_zero_bubble_receive_buffer_sets_follow_torchs_lowered_action_lists():
                     assert most.get(("act", stage), 0) <= acts, (pp, v, n, rank, i)
 
 
+def _zbv_action_lists(pp: int, n: int) -> dict:
+    """torch 2.13's ZB-V action lists per rank, without a process group (local chunk 0 is stage r,
+    1 is stage 2pp-1-r)."""
+    from torch.distributed.pipelining import schedules as S
+
+    sched = S.ScheduleZBVZeroBubble.__new__(S.ScheduleZBVZeroBubble)
+    sched.pp_group_size, sched._n_microbatches = pp, n
+    sched.num_stages = sched._num_stages = 2 * pp
+    return {r: [a for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(pp)}
+
+
+ZBV_CASES = [(2, 4), (2, 8), (2, 16), (3, 6), (4, 8), (4, 16), (8, 16), (8, 32)]
+
+
+def test_zbv_weight_steps_follow_their_input_gradient_steps_at_once():
+    """ZB-V runs each input-gradient step's weight step right after it (in the cool-down after a
+    few more input-gradient steps): no micro-batch waits for one at the planner's moment, which is
+    inside an input-gradient step (weight_steps_waiting is empty; the transient is what it keeps
+    for its weight step). Micro-batches in flight: test_micro_batches_in_flight_follow_torchs_action_lists."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    for pp, n in ZBV_CASES:
+        for rank, actions in _zbv_action_lists(pp, n).items():
+            steady = [a for a in actions if a.computation_type == T.FORWARD][
+                -1
+            ]  # the cool-down starts after it
+            steady_end = actions.index(steady)
+            for a, after in zip(actions[:steady_end], actions[1 : steady_end + 1], strict=True):
+                if a.computation_type == T.BACKWARD_INPUT:
+                    assert after.computation_type == T.BACKWARD_WEIGHT, (pp, n, rank, str(a))
+                    assert (after.stage_index, after.microbatch_index) == (a.stage_index, a.microbatch_index)
+            assert weight_steps_waiting("ZBV_zero_bubble", pp, 2, n, rank) == {}
+
+
+def test_zbv_receive_buffer_sets_follow_torchs_lowered_action_lists():
+    """As for interleaved zero bubble: a set taken at a micro-batch's RECV, given back at its weight
+    step; the pool's high-water mark per chunk is recv_buffer_sets' count, wherever the neighbour
+    is another rank (rank pp-1 hands its middle boundary to itself: no receive)."""
+    from torch.distributed.pipelining import schedules as S
+
+    T = S._ComputationType
+    for pp, n in ZBV_CASES:
+        compute = _zbv_action_lists(pp, n)
+        on_rank = lambda st, pp=pp: st if st < pp else 2 * pp - 1 - st  # noqa: E731
+        lowered = S._add_send_recv(compute, stage_to_rank=on_rank, num_stages=2 * pp)
+        for rank, actions in lowered.items():
+            live, most = {}, {}
+            for a in actions:
+                key = {T.RECV_F: "act", T.RECV_B: "grad"}.get(a.computation_type)
+                if key:
+                    live.setdefault((key, a.stage_index), set()).add(a.microbatch_index)
+                    most[key, a.stage_index] = max(
+                        most.get((key, a.stage_index), 0), len(live[key, a.stage_index])
+                    )
+                if a.computation_type == T.BACKWARD_WEIGHT:
+                    for k in ("act", "grad"):
+                        live.get((k, a.stage_index), set()).discard(a.microbatch_index)
+            flight = chunks_in_flight("ZBV_zero_bubble", pp, 2, n, rank)
+            for i, stage in enumerate([rank, 2 * pp - 1 - rank]):
+                acts, grads = recv_buffer_sets("ZBV_zero_bubble", n, flight[i], rank, i, 2)
+                if stage > 0 and on_rank(stage - 1) != rank:
+                    assert most.get(("act", stage), 0) == acts, (pp, n, rank, i)
+                if stage < 2 * pp - 1 and on_rank(stage + 1) != rank:
+                    assert most.get(("grad", stage), 0) == grads, (pp, n, rank, i)
+
+
 def _torch_action_lists(cls, pp: int, v: int, n: int) -> dict:
     """torch 2.13's own per-rank action lists of a multi-stage schedule, without a process group."""
     sched = cls.__new__(cls)

@@ -353,6 +353,17 @@ def _rank_memory(
             mem.pipeline_buffers += held * b * chunks[last][-1].output_split / mp * split_bytes
     if fresh:
         transient = max(transient, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
+    if s.schedule == "ZBV_zero_bubble" and pipelined:
+        # ZB-V peaks inside an input-gradient step (torch 2.13's lists: each is followed at once by
+        # its weight step, so none waits at the peak; gpt/tiny pp 2 rank 0: the last stage's, late
+        # in the step). Its micro-batch keeps every output gradient it makes for that weight step
+        # (`Unit.weight_grad_outputs`): near its end, those of all of the chunk's units at once
+        # (gpt/tiny pp 2 rank 0: -3.33% without; pp 4 rank 0 -2.33%). Chunk 0 is left out: its
+        # input needs no gradient (`block_recomputes`)
+        for c in local:
+            if c > 0:
+                kept = sum(b * saved_bytes(u.weight_grad_outputs) for u in chunks[c])
+                transient = max(transient, kept)
     # zero bubble's weight step: not the input-gradient steps' temporaries (the loss's backward,
     # a block's input gradients), but the waiting micro-batches' output gradients
     mem.activations = acts + (weight_wait + weight_step if waiting else transient)
@@ -422,14 +433,17 @@ def _rank_memory(
         # are on the host) are alive, and so is the head's weight gradient in the gather dtype:
         # autograd still holds it (a real gloo run holds it too: measured with the dry run's fake
         # tensors and with real ones). It wins where the root dominates (a large vocabulary on a
-        # small model: gpt/tiny, vocab 16k, ZeRO-2 x mp 2 was -3.07%)
+        # small model: gpt/tiny, vocab 16k, ZeRO-2 x mp 2 was -3.07%). gloo reduces a copy of the
+        # whole input, alive for the call (NCCL reduces in place): the input twice there (the same
+        # row, dry run and real run: -20.2% without it)
         root = p - sum(u.params_on_rank(mp) for u in blocks_)
         head_grad = max((u.fresh_grad_on_rank(mp) for u in units if u.kind == "head"), default=0.0)
+        copies = 2 if cfg.hardware.backend == "gloo" else 1
         root_reduce_scatter = {
             "params": resting,
             "grads": grads_sharded + (FP32 * root / sh if n > 1 or offloaded else 0.0),
             "optimizer": mem.optimizer,
-            "activations": FP32 * root + gather_bytes * head_grad,
+            "activations": copies * FP32 * root + gather_bytes * head_grad,
             "inputs": mem.inputs,
         }
     if engine == "fsdp" and reshard_after_forward(s.sharding_stage) and not pipelined and head_peak:
@@ -574,10 +588,17 @@ def recv_buffer_sets(
     action lists (each receive taken at its RECV action, given back at the micro-batch's weight
     step; pp 2-8, v 2-3; rank `rank`, local chunk `local` of `virtual`): its first local chunk
     2 × in flight, its last one in flight, r + 1 gradient sets (the bound was rank 0's 4 + 2 and
-    2 + 2 for 2 + 1 and 1: planner +3.7% on gpt/tiny pp 2 v 2 rank 0)."""
+    2 + 2 for 2 + 1 and 1: planner +3.7% on gpt/tiny pp 2 v 2 rank 0). ZB-V, from the same lists
+    (pp 2-8; local chunk 0 is stage r, 1 is stage 2pp-1-r): one activation set more than in flight
+    on each chunk, r + 2 gradient sets on the first and r on the second (the bound was 2 x in
+    flight and 2). Rank pp-1 hands its middle boundary to itself (no receive in torch's lists);
+    the same counts are taken there: dry run pp 2 rank 1 -0.45%, but pp 4 rank 3 -12.7% (-13.0%
+    before): something on that rank is not modelled yet."""
     if schedule == "interleaved_zero_bubble":
         acts = held if local == virtual - 1 and virtual > 1 else 2 * held
         return min(n, acts), min(n, rank + 1)
+    if schedule == "ZBV_zero_bubble":
+        return min(n, held + 1), min(n, rank + 2 if local == 0 else rank)
     if schedule == "looped_BFS":
         return n, n
     if schedule in ("1F1B", "GPipe"):
@@ -624,14 +645,16 @@ def _pp_bytes_of_rank(
     chunks: list[list[Unit]], ranks: list[int], rank: int, n: int, b: int, residual: int
 ) -> float:
     """Bytes pipeline rank `rank` sends per step: each micro-batch's activations to the next chunk
-    (all but the last chunk) and its input gradients to the previous one (all but the first)."""
+    (all but the last chunk) and its input gradients to the previous one (all but the first), where
+    that chunk is on another rank (ZB-V's rank pp-1 hands its middle boundary to itself; gpt/tiny
+    pp 2 rank 1 was +100%)."""
     out = 0.0
     for c, owner in enumerate(ranks):
         if owner != rank:
             continue
-        if c < len(chunks) - 1:
+        if c < len(chunks) - 1 and ranks[c + 1] != rank:
             out += n * b * chunks[c][-1].boundary_elements * residual
-        if c > 0:
+        if c > 0 and ranks[c - 1] != rank:
             out += n * b * chunks[c - 1][-1].boundary_elements * residual
     return out
 
@@ -803,11 +826,12 @@ def _memory_of(
             tuple(flight.get(i, 1) for i in range(len(local))),
             tuple((c - 1 in local, c + 1 in local) for c in local),
             # interleaved zero bubble: rank r has r + 1 waiting for a weight step and r + 1
-            # gradient receive sets (recv_buffer_sets)
+            # gradient receive sets, ZB-V r + 2 and r (recv_buffer_sets)
             tuple(sorted(weight_steps_waiting(s.schedule, layout.pp, v, n, r).items()))
             if layout.pp > 1
             else (),
             min(n, r + 1) if s.schedule == "interleaved_zero_bubble" else 0,
+            min(n, r + 2) if s.schedule == "ZBV_zero_bubble" else 0,  # ZB-V's gradient receive sets
         )
         if key not in by_key:
             by_key[key] = _rank_memory(cfg, layout, chunks, ranks, r, n)
