@@ -198,6 +198,22 @@ def test_fsdp_host_work_is_per_unit_pass_and_a_regather_costs_only_its_collectiv
     assert z3.time_s["comm_sharding"] - z2.time_s["comm_sharding"] == pytest.approx(regather)
 
 
+def _pipeline_plan(schedule: str, virtual: int, *overrides: str):
+    """(config, plan) of gpt/tiny on 2 pipeline ranks of the calibrated profile."""
+    cfg, problems = compose(
+        "recipe=gpt/tiny",
+        "hardware=local",
+        "hardware.devices_per_node=2",
+        "strategy=pp",
+        "strategy.pp_degree=2",
+        f"strategy.schedule={schedule}",
+        f"strategy.virtual_stages={virtual}",
+        *overrides,
+    )
+    assert problems == []
+    return cfg, make_plan(cfg)
+
+
 @pytest.mark.parametrize(
     ("schedule", "virtual", "actions"),
     [("1F1B", 1, 2), ("interleaved_1F1B", 2, 2), ("interleaved_zero_bubble", 2, 3)],
@@ -207,21 +223,8 @@ def test_pipeline_schedule_actions_pay_their_host_cost(local_profile, schedule, 
     split weight-gradient pass of zero-bubble schedules) pays the profile's 100 µs (measured on
     co-running stages: no co-run slowdown on top); without a pipeline there are none."""
 
-    def plan(*overrides):
-        cfg, problems = compose(
-            "recipe=gpt/tiny",
-            "hardware=local",
-            "hardware.devices_per_node=2",
-            "strategy=pp",
-            "strategy.pp_degree=2",
-            f"strategy.schedule={schedule}",
-            f"strategy.virtual_stages={virtual}",
-            *overrides,
-        )
-        assert problems == []
-        return make_plan(cfg)
-
-    charged, free = plan(), plan("hardware.pipeline_action_us=0")
+    charged = _pipeline_plan(schedule, virtual)[1]
+    free = _pipeline_plan(schedule, virtual, "hardware.pipeline_action_us=0")[1]
     n = charged.batch["accumulate_steps"]
     extra = charged.time_s["host_ops"] - free.time_s["host_ops"]
     assert extra == pytest.approx(n * virtual * actions * 100e-6)
@@ -243,23 +246,9 @@ def test_zero_bubble_split_backward_is_charged_on_every_chunk_but_the_first(loca
     with the other rank running; other schedules pay nothing."""
     from fleetwise.plan.planner import Layout, assign_units
 
-    def plan(schedule, *overrides):
-        cfg, problems = compose(
-            "recipe=gpt/tiny",
-            "hardware=local",
-            "hardware.devices_per_node=2",
-            "strategy=pp",
-            "strategy.pp_degree=2",
-            f"strategy.schedule={schedule}",
-            "strategy.virtual_stages=2",
-            *overrides,
-        )
-        assert problems == []
-        return cfg, make_plan(cfg, per_stage=True)
-
     free = ("hardware.zero_bubble_split_op_us=0", "hardware.zero_bubble_split_ns_per_param=0")
-    cfg, charged = plan(schedule)
-    _, uncharged = plan(schedule, *free)
+    cfg, charged = _pipeline_plan(schedule, 2)
+    _, uncharged = _pipeline_plan(schedule, 2, *free)
     chunks = assign_units(cfg, Layout.of(cfg))
     n = charged.batch["accumulate_steps"]
     stage = {s["rank"]: s for s in charged.stages}
@@ -270,7 +259,9 @@ def test_zero_bubble_split_backward_is_charged_on_every_chunk_but_the_first(loca
         extra = stage[r]["compute_s"] - before["compute_s"]
         assert extra == pytest.approx(n * 1.5 * (ops * 30e-6 + params * 0.5e-9))
     for other in ("interleaved_1F1B", "looped_BFS"):
-        assert plan(other)[1].step_time_s == pytest.approx(plan(other, *free)[1].step_time_s)
+        assert _pipeline_plan(other, 2)[1].step_time_s == pytest.approx(
+            _pipeline_plan(other, 2, *free)[1].step_time_s
+        )
 
 
 def test_co_running_ranks_and_convolutions_are_charged(local_profile):

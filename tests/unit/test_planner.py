@@ -238,6 +238,26 @@ def test_zero_bubble_weight_steps_waiting_follow_torchs_action_lists():
     )
 
 
+def _receive_pool_high_water(actions: list) -> dict[tuple[str, int], int]:
+    """("act" | "grad", stage) -> the most receive sets runtime/pipeline_stage.py's pool holds at
+    once over one rank's lowered action list: a set taken at a micro-batch's RECV_F / RECV_B, given
+    back at its weight step."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    live: dict[tuple[str, int], set[int]] = {}
+    most: dict[tuple[str, int], int] = {}
+    for a in actions:
+        key = {T.RECV_F: "act", T.RECV_B: "grad"}.get(a.computation_type)
+        if key:
+            held = live.setdefault((key, a.stage_index), set())
+            held.add(a.microbatch_index)
+            most[key, a.stage_index] = max(most.get((key, a.stage_index), 0), len(held))
+        if a.computation_type == T.BACKWARD_WEIGHT:
+            for k in ("act", "grad"):
+                live.get((k, a.stage_index), set()).discard(a.microbatch_index)
+    return most
+
+
 def test_zero_bubble_receive_buffer_sets_follow_torchs_lowered_action_lists():
     """runtime/pipeline_stage.py takes a set of receive buffers at a micro-batch's RECV action and
     gives it back at its weight step; its pool's high-water mark per chunk, from torch's own
@@ -245,22 +265,11 @@ def test_zero_bubble_receive_buffer_sets_follow_torchs_lowered_action_lists():
     chunk's activation sets, the last one's, and every chunk's gradient sets."""
     from torch.distributed.pipelining import schedules as S
 
-    T = S._ComputationType
     for pp, v, n in [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 2, 16), (8, 2, 32), (4, 3, 8)]:
         compute = _torch_action_lists(S.ScheduleInterleavedZeroBubble, pp, v, n)
         lowered = S._add_send_recv(compute, stage_to_rank=lambda st, pp=pp: st % pp, num_stages=pp * v)
         for rank, actions in lowered.items():
-            live, most = {}, {}
-            for a in actions:
-                key = {T.RECV_F: "act", T.RECV_B: "grad"}.get(a.computation_type)
-                if key:
-                    live.setdefault((key, a.stage_index), set()).add(a.microbatch_index)
-                    most[key, a.stage_index] = max(
-                        most.get((key, a.stage_index), 0), len(live[key, a.stage_index])
-                    )
-                if a.computation_type == T.BACKWARD_WEIGHT:
-                    for k in ("act", "grad"):
-                        live.get((k, a.stage_index), set()).discard(a.microbatch_index)
+            most = _receive_pool_high_water(actions)
             flight = chunks_in_flight("interleaved_zero_bubble", pp, v, n, rank)
             for i in range(v):
                 stage = rank + pp * i
@@ -313,23 +322,12 @@ def test_zbv_receive_buffer_sets_follow_torchs_lowered_action_lists():
     is another rank (rank pp-1 hands its middle boundary to itself: no receive)."""
     from torch.distributed.pipelining import schedules as S
 
-    T = S._ComputationType
     for pp, n in ZBV_CASES:
         compute = _zbv_action_lists(pp, n)
         on_rank = lambda st, pp=pp: st if st < pp else 2 * pp - 1 - st  # noqa: E731
         lowered = S._add_send_recv(compute, stage_to_rank=on_rank, num_stages=2 * pp)
         for rank, actions in lowered.items():
-            live, most = {}, {}
-            for a in actions:
-                key = {T.RECV_F: "act", T.RECV_B: "grad"}.get(a.computation_type)
-                if key:
-                    live.setdefault((key, a.stage_index), set()).add(a.microbatch_index)
-                    most[key, a.stage_index] = max(
-                        most.get((key, a.stage_index), 0), len(live[key, a.stage_index])
-                    )
-                if a.computation_type == T.BACKWARD_WEIGHT:
-                    for k in ("act", "grad"):
-                        live.get((k, a.stage_index), set()).discard(a.microbatch_index)
+            most = _receive_pool_high_water(actions)
             flight = chunks_in_flight("ZBV_zero_bubble", pp, 2, n, rank)
             for i, stage in enumerate([rank, 2 * pp - 1 - rank]):
                 acts, grads = recv_buffer_sets("ZBV_zero_bubble", n, flight[i], rank, i, 2)
