@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cache
 from typing import Any
 
 from fleetwise.config.engine import (
@@ -73,7 +74,8 @@ class Memory:
     peak: dict[str, Any] = field(default_factory=dict)
 
     def as_ints(self) -> dict[str, int]:
-        return {k: int(round(v)) for k, v in asdict(self).items() if k != "peak"}
+        # (not dataclasses.asdict, which deep-copies `peak`: a search asks this of thousands)
+        return {f.name: int(round(getattr(self, f.name))) for f in fields(self) if f.name != "peak"}
 
     def peak_ints(self) -> dict[str, Any]:
         parts = self.peak.get("parts", {})
@@ -133,8 +135,16 @@ def assign_units(cfg: RunConfig, layout: Layout) -> list[list[Unit]]:
     assert isinstance(s, CollectiveStrategy)
     units = _units(cfg.model)
     chunks = layout.pp * s.virtual_stages if layout.pp > 1 else 1
+    explicit = tuple(s.layer_split) if layout.pp > 1 and s.layer_split else None
+    key = (id(units), chunks, explicit)
+    if key not in _CHUNKS_CACHE:
+        _CHUNKS_CACHE[key] = _assign(units, chunks, explicit)
+    return _CHUNKS_CACHE[key]
+
+
+def _assign(units: list[Unit], chunks: int, explicit: tuple[int, ...] | None) -> list[list[Unit]]:
     first, blocks, last = _ends(units)
-    split = split_layers(len(blocks), chunks, s.layer_split if layout.pp > 1 else None)
+    split = split_layers(len(blocks), chunks, list(explicit) if explicit else None)
     out, i = [], 0
     for c, count in enumerate(split):
         chunk = list(blocks[i : i + count])
@@ -153,14 +163,27 @@ def assign_units(cfg: RunConfig, layout: Layout) -> list[list[Unit]]:
 # once per class: id(unit) -> key, for the cached units only (they stay alive in the cache).
 _UNITS_CACHE: dict[str, list[Unit]] = {}
 _UNIT_CLASS: dict[int, str] = {}
+# ... and so are its chunk assignments (callers never mutate them), keyed by the cached units'
+# id, so that what is derived from a chunk list (the ranks' roles) can be cached by its id too
+_CHUNKS_CACHE: dict[tuple, list[list[Unit]]] = {}
+_ROLES_CACHE: dict[tuple, list[tuple]] = {}
+_GROUPS_CACHE: dict[int, tuple[list[Unit], list[tuple[Unit, int]]]] = {}
+_AGAIN_CACHE: dict[tuple[bool, int], tuple[list[list[Unit]], dict[int, int]]] = {}
 
 
 def _units(model) -> list[Unit]:
     key = model.model_dump_json()
     if key not in _UNITS_CACHE:
         if len(_UNITS_CACHE) > 64:
-            _UNITS_CACHE.clear()
-            _UNIT_CLASS.clear()
+            for cache in (
+                _UNITS_CACHE,
+                _UNIT_CLASS,
+                _CHUNKS_CACHE,
+                _ROLES_CACHE,
+                _GROUPS_CACHE,
+                _AGAIN_CACHE,
+            ):
+                cache.clear()
         units = model_units(model)
         classes: dict[str, str] = {}
         for u in units:
@@ -168,6 +191,26 @@ def _units(model) -> list[Unit]:
             _UNIT_CLASS[id(u)] = classes.setdefault(sig, sig)
         _UNITS_CACHE[key] = units
     return _UNITS_CACHE[key]
+
+
+def _unit_groups(chunk: list[Unit]) -> list[tuple[Unit, int]]:
+    """The chunk's units by class (`_UNIT_CLASS`; a unit outside it is its own), each once with its
+    count, in order of first appearance: sums over a chunk's units are count × the class's term."""
+    held = _GROUPS_CACHE.get(id(chunk))
+    if held is not None and held[0] is chunk:  # (the chunk is kept alive beside its groups)
+        return held[1]
+    groups: dict[object, list] = {}
+    for u in chunk:
+        key = _UNIT_CLASS.get(id(u), id(u))
+        if key in groups:
+            groups[key][1] += 1
+        else:
+            groups[key] = [u, 1]
+    out = [(u, count) for u, count in groups.values()]
+    if len(_GROUPS_CACHE) > 4096:
+        _GROUPS_CACHE.clear()
+    _GROUPS_CACHE[id(chunk)] = (chunk, out)
+    return out
 
 
 def _ends(units: list[Unit]) -> tuple[list[Unit], list[Unit], list[Unit]]:
@@ -205,8 +248,9 @@ def _rank_memory(
     mp, sh, b = layout.mp, layout.sharding, cfg.train.micro_batch_size
     engine = dp_engine(layout, s.sharding_stage)
     local = [c for c, r in enumerate(ranks) if r == rank]
-    units = [u for c in local for u in chunks[c]]
-    p = sum(u.params_on_rank(mp) for u in units)
+    # equal units once, with their count (a 96-layer chunk is a few classes: a search plans thousands)
+    units = [g for c in local for g in _unit_groups(chunks[c])]
+    p = sum(count * u.params_on_rank(mp) for u, count in units)
     k = optimizer_state_factor(cfg.optim.name, cfg.optim.momentum)
     mixed = cfg.train.precision != "fp32"
     offloaded = s.offload and cfg.hardware.device_type == "cuda" and engine == "fsdp"
@@ -223,8 +267,8 @@ def _rank_memory(
             # the root unit, which FSDP2 never reshards after forward (its parameters are needed
             # again first in backward): in backward the root, the block in use and the prefetched
             # next one are gathered at once
-            blocks = [u.params_on_rank(mp) for u in units if u.kind == "block"]
-            root = p - sum(blocks)
+            blocks = [u.params_on_rank(mp) for u, _ in units if u.kind == "block"]
+            root = p - sum(count * u.params_on_rank(mp) for u, count in units if u.kind == "block")
             working = gather_bytes * (root + 2 * max(blocks, default=0.0))
         else:  # stage 2 / replication, and any pipelined FSDP (kept gathered across micro-batches)
             working = gather_bytes * p
@@ -284,7 +328,7 @@ def _rank_memory(
 
     memo: dict[str, tuple[float, float]] = {}  # equal units (the blocks) are worked out once
     for i, c in enumerate(local):
-        for u in chunks[c]:
+        for u, count in _unit_groups(chunks[c]):
             key = _UNIT_CLASS.get(id(u))
             known = memo.get(key) if key is not None else None
             if known is None:
@@ -310,13 +354,13 @@ def _rank_memory(
                 known = (per_sample, peak)
                 if key is not None:
                     memo[key] = known
-            acts += flight.get(i, 1) * b * known[0]
+            acts += count * flight.get(i, 1) * b * known[0]
             wait = min(waiting.get(i, 0), flight.get(i, 1))
             if wait:
                 # waiting for its weight step: the output gradients it reads, kept from its
                 # input-gradient step, which freed the log-softmax output
                 freed = u.saved(s.recompute).fp32 / mp * FP32
-                weight_wait += wait * b * (saved_bytes(u.weight_grad_outputs) - freed)
+                weight_wait += count * wait * b * (saved_bytes(u.weight_grad_outputs) - freed)
             if waiting and c == local[-1]:
                 # the weight step of one of them: torch runs its parameter groups from the chunk's
                 # input up, each freeing its output gradients once its weight gradients exist; it
@@ -324,11 +368,11 @@ def _rank_memory(
                 # its groups, runtime/pipeline_stage.py) and a norm's small gradient
                 rerun = saved_bytes(u.saved("none")) - saved_bytes(u.saved(s.recompute))
                 weight_step = max(weight_step, b * rerun)
-            one_micro_batch += b * known[0]
+            one_micro_batch += count * b * known[0]
             transient = max(transient, known[1])
             if u.kind == "head":
                 head_peak = max(head_peak, known[1])
-                head_saved += b * known[0]
+                head_saved += count * b * known[0]
                 # once the loss's backward is done: its log-softmax output freed, the logits'
                 # gradient (in the matmul dtype) handed to the head
                 loss_done = b * (u.output_split / mp * split_bytes - u.saved(s.recompute).fp32 / mp * FP32)
@@ -352,7 +396,7 @@ def _rank_memory(
             held = min(n, flight.get(i, 1)) - min(waiting.get(i, 0), flight.get(i, 1))
             mem.pipeline_buffers += held * b * chunks[last][-1].output_split / mp * split_bytes
     if fresh:
-        transient = max(transient, fresh * max((u.fresh_grad_on_rank(mp) for u in units), default=0.0))
+        transient = max(transient, fresh * max((u.fresh_grad_on_rank(mp) for u, _ in units), default=0.0))
     if s.schedule == "ZBV_zero_bubble" and pipelined:
         # ZB-V peaks inside an input-gradient step (torch 2.13's lists: each is followed at once by
         # its weight step, so none waits at the peak; gpt/tiny pp 2 rank 0: the last stage's, late
@@ -413,9 +457,9 @@ def _rank_memory(
         # FSDP keeps the previous unit's fp32 reduce-scatter input until the next unit's
         # (reduce_scatter_states), and it peaks in its attention's backward, past the MLP's
         # temporaries, with all of the block's weight gradients
-        blocks_ = [u for u in units if u.kind == "block"]
+        blocks_ = [u for u, _ in units if u.kind == "block"]
         block = max((u.params_on_rank(mp) for u in blocks_), default=0.0)
-        heads = sum(u.params_on_rank(mp) for u in units if u.kind == "head")
+        heads = sum(count * u.params_on_rank(mp) for u, count in units if u.kind == "head")
         first_grad = max((u.fresh_grad_on_rank(mp) for u in blocks_), default=0.0)
         mlp = max(
             (b * u.backward_transient.elements(mp, s.sequence_parallel) * split_bytes for u in blocks_),
@@ -423,7 +467,9 @@ def _rank_memory(
         )
         first = acts - head_saved + body_peak + gather_bytes * (heads + first_grad)
         later = first - block_saved - mlp + gather_bytes * (block - first_grad) + FP32 * block
-        block_backward = max(first, later if len(blocks_) > 1 else 0.0)
+        block_backward = max(
+            first, later if sum(count for u, count in units if u.kind == "block") > 1 else 0.0
+        )
         if not reshard_after_forward(s.sharding_stage):
             phases.append(("block backward", {**during, "activations": block_backward}))
         # The root's reduce-scatter, the backward's last unit (FSDP runs it in its final callback,
@@ -436,8 +482,8 @@ def _rank_memory(
         # small model: gpt/tiny, vocab 16k, ZeRO-2 x mp 2 was -3.07%). gloo reduces a copy of the
         # whole input, alive for the call (NCCL reduces in place): the input twice there (the same
         # row, dry run and real run: -20.2% without it)
-        root = p - sum(u.params_on_rank(mp) for u in blocks_)
-        head_grad = max((u.fresh_grad_on_rank(mp) for u in units if u.kind == "head"), default=0.0)
+        root = p - sum(count * u.params_on_rank(mp) for u, count in units if u.kind == "block")
+        head_grad = max((u.fresh_grad_on_rank(mp) for u, _ in units if u.kind == "head"), default=0.0)
         copies = 2 if cfg.hardware.backend == "gloo" else 1
         root_reduce_scatter = {
             "params": resting,
@@ -462,7 +508,7 @@ def _rank_memory(
         # ZeRO-3, the backward's first unit: the root (embedding, head, final norm) gathers again
         # once the loss's backward is done; while FSDP copies its parameters out of the
         # all-gather buffer both are alive: twice the root, beside everything saved
-        root = p - sum(u.params_on_rank(mp) for u in units if u.kind == "block")
+        root = p - sum(count * u.params_on_rank(mp) for u, count in units if u.kind == "block")
         phases.append(
             (
                 "root re-gather",
@@ -496,7 +542,7 @@ def _rank_memory(
     elif cfg.hardware.device_type == "cuda":
         mem.step_temporaries = FP32 * p / own
     else:
-        mem.step_temporaries = 2 * FP32 * max((u.largest_on_rank(mp) for u in units), default=0.0) / own
+        mem.step_temporaries = 2 * FP32 * max((u.largest_on_rank(mp) for u, _ in units), default=0.0) / own
     if offloaded:  # the step runs on the offloaded shards, in host memory (foreach too: the job's device's)
         mem.host = FP32 * p / sh * (2 + k) + mem.step_temporaries
         mem.step_temporaries = 0.0
@@ -638,7 +684,14 @@ def block_recomputes(schedule: str, pp: int, chunks: list[list[Unit]]) -> dict[i
     under one GraphExecGroup, or it would be once per parameter group). The first chunk is the
     exception: its input needs no gradient, so torch runs one full backward there."""
     twice = schedule in ZERO_BUBBLE and pp > 1
-    return {id(u): 2 if twice and c > 0 else 1 for c, chunk in enumerate(chunks) for u in chunk}
+    held = _AGAIN_CACHE.get((twice, id(chunks)))
+    if held is not None and held[0] is chunks:  # a search asks it of every candidate (read-only)
+        return held[1]
+    again = {id(u): 2 if twice and c > 0 else 1 for c, chunk in enumerate(chunks) for u in chunk}
+    if len(_AGAIN_CACHE) > 4096:
+        _AGAIN_CACHE.clear()
+    _AGAIN_CACHE[(twice, id(chunks))] = (chunks, again)
+    return again
 
 
 def _pp_bytes_of_rank(
@@ -766,6 +819,16 @@ def _role(chunks: list[list[Unit]], ranks: list[int], rank: int) -> tuple:
     )
 
 
+def _roles(chunks: list[list[Unit]], ranks: list[int], pp: int) -> list[tuple]:
+    """`_role` of every pipeline rank, once per chunk assignment (`assign_units` caches them)."""
+    key = (id(chunks), tuple(ranks))
+    if key not in _ROLES_CACHE:
+        if len(_ROLES_CACHE) > 4096:
+            _ROLES_CACHE.clear()
+        _ROLES_CACHE[key] = [_role(chunks, ranks, r) for r in range(pp)] if pp > 1 else [()]
+    return _ROLES_CACHE[key]
+
+
 def _local_chunks(ranks: list[int], pp: int) -> list[list[int]]:
     """The chunks each pipeline rank holds, in order (one pass: a search plans thousands)."""
     out: list[list[int]] = [[] for _ in range(pp)]
@@ -793,7 +856,8 @@ def rank_memory(cfg: RunConfig) -> RankMemory:
     chunks = assign_units(cfg, layout)
     v = s.virtual_stages if layout.pp > 1 else 1
     ranks = chunk_ranks(s.schedule, layout.pp, v) if layout.pp > 1 else [0]
-    return _memory_of(cfg, layout, chunks, ranks, n, _memory_ranks(s, layout, chunks, ranks, n))
+    which = _memory_ranks(s, layout, chunks, ranks, n)
+    return _memory_of(cfg, layout, chunks, ranks, n, which, roles=_roles(chunks, ranks, layout.pp))
 
 
 def _memory_of(
@@ -857,23 +921,30 @@ def _memory_ranks(
     and their memory grows with that count (activations per micro-batch; their receive buffers
     add up to 2n whatever it is): of such a group only the rank with the most in flight is planned."""
     v = s.virtual_stages if layout.pp > 1 else 1
-    last = len(chunks) - 1
+    return list(_memory_ranks_of(s.schedule, layout.pp, v, n, tuple(map(len, chunks)), tuple(ranks)))
+
+
+@cache  # a search asks it of every candidate; it depends on the chunks' sizes only
+def _memory_ranks_of(
+    schedule: str, pp: int, v: int, n: int, sizes: tuple[int, ...], ranks: tuple[int, ...]
+) -> tuple[int, ...]:
+    last = len(sizes) - 1
     keep: list[int] = []
     groups: dict[tuple, list[tuple[tuple[int, ...], int]]] = {}
-    for r, local in enumerate(_local_chunks(ranks, layout.pp)):
+    for r, local in enumerate(_local_chunks(list(ranks), pp)):
         if 0 in local or last in local:
             keep.append(r)
             continue
-        flight = chunks_in_flight(s.schedule, layout.pp, v, n, r)
+        flight = chunks_in_flight(schedule, pp, v, n, r)
         counts = tuple(flight.get(i, 1) for i in range(len(local)))
-        groups.setdefault(tuple(len(chunks[c]) for c in local), []).append((counts, r))
+        groups.setdefault(tuple(sizes[c] for c in local), []).append((counts, r))
     for members in groups.values():
         top = max(members)
         if all(all(a >= b for a, b in zip(top[0], m[0], strict=True)) for m in members):
             keep.append(top[1])
         else:  # no rank holds the most of every chunk: plan them all
             keep += [r for _, r in members]
-    return keep
+    return tuple(keep)
 
 
 def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage: bool = True) -> Plan:
@@ -890,16 +961,21 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
 
     # without the stages, only the ranks that can hold the most memory are planned (the worst is
     # one of them); the others' parameters are all the time model needs of them
-    roles = [_role(chunks, ranks, r) for r in range(layout.pp)] if layout.pp > 1 else [()]  # see below
+    roles = _roles(chunks, ranks, layout.pp)  # see below
     if per_stage:
         planned = range(layout.pp)
     else:  # those of `memory` (rank_memory's) when given
         planned = memory.keys() if memory is not None else _memory_ranks(s, layout, chunks, ranks, n)
     memory = _memory_of(cfg, layout, chunks, ranks, n, sorted(planned), memory, roles)
+    local_chunks = _local_chunks(ranks, layout.pp)
     rank_params = [
         memory[r][1]
         if r in memory
-        else sum(u.params_on_rank(layout.mp) for u in _rank_units(chunks, ranks, r))
+        else sum(
+            count * u.params_on_rank(layout.mp)
+            for c in local_chunks[r]
+            for u, count in _unit_groups(chunks[c])
+        )
         for r in range(layout.pp)
     ]
     worst = max(sorted(memory), key=lambda r: memory[r][0].total)
@@ -971,40 +1047,46 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
         """The step's GEMM seconds and device FLOPs of pipeline rank `r`,
         and per micro-batch its ops, re-run ops, elements written, convolutions, parameter
         tensors, local chunks, and the ops and parameters whose backward zero bubble splits."""
-        units = _rank_units(chunks, ranks, r)
-        splits = [u for c, rr in enumerate(ranks) if split and rr == r and c > 0 for u in chunks[c]]
-        # both recompute modes re-run every op of a block in backward (selective reads saved
-        # matmul results back, but still dispatches the ops); zero bubble: twice (block_recomputes)
-        redo = (
-            [u for u in units if u.kind == "block" for _ in range(again[id(u)])]
-            if s.recompute != "none"
-            else []
-        )
         gemm, done = 0.0, 0.0
-        for u in units:
-            flops = b * u.fwd_flops / layout.mp  # one micro-batch's forward on this rank
-            if flops:
-                passes = 3 + (recompute_extra * again[id(u)] if u.kind == "block" else 0.0)
-                key = _UNIT_CLASS.get(id(u))
-                fraction = gemm_memo.get(key) if key is not None else None
-                if fraction is None:
-                    fraction = hw.gemm_fraction(flops / max(1, u.fwd_gemms))
-                    if key is not None:
-                        gemm_memo[key] = fraction
-                gemm += n * passes * flops / (peak * fraction)
-                done += n * b * _device_flops_per_sample(u, s.recompute, layout.mp, again[id(u)]) / layout.mp
-        redo_ops = sum(u.fwd_ops for u in redo)
+        ops = redo_ops = elements = convs = tensors = split_ops = local_chunks = 0
+        split_params = 0.0
+        for c in (c for c, rr in enumerate(ranks) if rr == r):
+            local_chunks += 1
+            for u, count in _unit_groups(chunks[c]):  # equal units once (`again` is per chunk)
+                # both recompute modes re-run every op of a block in backward (selective reads
+                # saved matmul results back, but still dispatches the ops); zero bubble: twice
+                rerun = again[id(u)] if s.recompute != "none" and u.kind == "block" else 0
+                ops += count * u.fwd_ops
+                redo_ops += count * rerun * u.fwd_ops
+                elements += count * (1 + rerun) * u.fwd_elementwise
+                convs += count * (1 + rerun) * u.fwd_convs
+                tensors += count * u.param_tensors
+                if split and c > 0:
+                    split_ops += count * u.fwd_ops
+                    split_params += count * u.params_on_rank(layout.mp)
+                flops = b * u.fwd_flops / layout.mp  # one micro-batch's forward on this rank
+                if flops:
+                    passes = 3 + (recompute_extra * again[id(u)] if u.kind == "block" else 0.0)
+                    key = _UNIT_CLASS.get(id(u))
+                    fraction = gemm_memo.get(key) if key is not None else None
+                    if fraction is None:
+                        fraction = hw.gemm_fraction(flops / max(1, u.fwd_gemms))
+                        if key is not None:
+                            gemm_memo[key] = fraction
+                    gemm += count * n * passes * flops / (peak * fraction)
+                    per_sample = _device_flops_per_sample(u, s.recompute, layout.mp, again[id(u)])
+                    done += count * n * b * per_sample / layout.mp
         return (
             gemm,
             done,
-            sum(u.fwd_ops for u in units) + redo_ops,
+            ops + redo_ops,
             redo_ops,
-            sum(u.fwd_elementwise for u in units + redo),
-            sum(u.fwd_convs for u in units + redo),
-            sum(u.param_tensors for u in units),
-            sum(1 for rr in ranks if rr == r),
-            sum(u.fwd_ops for u in splits),
-            sum(u.params_on_rank(layout.mp) for u in splits),
+            elements,
+            convs,
+            tensors,
+            local_chunks,
+            split_ops,
+            split_params,
         )
 
     # ranks in the same role (the inner ranks of a deep pipeline) do the same work: counted once

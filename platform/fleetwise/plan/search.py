@@ -372,7 +372,8 @@ def search(
         )
         if objective == "memory":
             return (c.memory, c.plan.step_time_s, simple)
-        return (round(c.plan.step_time_s, 12), c.memory, simple)
+        # (to the nanosecond: equal times summed in another order differ in their last bits)
+        return (round(c.plan.step_time_s, 9), c.memory, simple)
 
     found.sort(key=key)
     for c in found:
