@@ -257,6 +257,20 @@ class HardwareConfig(Section):
         """co_run_slowdown where CPU ranks share a node, else 1."""
         return self.co_run_slowdown if self.shared_compute and self.devices_per_node > 1 else 1.0
 
+    def ranks_per_core_at(self, busy: float) -> float:
+        """ranks_per_core when on average only `busy` of the node's ranks compute at once (1 - a
+        pipeline's bubble): a rank waiting for its neighbour leaves its core to the others. Where
+        each rank has its own cores (fewer ranks than cores) its threads are fixed, and nothing is
+        gained."""
+        if not self.shared_compute or not self.host_cores:
+            return 1.0
+        return max(1.0, self.devices_per_node * busy / self.host_cores)
+
+    def co_run_factor_at(self, busy: float) -> float:
+        """co_run_factor for work that runs beside the node's other ranks only about `busy` of the
+        time (1 - a pipeline's bubble; the probe measures every rank busy at once)."""
+        return 1.0 + (self.co_run_factor - 1.0) * busy
+
     @property
     def ranks_per_core(self) -> float:
         """How many ranks time-share one core (1 unless shared_compute with more ranks than cores)."""

@@ -988,51 +988,61 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
     # --- time ---------------------------------------------------------------------------------
     peak = hw.peak_flops(t.precision)
     recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1.0}[s.recompute]
-    slow = hw.co_run_factor  # ranks sharing a CPU node slow each other down
+    bubble = bubble_fraction(s.schedule, layout.pp, v, n)
+    # Ranks sharing a CPU node's cores (shared_compute) time-share them and slow each other down,
+    # but a pipeline rank waiting in its bubble leaves its core to the others: the micro-batches'
+    # work runs with only (1 - bubble) of the node's ranks busy at once, on average. The optimizer
+    # step, after the schedule, has them all (gpt/tiny pp 4 on 2 cores measured 36 ms, where 2 ranks
+    # per core on top of its bubble planned 70 ms). GPUs: both are 1.
+    per_core = hw.ranks_per_core_at(1 - bubble)
+    slow = hw.co_run_factor_at(1 - bubble)
+    gemm_share = per_core / hw.ranks_per_core  # peak_flops is the node's FLOP/s over all its ranks
     # under tensor parallelism every op of every unit goes through DTensor (measured on 2 ranks
     # running together: its co-run slowdown is in it already)
     dtensor_us = hw.dtensor_op_us if layout.mp > 1 else 0.0
-    op_s = (slow * hw.op_overhead_us + dtensor_us) * 1e-6 * hw.ranks_per_core
-    elem_s = slow * hw.elementwise_ns * 1e-9 * hw.ranks_per_core
+    op_s = (slow * hw.op_overhead_us + dtensor_us) * 1e-6 * per_core
+    elem_s = slow * hw.elementwise_ns * 1e-9 * per_core
     # FSDP's host work (its hooks, the copies into and out of the flat collective buffers) runs for
     # every unit in every micro-batch's forward and backward, whatever the ZeRO stage; measured on
     # co-running ranks like DTensor's. A stage-3 re-gather adds only its collective's latency.
-    fsdp_s = hw.fsdp_us_per_tensor * 1e-6 * hw.ranks_per_core if engine == "fsdp" else 0.0
+    fsdp_s = hw.fsdp_us_per_tensor * 1e-6 * per_core if engine == "fsdp" else 0.0
     # ZeRO-1's own host work (runtime/zero1.py), measured on co-running ranks like FSDP's: a Python
     # gradient hook per parameter tensor in every micro-batch's backward, and per tensor once a
     # step the reduce's bookkeeping, the squared norms of its pieces and the all-gather's copies
-    zero1_s = hw.zero1_us_per_tensor * 1e-6 * hw.ranks_per_core if engine == "zero1" else 0.0
+    zero1_s = hw.zero1_us_per_tensor * 1e-6 * per_core if engine == "zero1" else 0.0
     zero1_step_s = hw.zero1_step_us_per_tensor * 1e-6 * hw.ranks_per_core if engine == "zero1" else 0.0
     # activation checkpointing's own machinery per forward op of a recomputed block, on top of the
     # re-run ops above (selective checkpointing's policy dispatch mode costs more than full)
     checkpoint_us = {"none": 0.0, "full": hw.checkpoint_op_us, "selective": hw.selective_checkpoint_op_us}
-    checkpoint_s = slow * checkpoint_us[s.recompute] * 1e-6 * hw.ranks_per_core
+    checkpoint_s = slow * checkpoint_us[s.recompute] * 1e-6 * per_core
     # the parameter update (gradient norm, clipping, optimizer step) once per step, per tensor and
     # per element: calibrated with AdamW, scaled by the state tensors the optimizer reads and
     # writes (param and grad, plus k state tensors: SGD does less)
     k = optimizer_state_factor(cfg.optim.name, cfg.optim.momentum)
-    update_scale = (2 + k) / 4 * hw.ranks_per_core * slow
+    update_scale = (2 + k) / 4 * hw.ranks_per_core * hw.co_run_factor
     update_shard = layout.sharding if engine in ("fsdp", "zero1") else 1
     # torch.distributed.pipelining's host work per schedule action (a micro-batch's pass through one
     # local stage with its send/receive): forward and backward, and zero-bubble schedules split the
     # backward into input- and weight-gradient actions. Measured on co-running stages, like DTensor's.
     pp_actions = (3 if "zero_bubble" in s.schedule else 2) if layout.pp > 1 else 0
-    action_s = hw.pipeline_action_us * 1e-6 * hw.ranks_per_core
+    action_s = hw.pipeline_action_us * 1e-6 * per_core
     # ... and the zero-bubble split itself: torch's input-gradient pass keeps the graph for the
     # weight-gradient pass, which walks it again (host time per forward op) and makes a
     # memory-bound pass over the chunk's weights, in every chunk but the first (which torch runs as
     # one full backward). Measured by calibrate on fleetwise's own block; a 6-layer d=512 GPT on 2
     # CPU ranks ran ~4 ms per block and micro-batch longer under interleaved zero bubble than 1F1B.
     split = s.schedule in ZERO_BUBBLE and layout.pp > 1
-    split_op_s = slow * hw.zero_bubble_split_op_us * 1e-6 * hw.ranks_per_core
-    split_param_s = slow * hw.zero_bubble_split_ns_per_param * 1e-9 * hw.ranks_per_core
+    split_op_s = slow * hw.zero_bubble_split_op_us * 1e-6 * per_core
+    split_param_s = slow * hw.zero_bubble_split_ns_per_param * 1e-9 * per_core
     # gradient accumulation: each micro-batch's gradient is added into the step's, a memory-bound
     # pass over the rank's gradients (every micro-batch into ZeRO-1's fp32 buffer, whose hook also
     # takes the first; under DDP autograd adds micro-batches 2..n into .grad; FSDP without a pipeline
     # reduce-scatters each micro-batch's and adds the shard, with one it accumulates them whole)
     adds = n if engine == "zero1" else n - 1
     accumulated_share = 1 / layout.sharding if (engine == "fsdp" and layout.pp == 1) else 1.0
-    accumulate_s = slow * hw.grad_accumulate_ns * 1e-9 * hw.ranks_per_core
+    accumulate_s = slow * hw.grad_accumulate_ns * 1e-9 * per_core
+    # (ZeRO-1's per-step passes below run at the optimizer step, every rank busy)
+    step_pass_s = hw.co_run_factor * hw.grad_accumulate_ns * 1e-9 * hw.ranks_per_core
     # ZeRO-1's gather is memory-bound work over the whole bucket once a step, charged per element
     # like an accumulation pass: this rank's masters copied into its row and the other rows copied
     # out into the working weights (a pass in all), and on gloo first the zeroing of the buffer it
@@ -1103,7 +1113,7 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
             * (
                 ops * op_s
                 + redo_ops * checkpoint_s
-                + convs * slow * hw.conv_call_us * 1e-6 * hw.ranks_per_core
+                + convs * slow * hw.conv_call_us * 1e-6 * per_core
                 + tensors * (fsdp_s + zero1_s)
                 + pp_actions * local_chunks * action_s
                 + split_ops * split_op_s
@@ -1113,13 +1123,14 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
         accumulate_time.append(
             adds * rank_params[r] * accumulated_share * accumulate_s + n * split_params * split_param_s
         )
-        stage_time.append(slow * gemm + host_time[-1] + elementwise_time[-1] + accumulate_time[-1])
+        stage_time.append(
+            slow * gemm_share * gemm + host_time[-1] + elementwise_time[-1] + accumulate_time[-1]
+        )
         elements_updated = rank_params[r] / update_shard
         update_time.append(
             tensors * hw.update_us_per_tensor * 1e-6 + elements_updated * hw.update_ns_per_param * 1e-9
         )
-        engine_step_time.append(tensors * zero1_step_s + gather_passes * rank_params[r] * accumulate_s)
-    bubble = bubble_fraction(s.schedule, layout.pp, v, n)
+        engine_step_time.append(tensors * zero1_step_s + gather_passes * rank_params[r] * step_pass_s)
     update = max(u * update_scale + e for u, e in zip(update_time, engine_step_time, strict=True))
     compute = max(stage_time)
     pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
