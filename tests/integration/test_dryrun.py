@@ -12,6 +12,7 @@ import json
 
 import pytest
 from conftest import read_metrics, run_cli
+from shared_layouts import SH2_MP2_BF16_VOCAB16K
 
 GPT = ("recipe=gpt/tiny", "train.steps=2", "optim=adamw", "optim.warmup_steps=0")
 LAYOUTS = {
@@ -80,19 +81,7 @@ LAYOUTS["resnet_dp2_ddp"] = (("recipe=resnet/tiny", "strategy=dp"), 2)
 # ZeRO-2 x mp 2, bf16, vocabulary 16k: the peak is FSDP's reduce-scatter of the root's 4.2 MB
 # fp32 gradients, where gloo reduces a copy of the whole input (runtime/simulate.py
 # `_reduce_scatter_copies_its_input`; without it the dry run was 20% low). Equal to the byte.
-LAYOUTS["sh2_mp2_bf16_vocab16k"] = (
-    (
-        "strategy=hybrid",
-        "strategy.sharding_degree=2",
-        "strategy.sharding_stage=2",
-        "strategy.mp_degree=2",
-        "strategy.dp_degree=1",
-        "train.precision=bf16",
-        "hardware.has_bf16=true",
-        "model.vocab_size=16384",
-    ),
-    4,
-)
+LAYOUTS["sh2_mp2_bf16_vocab16k"] = (SH2_MP2_BF16_VOCAB16K, 4)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import json
 
 import pytest
 from conftest import run_cli
+from shared_layouts import SH2_MP2_BF16_VOCAB16K
 
 GPT = ("recipe=gpt/tiny", "optim=adamw")
 # interleaved zero bubble v2 on pp 2 × mp 2, full recompute (two rows: 2 and 4 blocks a chunk)
@@ -257,17 +258,7 @@ LAYOUTS = {
     # the root's fp32 reduce-scatter input and output beside every sharded gradient, and the head's
     # 16-bit weight gradient (planner phase "root reduce-scatter"; was -3.07%, KNOWN), and gloo's
     # copy of that input, which the dry run missed until it matched a real run (test_dryrun.py)
-    "sh2_mp2_bf16_vocab16k": (
-        "strategy=hybrid",
-        "strategy.sharding_degree=2",
-        "strategy.sharding_stage=2",
-        "strategy.mp_degree=2",
-        "strategy.dp_degree=1",
-        "train.precision=bf16",
-        "hardware.has_bf16=true",
-        "hardware.devices_per_node=4",
-        "model.vocab_size=16384",
-    ),
+    "sh2_mp2_bf16_vocab16k": (*SH2_MP2_BF16_VOCAB16K, "hardware.devices_per_node=4"),
     # ZB-V on pp 2 (rank r holds stages r and 3-r): rank 0 peaks inside the last stage's
     # input-gradient step, late in the step, keeping every output gradient it makes for the weight
     # step that follows at once (planner: `Unit.weight_grad_outputs` of the chunk; was -3.33%,

@@ -562,30 +562,41 @@ def _slowest(seconds: float) -> float:
     return float(value)
 
 
-def co_run_slowdown(reps: int = 30) -> float:
-    """How much slower host-bound work gets when every process of the job runs it at once, in
+def co_run_slowdown(reps: int = 40, width: int = 128, tokens: int = 128) -> float:
+    """How much slower a training step's work gets when every process of the job runs it at once, in
     lockstep (each iteration lasts as long as its slowest rank), than when rank 0 runs it alone:
-    cores that share execution units or caches, the noise of a shared machine, and waiting for the
-    slowest rank at every collective. Run on every rank; the same value comes back to all."""
+    cores that share execution units, caches or memory bandwidth, the noise of a shared machine, and
+    waiting for the slowest rank at every collective. Timed on two of fleetwise's own transformer
+    blocks, forward and backward (GEMMs beside per-op host work, as a step mixes them; `width` 0: a
+    host-bound chain of tiny layers), as the median of each repetition's together / alone ratio,
+    the two back to back in alternating order, so that a slow spell of a shared machine lands on
+    both sides of one ratio. Run on every rank; the same value comes back to all."""
     import torch.distributed as dist
 
+    from fleetwise.models.transformer import PreLNBlock
+
     torch.manual_seed(0)
-    chain, x = _Chain(16, 64), torch.randn(4, 16, 64)
+    if width:
+        chain, x = _Chain(2, width, lambda w: PreLNBlock(w, 4, 4 * w)), torch.randn(1, tokens, width)
+    else:
+        chain, x = _Chain(16, 64), torch.randn(4, 16, 64)
 
-    def work():
-        for _ in range(4):
-            chain(x).backward()
+    def timed(everyone: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        if everyone or dist.get_rank() == 0:
+            for _ in range(2):
+                chain(x).backward()
+        return _slowest(time.perf_counter() - start)  # alone: rank 0's
 
-    work()
-    alone, together = [], []
-    for _ in range(reps):  # interleaved: a slow spell of the machine lands on both alike
-        for times, everyone in ((alone, False), (together, True)):
-            dist.barrier()
-            start = time.perf_counter()
-            if everyone or dist.get_rank() == 0:
-                work()
-            times.append(_slowest(time.perf_counter() - start))  # alone: rank 0's
-    return max(1.0, statistics.median(together) / statistics.median(alone))
+    timed(True)
+    ratios = []
+    for i in range(reps):
+        first = i % 2 == 0  # alone first on even repetitions, together first on odd ones
+        a, b = timed(not first), timed(first)
+        together, alone = (b, a) if first else (a, b)
+        ratios.append(together / alone)
+    return max(1.0, statistics.median(ratios))
 
 
 def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_file: str) -> None:
