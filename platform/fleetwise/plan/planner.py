@@ -652,11 +652,6 @@ def recv_buffer_sets(
     return min(n, 2 * held), min(n, 2)
 
 
-def _flops_per_sample(cfg: RunConfig, units: list[Unit]) -> float:
-    """Training FLOPs per sample: 3 × forward (backward = 2 × forward)."""
-    return 3 * sum(u.fwd_flops for u in units)
-
-
 def _device_flops_per_sample(u: Unit, recompute: str, mp: int = 1, recomputes: int = 1) -> float:
     """FLOPs a device computes for one sample through unit `u` (before the mp split), as torch's
     FlopCounterMode counts them: matmuls forward once and backward twice; flash attention forward
@@ -967,13 +962,13 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
     else:  # those of `memory` (rank_memory's) when given
         planned = memory.keys() if memory is not None else _memory_ranks(s, layout, chunks, ranks, n)
     memory = _memory_of(cfg, layout, chunks, ranks, n, sorted(planned), memory, roles)
-    local_chunks = _local_chunks(ranks, layout.pp)
+    chunks_of = _local_chunks(ranks, layout.pp)
     rank_params = [
         memory[r][1]
         if r in memory
         else sum(
             count * u.params_on_rank(layout.mp)
-            for c in local_chunks[r]
+            for c in chunks_of[r]
             for u, count in _unit_groups(chunks[c])
         )
         for r in range(layout.pp)
@@ -981,9 +976,10 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
     worst = max(sorted(memory), key=lambda r: memory[r][0].total)
     mem = memory[worst][0]
 
-    all_units = [u for c in chunks for u in c]
-    params = sum(u.params for u in all_units)
-    flops_per_step = t.global_batch_size * _flops_per_sample(cfg, all_units)
+    every = [g for c in chunks for g in _unit_groups(c)]
+    params = sum(count * u.params for u, count in every)
+    # training FLOPs: 3 × forward (backward = 2 × forward)
+    flops_per_step = t.global_batch_size * 3 * sum(count * u.fwd_flops for u, count in every)
 
     # --- time ---------------------------------------------------------------------------------
     peak = hw.peak_flops(t.precision)
@@ -1189,8 +1185,9 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
     if s.recompute != "none" and max(again.values(), default=1) > 1:
         once = [
             sum(
-                n * b * _device_flops_per_sample(u, s.recompute, layout.mp) / layout.mp
-                for u in _rank_units(chunks, ranks, r)
+                count * n * b * _device_flops_per_sample(u, s.recompute, layout.mp) / layout.mp
+                for c in chunks_of[r]
+                for u, count in _unit_groups(chunks[c])
             )
             for r in range(layout.pp)
         ]
