@@ -278,6 +278,21 @@ LAYOUTS = {
         "strategy.virtual_stages=2",
         "hardware.devices_per_node=2",
     ),
+    # ZB-V on pp 4, a block a chunk: ranks 2 and 3 peak in the cool-down, where torch runs
+    # several input-gradient steps before their weight steps (pipeline.zbv_cool_down; rank 3 was
+    # -12.7%, rank 2 -3.1%); rank 3 hands its middle boundary to itself, into the receiving
+    # chunk's receive sets (its pp bytes were +100%). Rank 1 peaks at the first moment, mid-step,
+    # with fewer sends held than the planner's n per direction (KNOWN)
+    "pp4_zbv": (
+        "strategy=pp",
+        "strategy.pp_degree=4",
+        "strategy.schedule=ZBV_zero_bubble",
+        "strategy.virtual_stages=2",
+        "hardware.devices_per_node=4",
+        "model.num_layers=8",
+        "--ranks",
+        "all",
+    ),
     # DDP (torch's reducer on fake tensors): its gradients are its all-reduce buckets, 4
     # micro-batches accumulated in them under no_sync, one all-reduce of every bucket a step
     # (measured -0.01% memory; the planner's former "gloo bucket copy", +4 B per parameter, was
@@ -289,7 +304,11 @@ LAYOUTS = {
     "dp4_ddp_fp16": ("strategy=dp", "hardware=a100", "hardware.devices_per_node=4", "train.precision=fp16"),
 }
 # (layout, quantity) -> bound on |planner / dry run - 1| where the 3% / 1% targets are not met yet
-KNOWN: dict[tuple[str, str], float] = {}
+KNOWN: dict[tuple[str, str], float] = {
+    # rank 1: +4.15%, 11 boundary tensors of held sends (outputs and input gradients) not sent yet
+    # at its peak mid-step (planner._pipeline_buffers counts all n)
+    ("pp4_zbv", "memory"): 0.042,
+}
 
 
 def _dryrun(tmp_path, *args):
