@@ -200,6 +200,27 @@ LAYOUTS = {
         "hardware.devices_per_node=4",
         "train.global_batch_size=64",
     ),
+    # the same under full recompute with 7 blocks a chunk, rank 0: the dry run samples 2 and 3
+    # blocks a chunk and scales each moment of the step on its own (checked against --exact). From
+    # 1 and 2, scaled as one, it read 323,840 B low (GPT-3 13B zero bubble v 2: 105,101,568 B):
+    # the peak moves from a step on the first chunk to the last chunk's weight step at 3 blocks,
+    # which grows one boundary activation less from 1 to 2 blocks than from 2 on
+    # (runtime/simulate.py ZERO_BUBBLE_LAYER_SAMPLES)
+    "pp2_dp2_zero_bubble_bf16_full_28_layers": (
+        "strategy=hybrid",
+        "strategy.pp_degree=2",
+        "strategy.dp_degree=2",
+        "strategy.schedule=interleaved_zero_bubble",
+        "strategy.virtual_stages=2",
+        "strategy.recompute=full",
+        "train.precision=bf16",
+        "hardware.has_bf16=true",
+        "hardware.devices_per_node=4",
+        "train.global_batch_size=32",
+        "model.num_layers=28",
+        "--ranks",
+        "0",
+    ),
     # one micro-batch in flight under full recompute: the optimizer step is the peak, with AdamW's
     # temporaries. A GPU job's torch steps all tensors at once (one temporary per parameter); the
     # dry run's fake tensors are CPU tensors, which took torch's per-tensor loop instead until the
@@ -269,6 +290,21 @@ LAYOUTS = {
         "strategy.virtual_stages=2",
         "hardware.devices_per_node=2",
     ),
+    # ZB-V on pp 4, a block a chunk: ranks 2 and 3 peak in the cool-down, where torch runs
+    # several input-gradient steps before their weight steps (pipeline.zbv_cool_down; rank 3 was
+    # -12.7%, rank 2 -3.1%); rank 3 hands its middle boundary to itself, into the receiving
+    # chunk's receive sets (its pp bytes were +100%). Rank 1 peaks at the first moment, mid-step,
+    # with fewer sends held than the planner's n per direction (KNOWN)
+    "pp4_zbv": (
+        "strategy=pp",
+        "strategy.pp_degree=4",
+        "strategy.schedule=ZBV_zero_bubble",
+        "strategy.virtual_stages=2",
+        "hardware.devices_per_node=4",
+        "model.num_layers=8",
+        "--ranks",
+        "all",
+    ),
     # DDP (torch's reducer on fake tensors): its gradients are its all-reduce buckets, 4
     # micro-batches accumulated in them under no_sync, one all-reduce of every bucket a step
     # (measured -0.01% memory; the planner's former "gloo bucket copy", +4 B per parameter, was
@@ -280,7 +316,11 @@ LAYOUTS = {
     "dp4_ddp_fp16": ("strategy=dp", "hardware=a100", "hardware.devices_per_node=4", "train.precision=fp16"),
 }
 # (layout, quantity) -> bound on |planner / dry run - 1| where the 3% / 1% targets are not met yet
-KNOWN: dict[tuple[str, str], float] = {}
+KNOWN: dict[tuple[str, str], float] = {
+    # rank 1: +4.15%, 11 boundary tensors of held sends (outputs and input gradients) not sent yet
+    # at its peak mid-step (planner._pipeline_buffers counts all n)
+    ("pp4_zbv", "memory"): 0.042,
+}
 
 
 def _dryrun(tmp_path, *args):
@@ -326,10 +366,10 @@ def test_planner_matches_the_dry_run(tmp_path, name):
             assert c["host_memory_bytes"] is None and "host_memory_bytes" not in c["planner"]
             assert c["memory_bytes"]["optimizer"] == g["host_memory_bytes"]["optimizer"]
             assert c["memory_bytes"]["peak"] > g["host_memory_bytes"]["peak"] > 0
-    if name in ("pp2_1F1B_16mb", "pp2_dp2_zero_bubble_bf16"):
+    if name in ("pp2_1F1B_16mb", "pp2_dp2_zero_bubble_bf16", "pp2_dp2_zero_bubble_bf16_full_28_layers"):
         # sampling (1F1B: simulated 3+4 / 2+3 micro-batches; zero bubble 8+10 / 6+8), scaled to 16,
-        # equals simulating all 16
-        assert all(x["microbatches"]["scaled"] for x in ranks)
+        # equals simulating all 16; and so do 2 and 3 blocks a chunk scaled to 7
+        assert all(x["microbatches"]["scaled"] or x["layers"]["scaled"] for x in ranks)
         exact = _dryrun(tmp_path, *LAYOUTS[name], "--exact")
         for a, b in zip(ranks, exact, strict=True):
             assert not b["microbatches"]["scaled"]

@@ -11,6 +11,7 @@ from fleetwise.plan.pipeline import (
     chunks_in_flight,
     split_layers,
     weight_steps_waiting,
+    zbv_cool_down,
 )
 from fleetwise.plan.planner import _rank_memory, assign_units, recv_buffer_sets
 
@@ -316,13 +317,71 @@ def test_zbv_weight_steps_follow_their_input_gradient_steps_at_once():
             assert weight_steps_waiting("ZBV_zero_bubble", pp, 2, n, rank) == {}
 
 
+def test_zbv_cool_down_moment_follows_torchs_action_lists():
+    """ZB-V's cool-down runs input-gradient steps ahead of their weight steps: at the one with the
+    most micro-batches waiting (its own included), torch's list holds what zbv_cool_down says --
+    in flight and waiting per local chunk, and chunk 0's input-gradient steps still to come."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    for pp, n in [*ZBV_CASES, (4, 4), (8, 8), (4, 12), (8, 24)]:
+        for rank, actions in _zbv_action_lists(pp, n).items():
+            stages = [rank, 2 * pp - 1 - rank]
+            flight, waiting, best = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0), None
+            for at, a in enumerate(actions):
+                if a.computation_type == T.FORWARD:
+                    flight[a.stage_index] += 1
+                if a.computation_type == T.BACKWARD_INPUT:
+                    waiting[a.stage_index] += 1
+                    if rank == 0 and a.stage_index == 0:
+                        continue  # stage 0's is a full backward: nothing waits (block_recomputes)
+                    if best is None or sum(waiting.values()) > sum(best[1].values()):
+                        to_come = sum(
+                            b.computation_type == T.BACKWARD_INPUT and b.stage_index == rank
+                            for b in actions[at + 1 :]
+                        )
+                        best = (dict(flight), dict(waiting), to_come)
+                if a.computation_type == T.BACKWARD_WEIGHT:
+                    flight[a.stage_index] -= 1
+                    waiting[a.stage_index] -= 1
+            moment = tuple({i: m[st] for i, st in enumerate(stages)} for m in best[:2]) + (best[2],)
+            first = chunks_in_flight("ZBV_zero_bubble", pp, 2, n, rank)
+            if zbv_cool_down(pp, n, rank) is None:  # the most waiting is one: ZB-V's first moment
+                assert moment[:2] == (first, {0: 0, 1: 1}), (pp, n, rank, moment)
+            else:
+                assert zbv_cool_down(pp, n, rank) == moment, (pp, n, rank, moment)
+
+
 def test_zbv_receive_buffer_sets_follow_torchs_lowered_action_lists():
     """As for interleaved zero bubble: a set taken at a micro-batch's RECV, given back at its weight
     step; the pool's high-water mark per chunk is recv_buffer_sets' count, wherever the neighbour
-    is another rank (rank pp-1 hands its middle boundary to itself: no receive)."""
+    is another rank. Rank pp-1 hands its middle boundary to itself (no receive): torch puts the
+    tensor it hands over into the receiving chunk's set, taken at the handing chunk's forward
+    (activations) or input-gradient step (gradients)."""
     from torch.distributed.pipelining import schedules as S
+    from torch.distributed.pipelining.schedules import _ComputationType as T
 
-    for pp, n in ZBV_CASES:
+    for pp, n in [*ZBV_CASES, (2, 2), (4, 4)]:
+        # rank pp-1: stage pp's activation set from stage pp-1's forward to its own weight step,
+        # stage pp-1's gradient set from stage pp's input-gradient step to its own weight step
+        taken = {(T.FORWARD, pp - 1): "act", (T.BACKWARD_INPUT, pp): "grad"}
+        given_back = {pp: "act", pp - 1: "grad"}
+        live, most = {"act": set(), "grad": set()}, {"act": 0, "grad": 0}
+        for a in _zbv_action_lists(pp, n)[pp - 1]:
+            key = taken.get((a.computation_type, a.stage_index))
+            if key:
+                live[key].add(a.microbatch_index)
+                most[key] = max(most[key], len(live[key]))
+            if a.computation_type == T.BACKWARD_WEIGHT:
+                live[given_back[a.stage_index]].discard(a.microbatch_index)
+        flight = chunks_in_flight("ZBV_zero_bubble", pp, 2, n, pp - 1)
+        last = pp - 1
+        assert (
+            recv_buffer_sets("ZBV_zero_bubble", n, flight[1], last, 1, 2, (True, False), pp)[0] == most["act"]
+        )
+        assert (
+            recv_buffer_sets("ZBV_zero_bubble", n, flight[0], last, 0, 2, (False, True), pp)[1]
+            == most["grad"]
+        )
         compute = _zbv_action_lists(pp, n)
         on_rank = lambda st, pp=pp: st if st < pp else 2 * pp - 1 - st  # noqa: E731
         lowered = S._add_send_recv(compute, stage_to_rank=on_rank, num_stages=2 * pp)
@@ -330,7 +389,7 @@ def test_zbv_receive_buffer_sets_follow_torchs_lowered_action_lists():
             most = _receive_pool_high_water(actions)
             flight = chunks_in_flight("ZBV_zero_bubble", pp, 2, n, rank)
             for i, stage in enumerate([rank, 2 * pp - 1 - rank]):
-                acts, grads = recv_buffer_sets("ZBV_zero_bubble", n, flight[i], rank, i, 2)
+                acts, grads = recv_buffer_sets("ZBV_zero_bubble", n, flight[i], rank, i, 2, pp=pp)
                 if stage > 0 and on_rank(stage - 1) != rank:
                     assert most.get(("act", stage), 0) == acts, (pp, n, rank, i)
                 if stage < 2 * pp - 1 and on_rank(stage + 1) != rank:

@@ -86,6 +86,20 @@ def weight_steps_waiting(schedule: str, pp: int, virtual: int, n: int, rank: int
     return {last: min(rank + 1, chunks_in_flight(schedule, pp, virtual, n, rank)[last])}
 
 
+def zbv_cool_down(pp: int, n: int, rank: int) -> tuple[dict[int, int], dict[int, int], int] | None:
+    """ZB-V's second peak moment: in the cool-down torch runs several input-gradient steps before
+    their weight steps, each waiting micro-batch keeping its output gradients. At the
+    input-gradient step with the most of them waiting, per local chunk: the micro-batches in
+    flight, those waiting (the step's own included: it is on chunk 0), and how many of chunk 0's
+    input-gradient steps are still to come. From torch 2.13's action lists (pp 2-8, n = 2pp-4pp):
+    rank r > 0 has pp and r in flight, r + 1 and r waiting, pp - 1 - r to come (pp 4, n 8: rank 3
+    at 3I7, rank 1 at 1I5). None where that step is ZB-V's first moment (`chunks_in_flight`):
+    rank 0 (its chunk 0 runs full backwards, nothing waits there) and n = pp (no cool-down)."""
+    if rank == 0 or n < 2 * pp:
+        return None
+    return {0: pp, 1: rank}, {0: rank + 1, 1: rank}, pp - 1 - rank
+
+
 def bubble_fraction(schedule: str, pp: int, virtual: int, n: int) -> float:
     """Idle fraction of a pipeline step, assuming equal stage times and backward = 2 × forward.
 

@@ -49,6 +49,7 @@ from fleetwise.plan.pipeline import (
     is_interleaved,
     split_layers,
     weight_steps_waiting,
+    zbv_cool_down,
 )
 from fleetwise.plan.ps import placement as ps_placement
 from fleetwise.plan.units import Unit
@@ -315,6 +316,10 @@ def _rank_memory(
     # chunk's one full backward is not the moment; gpt/tiny pp 2 v 2, 16 layers, rank 0 was -7.0%)
     waiting = weight_steps_waiting(s.schedule, layout.pp, s.virtual_stages, n, rank) if pipelined else {}
     weight_wait, weight_step = 0.0, 0.0  # what waiting adds; the weight step's own peak
+    # ZB-V's cool-down moment (pipeline.zbv_cool_down): per local chunk, one micro-batch's saved
+    # activations and the output gradients it keeps from its input-gradient step to its weight step
+    cool = zbv_cool_down(layout.pp, n, rank) if pipelined and s.schedule == "ZBV_zero_bubble" else None
+    chunk_saved, chunk_kept = [0.0] * len(local), [0.0] * len(local)
 
     def saved_bytes(a) -> float:  # per sample, on this rank
         return (
@@ -355,6 +360,9 @@ def _rank_memory(
                 if key is not None:
                     memo[key] = known
             acts += count * flight.get(i, 1) * b * known[0]
+            if cool is not None:
+                chunk_saved[i] += count * b * known[0]
+                chunk_kept[i] += count * b * saved_bytes(u.weight_grad_outputs)
             wait = min(waiting.get(i, 0), flight.get(i, 1))
             if wait:
                 # waiting for its weight step: the output gradients it reads, kept from its
@@ -384,6 +392,19 @@ def _rank_memory(
         # under sequence parallelism a stage sends, receives and holds its sequence shard
         shard_of_seq = mp if s.sequence_parallel else 1
         in_step, pooled = _pipeline_buffers(chunks, local, flight, n, b, s.schedule, waiting or None, rank)
+        if cool is not None:
+            now, waits, to_come = cool
+            cool_in_step, _ = _pipeline_buffers(
+                chunks, local, flight, n, b, s.schedule, None, rank, now=now, to_come={0: to_come}
+            )
+            # a waiting micro-batch's last output gradient is the one it received (a gradient
+            # receive set, counted there); the step running (on chunk 0) holds, at its end, all of
+            # its own and a temporary of that size (dry run of gpt/tiny pp 4, 8 layers, rank 3: a
+            # waiting micro-batch holds 10 of its block's 11 boundary-sized output gradients, the
+            # step 12 at its peak, with the input gradient it sends)
+            out = [b * chunks[c][-1].boundary_elements * whole_bytes / shard_of_seq for c in local]
+            cool_acts = sum(now[i] * chunk_saved[i] for i in range(len(local)))
+            cool_acts += sum(waits[i] * (chunk_kept[i] - out[i]) for i in range(len(local))) + out[0]
         mem.pipeline_buffers = in_step * whole_bytes / shard_of_seq
         # at the optimizer step the schedule is done: its held sends and kept outputs are gone
         # (torch drops the send Works when `step` returns), its pooled receive buffers stay
@@ -439,6 +460,16 @@ def _rank_memory(
         "pipeline_buffers": mem.pipeline_buffers,
     }
     phases = [("forward/backward", during)]
+    if cool is not None:
+        # ZB-V's cool-down: fewer micro-batches in flight, more of them waiting for their weight
+        # steps (gpt/tiny pp 4, 8 layers: ranks 2 and 3 peak there, rank 3 was -12.7%)
+        cool_buffers = cool_in_step * whole_bytes / shard_of_seq
+        phases.append(
+            (
+                "cool-down input gradient",
+                {**during, "activations": cool_acts, "pipeline_buffers": cool_buffers},
+            )
+        )
     if pipelined and s.schedule == "GPipe" and n > 1 and engine != "zero1":
         # GPipe runs every forward before any backward: at the first backward all n micro-batches'
         # activations are held but no gradient exists yet (zero_grad set them to None; ZeRO-1's
@@ -579,6 +610,8 @@ def _pipeline_buffers(
     schedule: str,
     waiting: dict[int, int] | None = None,
     rank: int = 0,
+    now: dict[int, int] | None = None,
+    to_come: dict[int, int] | None = None,
 ) -> tuple[float, float]:
     """Elements a pipeline rank holds beyond its units' saved activations, (during the step, at
     the optimizer step).
@@ -598,30 +631,49 @@ def _pipeline_buffers(
     `waiting` names the peak's zero-bubble weight step (pipeline.weight_steps_waiting).
 
     At the optimizer step only the pooled receive sets remain, every one of them (the stage keeps
-    them for its life)."""
+    them for its life).
+
+    `now`, `to_come`: a later moment (ZB-V's cool-down, pipeline.zbv_cool_down), with `now`
+    micro-batches in flight per local chunk (the pools made for `flight` stay) and `to_come` of a
+    chunk's input gradients not sent yet."""
     mine, held_sends = set(local), is_interleaved(schedule)
     in_step = pooled = 0.0
     for i, c in enumerate(local):
         held = min(n, flight.get(i, 1))
-        activations, gradients = recv_buffer_sets(schedule, n, held, rank, i, len(local))
+        handed = (c - 1 in mine, c + 1 in mine)  # a neighbour on this rank (ZB-V's rank pp-1)
+        pp = len(chunks) // len(local)
+        activations, gradients = recv_buffer_sets(schedule, n, held, rank, i, len(local), handed, pp)
+        if now is not None:
+            held = min(n, now.get(i, 0))
         if c > 0:
             boundary = b * chunks[c - 1][-1].boundary_elements
             pooled += activations * boundary
             received = max(0, activations - held)
             # input gradients sent back; looped BFS peaks at the end of its all-forward phase, before any
             if held_sends and c - 1 not in mine and schedule != "looped_BFS":
-                received += n if waiting is None else n - held + min(waiting.get(i, 0), held)
+                if to_come is not None:
+                    received += n - to_come.get(i, 0)
+                else:
+                    received += n if waiting is None else n - held + min(waiting.get(i, 0), held)
             in_step += received * boundary
         if c < len(chunks) - 1:  # outputs: sent to the next chunk's rank, or kept for the backward
             boundary = b * chunks[c][-1].boundary_elements
             pooled += gradients * boundary
-            outputs = n if held_sends and c + 1 not in mine else held
+            # (handed to a chunk on this rank, they are that chunk's activation receive sets)
+            outputs = n if held_sends and c + 1 not in mine else 0 if c + 1 in mine else held
             in_step += (gradients + outputs) * boundary
     return in_step, pooled
 
 
 def recv_buffer_sets(
-    schedule: str, n: int, held: int, rank: int = 0, local: int = 0, virtual: int = 1
+    schedule: str,
+    n: int,
+    held: int,
+    rank: int = 0,
+    local: int = 0,
+    virtual: int = 1,
+    handed: tuple[bool, bool] = (False, False),
+    pp: int = 0,
 ) -> tuple[int, int]:
     """Sets of receive buffers (activations, gradients) one pipeline chunk makes, for a chunk that
     holds `held` micro-batches in flight at its peak. Counted on gpt/tiny with 32 micro-batches
@@ -637,14 +689,20 @@ def recv_buffer_sets(
     2 + 2 for 2 + 1 and 1: planner +3.7% on gpt/tiny pp 2 v 2 rank 0). ZB-V, from the same lists
     (pp 2-8; local chunk 0 is stage r, 1 is stage 2pp-1-r): one activation set more than in flight
     on each chunk, r + 2 gradient sets on the first and r on the second (the bound was 2 x in
-    flight and 2). Rank pp-1 hands its middle boundary to itself (no receive in torch's lists);
-    the same counts are taken there: dry run pp 2 rank 1 -0.45%, but pp 4 rank 3 -12.7% (-13.0%
-    before): something on that rank is not modelled yet."""
+    flight and 2). Rank pp-1 hands its middle boundary to itself (`handed`: the previous, the
+    next chunk is on this rank): torch's stage puts the output, the input gradient it hands over
+    into the receiving chunk's set (set_local_fwd_input, set_local_bwd_input), taken at the
+    handing chunk's forward or input-gradient step and given back at the receiving one's weight
+    step: in flight activation sets, r + 1 gradient sets. With n = pp (no cool-down) every
+    gradient set is given back before the next is taken: one."""
     if schedule == "interleaved_zero_bubble":
         acts = held if local == virtual - 1 and virtual > 1 else 2 * held
         return min(n, acts), min(n, rank + 1)
     if schedule == "ZBV_zero_bubble":
-        return min(n, held + 1), min(n, rank + 2 if local == 0 else rank)
+        acts = held if handed[0] else min(n, held + 1)
+        if n < 2 * pp:
+            return acts, 1
+        return acts, min(n, rank + 1 if handed[1] else rank + 2 if local == 0 else rank)
     if schedule == "looped_BFS":
         return n, n
     if schedule in ("1F1B", "GPipe"):
@@ -799,8 +857,9 @@ def _stage_comm(
 
 def _role(chunks: list[list[Unit]], ranks: list[int], rank: int) -> tuple:
     """What pipeline rank `rank`'s work and traffic depend on: per local chunk, whether it is the
-    first or the last one, its units (by class: equal units share one) and the unit whose output
-    it receives. Ranks with the same role compute and send the same."""
+    first or the last one, its units (by class: equal units share one), the unit whose output
+    it receives and whether its neighbours are on this rank (ZB-V's rank pp-1 sends nothing
+    between its chunks: its pp bytes were +100%). Ranks with the same role compute and send the same."""
     last, cls = len(chunks) - 1, _UNIT_CLASS.get
 
     def keys(units: list[Unit]) -> tuple:
@@ -808,7 +867,14 @@ def _role(chunks: list[list[Unit]], ranks: list[int], rank: int) -> tuple:
         return tuple(map(cls, ids, ids))  # a unit outside the cache is its own class
 
     return tuple(
-        (c == 0, c == last, keys(chunks[c]), keys(chunks[c - 1][-1:]) if c > 0 else None)
+        (
+            c == 0,
+            c == last,
+            keys(chunks[c]),
+            keys(chunks[c - 1][-1:]) if c > 0 else None,
+            c > 0 and ranks[c - 1] == rank,
+            c < last and ranks[c + 1] == rank,
+        )
         for c, r in enumerate(ranks)
         if r == rank
     )
@@ -967,9 +1033,7 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
         memory[r][1]
         if r in memory
         else sum(
-            count * u.params_on_rank(layout.mp)
-            for c in chunks_of[r]
-            for u, count in _unit_groups(chunks[c])
+            count * u.params_on_rank(layout.mp) for c in chunks_of[r] for u, count in _unit_groups(chunks[c])
         )
         for r in range(layout.pp)
     ]

@@ -58,6 +58,10 @@ class LiveTensorBytes(TorchDispatchMode):
         self.host_peak = 0
         self.separate_host = bool(host)
         self._device_scope = 0
+        # the dry run names the moment the step is in (runtime/simulate.py: the pipeline action
+        # running) and keeps the peak reached in each; None: not followed
+        self.moment: str | None = None
+        self.moment_peaks: dict[str, int] = {}
         for t in host:
             self._track(t, host=True)
         for t in tensors:
@@ -97,6 +101,8 @@ class LiveTensorBytes(TorchDispatchMode):
         else:
             self.current += nbytes
             self.peak = max(self.peak, self.current)
+            if self.moment is not None and self.current > self.moment_peaks.get(self.moment, 0):
+                self.moment_peaks[self.moment] = self.current
         weakref.finalize(storage, self._free, key)
 
     def _free(self, key: int) -> None:
@@ -120,6 +126,8 @@ class LiveTensorBytes(TorchDispatchMode):
         else:
             self.current += delta
             self.peak = max(self.peak, self.current)
+            if self.moment is not None and self.current > self.moment_peaks.get(self.moment, 0):
+                self.moment_peaks[self.moment] = self.current
 
     def in_host(self, t: torch.Tensor) -> bool:
         storage = self._storage(t)
