@@ -50,6 +50,7 @@ from fleetwise.plan.pipeline import (
     split_layers,
     weight_steps_waiting,
     zbv_cool_down,
+    zbv_sends_made,
 )
 from fleetwise.plan.ps import placement as ps_placement
 from fleetwise.plan.units import Unit
@@ -650,11 +651,12 @@ def _pipeline_buffers(
         held = min(n, flight.get(i, 1))
         handed = (c - 1 in mine, c + 1 in mine)  # a neighbour on this rank (ZB-V's rank pp-1)
         pp = len(chunks) // len(local)
-        # ZB-V's first moment is mid-step (its last chunk-1 input-gradient step with the most in
-        # flight): only the sends made by then are held, the step's own included. From torch
-        # 2.13's lists (pp 2-8, n 2pp-4pp): outputs n on chunk 0, n-pp+1+r on chunk 1; input
-        # gradients n-2pp+1+r on chunk 0, n-pp+1 on chunk 1 (gpt/tiny pp 4, rank 1: 21, not 32)
-        zbv_mid_step = schedule == "ZBV_zero_bubble" and now is None and n >= 2 * pp
+        # ZB-V's first moment is mid-step: only the sends made by then are held
+        sent = (
+            zbv_sends_made(pp, n, rank)
+            if schedule == "ZBV_zero_bubble" and now is None and n >= 2 * pp
+            else None
+        )
         activations, gradients = recv_buffer_sets(schedule, n, held, rank, i, len(local), handed, pp)
         if now is not None:
             held = min(n, now.get(i, 0))
@@ -666,8 +668,8 @@ def _pipeline_buffers(
             if held_sends and c - 1 not in mine and schedule != "looped_BFS":
                 if to_come is not None:
                     received += n - to_come.get(i, 0)
-                elif zbv_mid_step:
-                    received += n - 2 * pp + 1 + rank if i == 0 else n - pp + 1
+                elif sent is not None:
+                    received += sent[1][i]
                 else:
                     received += n if waiting is None else n - held + min(waiting.get(i, 0), held)
             in_step += received * boundary
@@ -676,8 +678,8 @@ def _pipeline_buffers(
             pooled += gradients * boundary
             # (handed to a chunk on this rank, they are that chunk's activation receive sets)
             outputs = n if held_sends and c + 1 not in mine else 0 if c + 1 in mine else held
-            if zbv_mid_step and c + 1 not in mine:
-                outputs = n if i == 0 else n - pp + 1 + rank
+            if sent is not None and c + 1 not in mine:
+                outputs = sent[0][i]
             in_step += (gradients + outputs) * boundary
     return in_step, pooled
 
