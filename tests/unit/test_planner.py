@@ -12,6 +12,7 @@ from fleetwise.plan.pipeline import (
     split_layers,
     weight_steps_waiting,
     zbv_cool_down,
+    zbv_sends_made,
 )
 from fleetwise.plan.planner import _rank_memory, assign_units, recv_buffer_sets
 
@@ -315,6 +316,34 @@ def test_zbv_weight_steps_follow_their_input_gradient_steps_at_once():
                     assert after.computation_type == T.BACKWARD_WEIGHT, (pp, n, rank, str(a))
                     assert (after.stage_index, after.microbatch_index) == (a.stage_index, a.microbatch_index)
             assert weight_steps_waiting("ZBV_zero_bubble", pp, 2, n, rank) == {}
+
+
+def test_zbv_sends_made_at_the_first_moment_follow_torchs_action_lists():
+    """ZB-V's first moment: the last chunk-1 input-gradient step with chunks_in_flight's counts in
+    flight (forwards minus weight steps). The sends made by then, that step's own included, are
+    its forwards (outputs) and input-gradient steps (input gradients) per chunk."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    for pp in (2, 3, 4, 8):
+        for n in (2 * pp, 3 * pp, 4 * pp, 5 * pp, 8 * pp):
+            for rank, actions in _zbv_action_lists(pp, n).items():
+                stages = (rank, 2 * pp - 1 - rank)
+                flight = chunks_in_flight("ZBV_zero_bubble", pp, 2, n, rank)
+                done = {k: {st: 0 for st in stages} for k in (T.FORWARD, T.BACKWARD_INPUT, T.BACKWARD_WEIGHT)}
+                made = None
+                for a in actions:
+                    done[a.computation_type][a.stage_index] += 1
+                    live = [done[T.FORWARD][st] - done[T.BACKWARD_WEIGHT][st] for st in stages]
+                    if (
+                        a.computation_type == T.BACKWARD_INPUT
+                        and a.stage_index == stages[1]
+                        and live == [flight[0], flight[1]]
+                    ):
+                        made = [
+                            {i: done[k][st] for i, st in enumerate(stages)}
+                            for k in (T.FORWARD, T.BACKWARD_INPUT)
+                        ]
+                assert made == list(zbv_sends_made(pp, n, rank)), (pp, n, rank)
 
 
 def test_zbv_cool_down_moment_follows_torchs_action_lists():

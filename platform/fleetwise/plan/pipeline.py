@@ -100,6 +100,15 @@ def zbv_cool_down(pp: int, n: int, rank: int) -> tuple[dict[int, int], dict[int,
     return {0: pp, 1: rank}, {0: rank + 1, 1: rank}, pp - 1 - rank
 
 
+def zbv_sends_made(pp: int, n: int, rank: int) -> tuple[dict[int, int], dict[int, int]]:
+    """ZB-V's first moment (`chunks_in_flight`) is mid-step, at its last chunk-1 input-gradient
+    step with that many in flight: the sends made by then, the step's own included, as (outputs,
+    input gradients) per local chunk. From torch 2.13's action lists (pp 2-8, n = 2pp-8pp):
+    outputs n on chunk 0 and n-pp+1+r on chunk 1, input gradients n-2pp+1+r and n-pp+1 (pp 4,
+    n 8, rank 1: 21 sends, not 32). Only for n >= 2pp (below, there is no such steady moment)."""
+    return {0: n, 1: n - pp + 1 + rank}, {0: n - 2 * pp + 1 + rank, 1: n - pp + 1}
+
+
 def bubble_fraction(schedule: str, pp: int, virtual: int, n: int) -> float:
     """Idle fraction of a pipeline step, assuming equal stage times and backward = 2 × forward.
 

@@ -50,6 +50,7 @@ from fleetwise.plan.pipeline import (
     split_layers,
     weight_steps_waiting,
     zbv_cool_down,
+    zbv_sends_made,
 )
 from fleetwise.plan.ps import placement as ps_placement
 from fleetwise.plan.units import Unit
@@ -428,6 +429,13 @@ def _rank_memory(
         for c in local:
             if c > 0:
                 kept = sum(b * saved_bytes(u.weight_grad_outputs) for u in chunks[c])
+                if c == len(chunks) - 1:
+                    # the last stage receives no output gradient (elsewhere the received one is a
+                    # pool set's, counted there, and the step's boundary-sized temporary matches
+                    # it): here the temporary comes on top (dry run of gpt/tiny pp 2 and 4, rank 0:
+                    # 18 boundaries at the step's peak, its 16 kept, the one it sends and that one)
+                    seq_shard = mp if s.sequence_parallel else 1
+                    kept += b * chunks[c - 1][-1].boundary_elements * whole_bytes / seq_shard
                 transient = max(transient, kept)
     # zero bubble's weight step: not the input-gradient steps' temporaries (the loss's backward,
     # a block's input gradients), but the waiting micro-batches' output gradients
@@ -628,7 +636,8 @@ def _pipeline_buffers(
     The rank's peak comes late in the step (measured in the dry run on gpt/tiny, pp 2, v 2: the
     gap grew by exactly one boundary tensor per send per micro-batch), so all n are counted --
     but the input gradients of micro-batches whose input-gradient step is still to come, where
-    `waiting` names the peak's zero-bubble weight step (pipeline.weight_steps_waiting).
+    `waiting` names the peak's zero-bubble weight step (pipeline.weight_steps_waiting). ZB-V's
+    first moment (n >= 2pp) is mid-step: there only the sends made by then are counted.
 
     At the optimizer step only the pooled receive sets remain, every one of them (the stage keeps
     them for its life).
@@ -642,6 +651,12 @@ def _pipeline_buffers(
         held = min(n, flight.get(i, 1))
         handed = (c - 1 in mine, c + 1 in mine)  # a neighbour on this rank (ZB-V's rank pp-1)
         pp = len(chunks) // len(local)
+        # ZB-V's first moment is mid-step: only the sends made by then are held
+        sent = (
+            zbv_sends_made(pp, n, rank)
+            if schedule == "ZBV_zero_bubble" and now is None and n >= 2 * pp
+            else None
+        )
         activations, gradients = recv_buffer_sets(schedule, n, held, rank, i, len(local), handed, pp)
         if now is not None:
             held = min(n, now.get(i, 0))
@@ -653,6 +668,8 @@ def _pipeline_buffers(
             if held_sends and c - 1 not in mine and schedule != "looped_BFS":
                 if to_come is not None:
                     received += n - to_come.get(i, 0)
+                elif sent is not None:
+                    received += sent[1][i]
                 else:
                     received += n if waiting is None else n - held + min(waiting.get(i, 0), held)
             in_step += received * boundary
@@ -661,6 +678,8 @@ def _pipeline_buffers(
             pooled += gradients * boundary
             # (handed to a chunk on this rank, they are that chunk's activation receive sets)
             outputs = n if held_sends and c + 1 not in mine else 0 if c + 1 in mine else held
+            if sent is not None and c + 1 not in mine:
+                outputs = sent[0][i]
             in_step += (gradients + outputs) * boundary
     return in_step, pooled
 
