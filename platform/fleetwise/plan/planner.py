@@ -253,6 +253,9 @@ def _rank_memory(
     # equal units once, with their count (a 96-layer chunk is a few classes: a search plans thousands)
     units = [g for c in local for g in _unit_groups(chunks[c])]
     p = sum(count * u.params_on_rank(mp) for u, count in units)
+    block_params = sum(
+        count * u.params_on_rank(mp) for u, count in units if u.kind == "block"
+    )  # the rest is the root's (embedding, head, norm)
     k = optimizer_state_factor(cfg.optim.name, cfg.optim.momentum)
     mixed = cfg.train.precision != "fp32"
     offloaded = s.offload and cfg.hardware.device_type == "cuda" and engine == "fsdp"
@@ -270,7 +273,7 @@ def _rank_memory(
             # again first in backward): in backward the root, the block in use and the prefetched
             # next one are gathered at once
             blocks = [u.params_on_rank(mp) for u, _ in units if u.kind == "block"]
-            root = p - sum(count * u.params_on_rank(mp) for u, count in units if u.kind == "block")
+            root = p - block_params
             working = gather_bytes * (root + 2 * max(blocks, default=0.0))
         else:  # stage 2 / replication, and any pipelined FSDP (kept gathered across micro-batches)
             working = gather_bytes * p
@@ -521,7 +524,7 @@ def _rank_memory(
         # small model: gpt/tiny, vocab 16k, ZeRO-2 x mp 2 was -3.07%). gloo reduces a copy of the
         # whole input, alive for the call (NCCL reduces in place): the input twice there (the same
         # row, dry run and real run: -20.2% without it)
-        root = p - sum(count * u.params_on_rank(mp) for u, count in units if u.kind == "block")
+        root = p - block_params
         head_grad = max((u.fresh_grad_on_rank(mp) for u, _ in units if u.kind == "head"), default=0.0)
         copies = 2 if cfg.hardware.backend == "gloo" else 1
         root_reduce_scatter = {
@@ -547,7 +550,7 @@ def _rank_memory(
         # ZeRO-3, the backward's first unit: the root (embedding, head, final norm) gathers again
         # once the loss's backward is done; while FSDP copies its parameters out of the
         # all-gather buffer both are alive: twice the root, beside everything saved
-        root = p - sum(count * u.params_on_rank(mp) for u, count in units if u.kind == "block")
+        root = p - block_params
         phases.append(
             (
                 "root re-gather",
