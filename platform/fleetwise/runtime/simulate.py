@@ -629,11 +629,19 @@ def sampled_counts(trainer, n: int) -> tuple[int, int] | None:
     # was taken per micro-batch (GPT-3 13B interleaved ZB v2, last stage, from 4 and 6 of 256:
     # 55.7 GB; from 6 and 8: 19.4 GB). The next two counts are taken.
     skip = 1 if isinstance(schedule, (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)) else 0
+    # The interleaved schedules run rounds of `microbatches_per_round` (n / max(1, n // pp)): a
+    # count with other rounds is another schedule -- a longer warm-up, one more micro-batch in
+    # flight -- even where `in_flight`'s maxima agree, and what it adds was scaled per micro-batch
+    # (GPT-3 175B interleaved v 2, pp 16, 192 micro-batches, sampled from 48 and 51 (rounds of 17):
+    # +9.5 GiB on rank 0). Only counts with the job's rounds are taken.
+    per_round = getattr(schedule, "microbatches_per_round", None)
     legal = []
     for k in range(1, n):
         try:
             candidate = _reschedule(schedule, k)
         except Exception:  # the schedule's own rules (e.g. 1F1B: at least one per stage)
+            continue
+        if getattr(candidate, "microbatches_per_round", None) != per_round:
             continue
         if legal or in_flight(candidate, pp_rank) == want:
             legal.append(k)
