@@ -332,7 +332,14 @@ LAYOUTS = {
     "dp4_ddp_fp16": ("strategy=dp", "hardware=a100", "hardware.devices_per_node=4", "train.precision=fp16"),
 }
 # (layout, quantity) -> bound on |planner / dry run - 1| where the 3% / 1% targets are not met yet
-KNOWN: dict[tuple[str, str], float] = {}
+KNOWN: dict[tuple[str, str], float] = {
+    # one micro-batch: the blocks' sharded gradients made so far are now counted at the later
+    # blocks' backward (they were missing: a 0.84B GPT, 16 layers, was -6.9%, now +0.6%); here the
+    # peak is the 3rd block back of 4, with 2 of them (+0.79 MB), where the dry run holds two
+    # blocks gathered but not the root the planner keeps gathered through the backward (+0.56 MB):
+    # -0.33% before was that overcount hiding the missing gradients; now +3.35%
+    ("sharding3_w8_full_wide", "memory"): 0.034,
+}
 
 
 def _dryrun(tmp_path, *args):
