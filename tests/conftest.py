@@ -65,31 +65,14 @@ def final_params(run_dir: Path) -> dict:
     return torch.load(out, weights_only=True)
 
 
-# The longest test files (minutes each; `make test` runs two files at a time, pytest-xdist
-# --dist loadfile, in collection order): started first, so that no worker is left running one of
-# them alone at the end while the other has nothing left.
-LONGEST_FIRST = (
-    "test_planner_vs_dryrun.py",
-    "test_dryrun.py",
-    "test_parity.py",
-    "test_multihost.py",
-    "test_checkpoints.py",
-    "test_dashboards.py",
-    "test_launch.py",
-    "test_cuda_semantics.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
     """Every test that starts processes is `slow` (`make check` leaves them out): all of
     tests/integration (torchrun ranks) and tests/e2e (the console script, servers, a wheel build),
-    plus the unit tests marked one by one. The longest files go first (LONGEST_FIRST)."""
+    plus the unit tests marked one by one."""
     for item in items:
         parts = Path(str(item.fspath)).parts
         if "integration" in parts or "e2e" in parts:
             item.add_marker(pytest.mark.slow)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable
 
 
 def netns_module():
