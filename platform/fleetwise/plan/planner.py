@@ -517,19 +517,23 @@ def _rank_memory(
         # d 256 x 4 blocks, full recompute: the 3rd, with 2 of them and 2 blocks gathered)
         n_blocks = sum(count for u, count in units if u.kind == "block")
         made = 0.0 if (accumulating or offloaded) else FP32 * block / sh
-        ends = [(first, 0.0)]
+        gathered = during["params"]
+        ends = [(first, 0.0, gathered)]  # (activations, gradients made, parameters)
         if n_blocks > 1:
-            ends.append((later, made))
+            ends.append((later, made, gathered))
         if n_blocks > 2:
-            ends.append((later - (n_blocks - 3) * block_saved, (n_blocks - 2) * made))
-            last = later - (n_blocks - 2) * block_saved - gather_bytes * block
-            ends.append((last, (n_blocks - 1) * made))
-        block_backward, made_grads = max(ends, key=sum)
-        backward_grads = during["grads"] + made_grads
+            ends.append((later - (n_blocks - 3) * block_saved, (n_blocks - 2) * made, gathered))
+            last = later - (n_blocks - 2) * block_saved
+            ends.append((last, (n_blocks - 1) * made, gathered - gather_bytes * block))
+        block_backward, made_grads, backward_params = max(ends, key=sum)
+        backward = {
+            **during,
+            "params": backward_params,
+            "activations": block_backward,
+            "grads": during["grads"] + made_grads,
+        }
         if not reshard_after_forward(s.sharding_stage):
-            phases.append(
-                ("block backward", {**during, "activations": block_backward, "grads": backward_grads})
-            )
+            phases.append(("block backward", backward))
         # The root's reduce-scatter, the backward's last unit (FSDP runs it in its final callback,
         # after autograd is done): every unit resharded, every activation freed, but the root's
         # fp32 reduce-scatter input (its unsharded gradients) and output (its new sharded ones,
@@ -556,7 +560,7 @@ def _rank_memory(
         # resharded after its forward (measured in the dry run). The units' own backward peaks
         # come later, with the root and two blocks gathered.
         phases = [
-            ("forward/backward", {**during, "activations": block_backward, "grads": backward_grads}),
+            ("forward/backward", backward),
             (
                 "loss backward",
                 {**during, "params": resting, "activations": acts + head_peak},
