@@ -280,3 +280,103 @@ def test_the_searchs_plan_is_the_full_plan_less_its_stages_and_roles_share_no_wr
             chunks, ranks = assign_units(cfg, layout), chunk_ranks(sched, 4, v)
             own = [int(_rank_memory(cfg, layout, chunks, ranks, r, n)[0].total) for r in range(4)]
             assert [s["memory_total_bytes"] for s in full.stages] == own, (sched, mb)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["auto.objective=memory"],
+        # nothing fits: the smallest reported is exact although the search stops working out a
+        # layout's ranks once one of them is too big (`rank_memory(stop_above=...)`)
+        ["hardware.memory_per_device_gib=0.0002"],
+    ],
+    ids=["time", "memory", "nothing_fits"],
+)
+def test_a_search_on_several_processes_finds_what_one_process_finds(monkeypatch, extra):
+    """A search of many degree tuples runs them on forked workers and merges in tuple order: the
+    same candidates, plans, order, counts and smallest layout as one process (gpt/tiny on 16
+    devices, 8 layers: 35 degree tuples, deep pipelines)."""
+    import fleetwise.plan.search as search
+    from fleetwise.plan.planner import worst_memory
+
+    if search.search_workers() == 1:
+        pytest.skip("fork is not how this platform starts processes")
+    argv = [
+        "strategy=auto",
+        "recipe=gpt/tiny",
+        "model.num_layers=8",
+        "model.vocab_size=65536",
+        "hardware.devices_per_node=16",
+        *extra,
+    ]
+
+    def run(workers):
+        monkeypatch.setattr(search, "search_workers", lambda: workers)
+        r = resolve_auto(argv, progress=False).result
+        ranked = [(c.layout_text(), c.why, c.plan.to_dict()) for c in r.ranked]
+        smallest = r.smallest and (r.smallest.layout_text(), r.smallest.plan.to_dict())
+        return ranked, (r.legal, r.planned, r.too_big), smallest
+
+    one, two = run(1), run(2)
+    assert one == two
+    ranked, counts, smallest = one
+    assert len(list(search._degree_tuples(16, 16, {}))) > search.PARALLEL_TUPLES
+    if "hardware.memory_per_device_gib=0.0002" in extra:
+        assert not ranked and smallest is not None
+        # the smallest is the least worst memory of every legal layout (checked the long way)
+        job = search._Subtrees(resolve_auto(argv, progress=False).base, {}, "time", 0)
+        least = min(
+            worst_memory(cfg) for t in search._degree_tuples(16, 16, {}) for cfg in _lean_layouts(job, t)
+        )
+        assert smallest[1]["memory_bytes"]["total"] == least
+    else:
+        assert counts[1] == len(ranked) > 50
+
+
+def _lean_layouts(job, degree_tuple):
+    """Every legal layout of one degree tuple at its least memory per schedule (full recompute,
+    sequence parallel where legal, the smallest micro-batch)."""
+    from fleetwise.plan.search import _pipeline_options
+
+    dp, sh, mp, pp = degree_tuple
+    for stage in [1, 2, 3] if sh > 1 else [None]:
+        for sp in (True, False):
+            for sched, v in _pipeline_options(job.base, pp, {}):
+                cfg = job.legal(
+                    {
+                        "dp_degree": dp,
+                        "sharding_degree": sh,
+                        "mp_degree": mp,
+                        "pp_degree": pp,
+                        "sharding_stage": stage,
+                        "offload": False,
+                        "sequence_parallel": sp,
+                        "schedule": sched,
+                        "virtual_stages": v,
+                        "recompute": "full",
+                    },
+                    1,
+                )
+                if cfg is not None:
+                    yield cfg
+
+
+def test_a_subtree_is_dropped_only_when_its_leanest_schedule_does_not_fit():
+    """1F1B is not always a subtree's leanest schedule: with a 64k vocabulary on gpt/tiny, mp 4 pp 2
+    needs 20.6 MiB under 1F1B and 16.9 MiB under interleaved zero bubble (its weight steps, not the
+    loss's backward, make its peak). On a 19.5 MB device the search used to drop the subtree on the
+    1F1B probe and report that nothing fits."""
+    argv = [
+        "strategy=auto",
+        "recipe=gpt/tiny",
+        "model.num_layers=8",
+        "model.vocab_size=65536",
+        "hardware.devices_per_node=16",
+        "auto.headroom=0",
+        f"hardware.memory_per_device_gib={19.5e6 / 2**30}",
+    ]
+    out = resolve_auto(argv, progress=False)
+    assert out.problems == [] and out.result.ranked
+    assert {c.strategy["schedule"] for c in out.result.ranked} == {"interleaved_zero_bubble"}
+    assert all(c.memory <= 19.5e6 for c in out.result.ranked)

@@ -50,19 +50,13 @@ MAX_EXPERIMENT_CHARS, MAX_RUN_NAME_CHARS = 500, 250
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-_PATHS = {path: tuple(path.split(".")) for path in MAX}
-
-
-def _get(cfg: RunConfig, path: str):
-    # through the models' __dict__: a key this section does not have (a strategy without
-    # virtual_stages) is a miss, not an AttributeError raised through pydantic (the auto search
-    # runs these bounds for every candidate)
-    node = cfg
-    for part in _PATHS.get(path) or path.split("."):
-        node = getattr(node, "__dict__", {}).get(part)
-        if node is None:
-            return None
-    return node
+# MAX by section: (key, path, limit) of each. Read through the models' __dict__: a key this section
+# does not have (a strategy without virtual_stages) is a miss, not an AttributeError raised through
+# pydantic (the auto search runs these bounds for every candidate, thousands per search)
+_BY_SECTION: dict[str, list[tuple[str, str, float]]] = {}
+for _path, _limit in MAX.items():
+    _section, _key = _path.split(".")
+    _BY_SECTION.setdefault(_section, []).append((_key, _path, _limit))
 
 
 MAX_PIPELINE_CHUNKS = 256  # pp_degree × virtual_stages: the planner's schedule cost grows as its square
@@ -88,14 +82,16 @@ def problems(cfg: RunConfig) -> list[Problem]:
 
 
 def _bounds(cfg: RunConfig) -> Iterator[Problem]:
-    for path, limit in MAX.items():
-        value = _get(cfg, path)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
-            yield Problem(
-                path,
-                f"{path}={value:,} is beyond what fleetwise plans (at most {limit:,})",
-                f"set {path} to at most {limit:,}",
-            )
+    for section, keys in _BY_SECTION.items():
+        values = getattr(getattr(cfg, section, None), "__dict__", {})
+        for key, path, limit in keys:
+            value = values.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+                yield Problem(
+                    path,
+                    f"{path}={value:,} is beyond what fleetwise plans (at most {limit:,})",
+                    f"set {path} to at most {limit:,}",
+                )
     hw = cfg.hardware
     ranks = hw.nodes * hw.devices_per_node
     if isinstance(cfg.strategy, PSStrategy):

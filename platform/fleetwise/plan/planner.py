@@ -948,10 +948,12 @@ def _rank_units(chunks: list[list[Unit]], ranks: list[int], rank: int) -> list[U
 RankMemory = dict[int, tuple[Memory, float]]  # pipeline rank -> (its peak memory, its parameters)
 
 
-def rank_memory(cfg: RunConfig) -> RankMemory:
+def rank_memory(cfg: RunConfig, stop_above: float = math.inf) -> RankMemory:
     """The memory of the pipeline ranks that can hold the most (`_memory_ranks`), without timing
     the step: what a layout search asks first, to drop layouts that do not fit before planning
-    them. `make_plan(cfg, memory=...)` takes it, so that a layout that fits is not worked out twice."""
+    them. `make_plan(cfg, memory=...)` takes it, so that a layout that fits is not worked out twice.
+    `stop_above`: return as soon as one rank needs more (then only the ranks worked out so far,
+    which a search that only drops the layout needs no more of; not for `make_plan`)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     layout = Layout.of(cfg)
@@ -960,7 +962,9 @@ def rank_memory(cfg: RunConfig) -> RankMemory:
     v = s.virtual_stages if layout.pp > 1 else 1
     ranks = chunk_ranks(s.schedule, layout.pp, v) if layout.pp > 1 else [0]
     which = _memory_ranks(s, layout, chunks, ranks, n)
-    return _memory_of(cfg, layout, chunks, ranks, n, which, roles=_roles(chunks, ranks, layout.pp))
+    return _memory_of(
+        cfg, layout, chunks, ranks, n, which, roles=_roles(chunks, ranks, layout.pp), stop_above=stop_above
+    )
 
 
 def _memory_of(
@@ -972,6 +976,7 @@ def _memory_of(
     which: list[int],
     known: RankMemory | None = None,
     roles: list[tuple] | None = None,
+    stop_above: float = math.inf,
 ) -> RankMemory:
     """`_rank_memory` of the pipeline ranks `which` (those in `known` taken from it), worked out
     once per memory role: ranks in the same role (`_role`) that keep as many micro-batches of each
@@ -983,6 +988,8 @@ def _memory_of(
     todo = [r for r in which if r not in out]
     if len(todo) < 2:  # nothing to share
         return out | {r: _rank_memory(cfg, layout, chunks, ranks, r, n) for r in todo}
+    if any(mem.total > stop_above for mem, _ in out.values()):
+        return out
     by_key: RankMemory = {}
     local_chunks = _local_chunks(ranks, layout.pp)
     for r in todo:
@@ -1003,6 +1010,8 @@ def _memory_of(
         if key not in by_key:
             by_key[key] = _rank_memory(cfg, layout, chunks, ranks, r, n)
         out[r] = by_key[key]
+        if out[r][0].total > stop_above:
+            break
     return out
 
 

@@ -19,8 +19,9 @@ layouts are timed.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import INTERLEAVED_SCHEDULES, HybridStrategy, Schedule
 from fleetwise.config.validate import check, resolve
 from fleetwise.families import family_of
-from fleetwise.plan.planner import Plan, make_plan, rank_memory, worst_memory, worst_of
+from fleetwise.plan.planner import Plan, make_plan, rank_memory, worst_of
 
 GIB = 1024**3
 SCHEDULES: tuple[str, ...] = Schedule.__args__  # every schedule the config accepts
@@ -210,60 +211,127 @@ class _Progress:
             self.bar.stop()
 
 
-def search(
-    base: RunConfig,
-    fixed: dict[str, Any] | None = None,
-    *,
-    max_mp: int | None = None,
-    objective: str = "time",
-    headroom: float = 0.10,
-    progress: bool = False,
-    on_candidate: Callable[[Candidate], None] | None = None,
-) -> SearchResult:
-    """Every legal layout of `base`'s model, data, optimizer and hardware; those that fit in
-    (1 - headroom) of the usable device memory, ranked by step time (objective=time) or memory.
-    `fixed`: searched keys (SEARCHED, plus micro_batch_size) the user set."""
-    fixed = dict(fixed or {})
-    started = time.perf_counter()
-    hw = base.hardware
-    budget = int((hw.memory_per_device_bytes - hw.device_overhead_bytes) * (1 - headroom))
-    world = hw.world_size
-    max_mp = max_mp or hw.devices_per_node
-    if family_of(base.model).tensor_parallel is None:
-        max_mp = 1  # the family has no tensor-parallel plan
-    gbs = base.train.global_batch_size
-    result = SearchResult(ranked=[], budget_bytes=budget, fixed=fixed)
-    smallest: tuple[float, dict[str, Any], int] | None = None
-    found: list[Candidate] = []
+class _Subtrees:
+    """The search's fixed inputs, and the search of one degree tuple (dp, sharding, mp, pp) with
+    everything below it. Tuples are independent: `search` runs them in order, or on several
+    processes at once, and merges what each found in tuple order (the same result either way)."""
 
-    def legal(strategy: dict[str, Any], mb: int) -> RunConfig | None:
-        cfg, _ = checked(strategy, mb)
-        return cfg
+    def __init__(self, base: RunConfig, fixed: dict[str, Any], objective: str, budget: int):
+        self.base, self.fixed, self.objective, self.budget = base, fixed, objective, budget
+        self.strategy_data = base.strategy.model_dump()
+        # Recompute trades time for memory: none is fastest, full uses least. At one micro-batch
+        # size only the first that fits is timed (for objective=memory: the leanest); the others of
+        # the same layout are slower (or bigger) in every respect and never rank above it.
+        self.order = list(RECOMPUTE) if objective == "time" else list(reversed(RECOMPUTE))
 
-    def checked(strategy: dict[str, Any], mb: int) -> tuple[RunConfig | None, list[Problem]]:
-        data = base.strategy.model_dump()
-        data.update(strategy, name="hybrid")
+    def legal(self, strategy: dict[str, Any], mb: int) -> RunConfig | None:
+        return self.checked(strategy, mb)[0]
+
+    def checked(self, strategy: dict[str, Any], mb: int) -> tuple[RunConfig | None, list[Problem]]:
+        base = self.base
         cand = base.model_copy(
             update={
-                "strategy": HybridStrategy.model_construct(**data),
+                "strategy": HybridStrategy.model_construct(
+                    **{**self.strategy_data, **strategy, "name": "hybrid"}
+                ),
                 "train": base.train.model_copy(update={"micro_batch_size": mb, "accumulate_steps": None}),
             }
         )
         problems = check(cand)
         return (None, problems) if problems else (resolve(cand), [])
 
-    # Recompute trades time for memory: none is fastest, full uses least. At one micro-batch size
-    # only the first that fits is timed (for objective=memory: the leanest); the others of the same
-    # layout are slower (or bigger) in every respect and never rank above it.
-    order = list(RECOMPUTE) if objective == "time" else list(reversed(RECOMPUTE))
+    def run(self, degree_tuple: tuple[int, int, int, int]) -> _Found:
+        out = _Found()
+        dp, sh, mp, pp = degree_tuple
+        base, fixed = self.base, self.fixed
+        gbs = base.train.global_batch_size
+        ranks = dp * sh
+        if gbs % ranks:
+            return out
+        mbs_all = _choices("micro_batch_size", _divisors(gbs // ranks), fixed)
+        # under a pipeline FSDP keeps parameters gathered across micro-batches whatever the
+        # stage, so the planner gives stage 3 the plan of stage 2: only the simpler is searched
+        stages = ([1, 2, 3] if pp == 1 else [1, 2]) if sh > 1 else [None]
+        for stage in _choices("sharding_stage", stages, fixed):
+            offloads = (
+                [False, True]
+                if (sh > 1 and stage in (2, 3) and base.hardware.device_type == "cuda")
+                else [False]
+            )
+            for offload in _choices("offload", offloads, fixed):
+                degrees = {
+                    "dp_degree": dp,
+                    "sharding_degree": sh,
+                    "mp_degree": mp,
+                    "pp_degree": pp,
+                    "sharding_stage": stage,
+                    "offload": offload,
+                }
+                # the subtree at its least memory (full recompute, the smallest micro-batch,
+                # sequence parallel; 1F1B, else each other schedule): if that does not fit,
+                # nothing in it does
+                lean = {
+                    **degrees,
+                    "sequence_parallel": fixed.get("sequence_parallel", mp > 1),
+                    "schedule": fixed.get("schedule", "1F1B"),
+                    "virtual_stages": fixed.get("virtual_stages", 1),
+                    "recompute": fixed.get("recompute", "full"),
+                }
+                if lean["schedule"] in INTERLEAVED_SCHEDULES and "virtual_stages" not in fixed:
+                    lean["schedule"] = "1F1B"
+                cfg, problems = self.checked(lean, min(mbs_all))
+                if _held(problems, SUBTREE_KEYS):
+                    continue  # no sequence parallel, schedule, recompute or micro-batch cures it
+                if cfg is not None and not self._lean_fits(out, lean, cfg, min(mbs_all)):
+                    out.too_big += 1
+                    continue
+                # sequence parallel: the planner gives it the same time (its all-gather and
+                # reduce-scatter move what the all-reduce moved, Korthikanti et al. 2022) and
+                # less memory; without it only when it is not legal (seq_len % mp)
+                sps = [True, False] if mp > 1 else [False]
+                for sp in _choices("sequence_parallel", sps, fixed):
+                    fitted = False
+                    for sched, v in _pipeline_options(base, pp, fixed):
+                        probe = {**lean, "sequence_parallel": sp, "schedule": sched, "virtual_stages": v}
+                        if _held(self.checked(probe, min(mbs_all))[1], PIPELINE_KEYS):
+                            continue  # e.g. ZBV with virtual_stages != 2, at every micro-batch size
+                        modes = _choices("recompute", self.order, fixed)
+                        for mb in mbs_all:  # ascending: memory only grows with it
+                            modes = self._fastest_fitting(out, degrees, sp, sched, v, mb, modes)
+                            if not modes:
+                                break
+                            fitted = True
+                    if fitted:
+                        break
+        return out
+
+    def _lean_fits(self, out: _Found, lean: dict[str, Any], cfg: RunConfig, mb: int) -> bool:
+        """Whether the subtree's lean layout fits under 1F1B (`cfg`) or, failing that, under any
+        other schedule: 1F1B is not always the leanest (zero bubble's weight steps can hold less
+        than the loss's backward on a large vocabulary)."""
+        mem = worst_of(rank_memory(cfg, out.stop_above(self.budget)))
+        out.saw(mem, lean, mb)
+        if mem <= self.budget:
+            return True
+        for sched, v in _pipeline_options(self.base, lean["pp_degree"], self.fixed):
+            if (sched, v) == (lean["schedule"], lean["virtual_stages"]):
+                continue
+            other = {**lean, "schedule": sched, "virtual_stages": v}
+            cfg = self.legal(other, mb)
+            if cfg is None:
+                continue
+            mem = worst_of(rank_memory(cfg, out.stop_above(self.budget)))
+            out.saw(mem, other, mb)
+            if mem <= self.budget:
+                return True
+        return False
 
     def _fastest_fitting(
-        degrees: dict[str, Any], sp: bool, sched: str, v: int, mb: int, modes: list[str]
+        self, out: _Found, degrees: dict[str, Any], sp: bool, sched: str, v: int, mb: int, modes: list[str]
     ) -> list[str]:
         """Time the first recompute mode of `modes` that fits. Returns the modes still worth
         trying at a larger micro-batch (memory grows with it: a mode that did not fit here will
         not fit there); empty when none fits."""
-        nonlocal smallest
         skipped: list[str] = []  # illegal here (not too big): tried again at the next size
         for i, recompute in enumerate(modes):
             strategy = {
@@ -273,93 +341,126 @@ def search(
                 "virtual_stages": v,
                 "recompute": recompute,
             }
-            cfg = legal(strategy, mb)
+            cfg = self.legal(strategy, mb)
             if cfg is None:
                 skipped.append(recompute)
                 continue
-            result.legal += 1
-            memory = rank_memory(cfg)
+            out.legal += 1
+            memory = rank_memory(cfg, out.stop_above(self.budget))
             mem = worst_of(memory)
-            if smallest is None or mem < smallest[0]:
-                smallest = (mem, strategy, mb)
-            if mem > budget:
-                result.too_big += 1
-                if objective == "memory":
+            out.saw(mem, strategy, mb)
+            if mem > self.budget:
+                out.too_big += 1
+                if self.objective == "memory":
                     return []  # the modes after the leanest need more
                 continue
-            cand = Candidate(dict(strategy), mb, make_plan(cfg, memory, per_stage=False))
-            result.planned += 1
-            found.append(cand)
-            if on_candidate:
-                on_candidate(cand)
+            out.found.append(Candidate(dict(strategy), mb, make_plan(cfg, memory, per_stage=False)))
             return skipped + modes[i:]
         return []
 
-    tuples = list(_degree_tuples(world, max_mp, fixed))
+
+@dataclass
+class _Found:
+    """What the search of one degree tuple found."""
+
+    found: list[Candidate] = field(default_factory=list)
+    legal: int = 0
+    too_big: int = 0
+    smallest: tuple[float, dict[str, Any], int] | None = None  # (memory, strategy, micro-batch size)
+
+    def stop_above(self, budget: int) -> float:
+        """Memory past which a layout's other ranks need not be worked out: it does not fit, and it
+        cannot be the smallest seen (the one reported when nothing fits) either."""
+        return math.inf if self.smallest is None else max(budget, self.smallest[0])
+
+    def saw(self, mem: float, strategy: dict[str, Any], mb: int) -> None:
+        if self.smallest is None or mem < self.smallest[0]:
+            self.smallest = (mem, dict(strategy), mb)
+
+
+# A search of more degree tuples than this runs them on several processes (fork: the workers
+# inherit the model's units and the config; each returns its tuples' candidates)
+PARALLEL_TUPLES = 16
+_JOB: tuple[_Subtrees, list[tuple[int, int, int, int]]] | None = None  # what the forked workers run
+
+
+def _run_tuple(i: int) -> _Found:
+    assert _JOB is not None
+    job, tuples = _JOB
+    return job.run(tuples[i])
+
+
+def search_workers() -> int:
+    """Processes a large search runs on: this process's CPUs (at most 8); 1 where fork is not the
+    way to start them (macOS, Windows: a spawned worker would import and rebuild everything)."""
+    import multiprocessing
+    import os
+    import sys
+
+    if sys.platform != "linux" or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def _each_tuple(
+    job: _Subtrees, tuples: list[tuple[int, int, int, int]], workers: int, bar: _Progress
+) -> Iterator[_Found]:
+    """`job.run` of every tuple, in tuple order."""
+    global _JOB
+    if workers <= 1 or len(tuples) < PARALLEL_TUPLES:
+        for done, t in enumerate(tuples):
+            bar.advance(done)
+            yield job.run(t)
+        return
+    import multiprocessing
+
+    _JOB = (job, tuples)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            for done, part in enumerate(pool.imap(_run_tuple, range(len(tuples)))):
+                bar.advance(done)
+                yield part
+    finally:
+        _JOB = None
+
+
+def search(
+    base: RunConfig,
+    fixed: dict[str, Any] | None = None,
+    *,
+    max_mp: int | None = None,
+    objective: str = "time",
+    headroom: float = 0.10,
+    progress: bool = False,
+    workers: int | None = None,
+) -> SearchResult:
+    """Every legal layout of `base`'s model, data, optimizer and hardware; those that fit in
+    (1 - headroom) of the usable device memory, ranked by step time (objective=time) or memory.
+    `fixed`: searched keys (SEARCHED, plus micro_batch_size) the user set. `workers`: processes
+    (default `search_workers()`; the result does not depend on it)."""
+    fixed = dict(fixed or {})
+    started = time.perf_counter()
+    hw = base.hardware
+    budget = int((hw.memory_per_device_bytes - hw.device_overhead_bytes) * (1 - headroom))
+    max_mp = max_mp or hw.devices_per_node
+    if family_of(base.model).tensor_parallel is None:
+        max_mp = 1  # the family has no tensor-parallel plan
+    result = SearchResult(ranked=[], budget_bytes=budget, fixed=fixed)
+    job = _Subtrees(base, fixed, objective, budget)
+    smallest: tuple[float, dict[str, Any], int] | None = None
+    found: list[Candidate] = []
+    tuples = list(_degree_tuples(hw.world_size, max_mp, fixed))
     bar = _Progress(len(tuples), progress)
     try:
-        for done, (dp, sh, mp, pp) in enumerate(tuples):
-            bar.advance(done)
-            ranks = dp * sh
-            if gbs % ranks:
-                continue
-            mbs_all = _choices("micro_batch_size", _divisors(gbs // ranks), fixed)
-            # under a pipeline FSDP keeps parameters gathered across micro-batches whatever the
-            # stage, so the planner gives stage 3 the plan of stage 2: only the simpler is searched
-            stages = ([1, 2, 3] if pp == 1 else [1, 2]) if sh > 1 else [None]
-            for stage in _choices("sharding_stage", stages, fixed):
-                offloads = (
-                    [False, True] if (sh > 1 and stage in (2, 3) and hw.device_type == "cuda") else [False]
-                )
-                for offload in _choices("offload", offloads, fixed):
-                    degrees = {
-                        "dp_degree": dp,
-                        "sharding_degree": sh,
-                        "mp_degree": mp,
-                        "pp_degree": pp,
-                        "sharding_stage": stage,
-                        "offload": offload,
-                    }
-                    # the subtree at its least memory: if that does not fit, nothing in it does
-                    lean = {
-                        **degrees,
-                        "sequence_parallel": fixed.get("sequence_parallel", mp > 1),
-                        "schedule": fixed.get("schedule", "1F1B"),
-                        "virtual_stages": fixed.get("virtual_stages", 1),
-                        "recompute": fixed.get("recompute", "full"),
-                    }
-                    if lean["schedule"] in INTERLEAVED_SCHEDULES and "virtual_stages" not in fixed:
-                        lean["schedule"] = "1F1B"
-                    cfg, problems = checked(lean, min(mbs_all))
-                    if _held(problems, SUBTREE_KEYS):
-                        continue  # no sequence parallel, schedule, recompute or micro-batch cures it
-                    if cfg is not None:
-                        mem = worst_memory(cfg)
-                        if smallest is None or mem < smallest[0]:
-                            smallest = (mem, lean, min(mbs_all))
-                        if mem > budget:
-                            result.too_big += 1
-                            continue
-                    # sequence parallel: the planner gives it the same time (its all-gather and
-                    # reduce-scatter move what the all-reduce moved, Korthikanti et al. 2022) and
-                    # less memory; without it only when it is not legal (seq_len % mp)
-                    sps = [True, False] if mp > 1 else [False]
-                    for sp in _choices("sequence_parallel", sps, fixed):
-                        fitted = False
-                        for sched, v in _pipeline_options(base, pp, fixed):
-                            probe = {**lean, "sequence_parallel": sp, "schedule": sched, "virtual_stages": v}
-                            if _held(checked(probe, min(mbs_all))[1], PIPELINE_KEYS):
-                                continue  # e.g. ZBV with virtual_stages != 2, at every micro-batch size
-                            modes = _choices("recompute", order, fixed)
-                            for mb in mbs_all:  # ascending: memory only grows with it
-                                modes = _fastest_fitting(degrees, sp, sched, v, mb, modes)
-                                if not modes:
-                                    break
-                                fitted = True
-                        if fitted:
-                            break
+        for part in _each_tuple(job, tuples, search_workers() if workers is None else workers, bar):
+            found += part.found
+            result.legal += part.legal
+            result.too_big += part.too_big
+            if part.smallest is not None and (smallest is None or part.smallest[0] < smallest[0]):
+                smallest = part.smallest
     finally:
         bar.close()
+    result.planned = len(found)
 
     def key(c: Candidate):
         # ties (layouts the model cannot tell apart) go to the simpler layout: fewer ranks in
@@ -381,7 +482,7 @@ def search(
     result.ranked = found
     if smallest is not None and not found:
         mem, strategy, mb = smallest
-        cfg = legal(strategy, mb)
+        cfg = job.legal(strategy, mb)
         if cfg is not None:
             result.smallest = Candidate(dict(strategy), mb, make_plan(cfg))
     result.elapsed_s = time.perf_counter() - started
