@@ -244,13 +244,19 @@ def _pipeline_plan(schedule: str, virtual: int, *overrides: str):
 def test_pipeline_schedule_actions_pay_their_host_cost(local_profile, schedule, virtual, actions):
     """Every schedule action (a micro-batch through one local stage: forward, backward, and the
     split weight-gradient pass of zero-bubble schedules) pays the profile's 100 µs (measured on
-    co-running stages: no co-run slowdown on top); without a pipeline there are none."""
+    co-running stages: no co-run slowdown on top), and under the multi-stage schedules a forward or
+    backward pays `pipeline_multi_action_us` on top; without a pipeline there are none."""
 
     charged = _pipeline_plan(schedule, virtual)[1]
     free = _pipeline_plan(schedule, virtual, "hardware.pipeline_action_us=0")[1]
     n = charged.batch["accumulate_steps"]
     extra = charged.time_s["host_ops"] - free.time_s["host_ops"]
     assert extra == pytest.approx(n * virtual * actions * 100e-6)
+    # torch's multi-stage schedules pay more per action that sends and receives (forward, and
+    # backward or input-gradient: not zero bubble's weight pass); 1F1B's single stage does not
+    multi = _pipeline_plan(schedule, virtual, "hardware.pipeline_multi_action_us=40")[1]
+    more = multi.time_s["host_ops"] - charged.time_s["host_ops"]
+    assert more == pytest.approx(0.0 if schedule == "1F1B" else n * virtual * 2 * 40e-6)
     dp, _ = compose("recipe=gpt/tiny", "hardware=local", "hardware.devices_per_node=2", "strategy=dp")
     dp_free, _ = compose(
         "recipe=gpt/tiny",

@@ -160,6 +160,14 @@ class HardwareConfig(Section):
         "beyond the stage's compute and the P2P latency, microseconds (calibrate measures it on CPUs; "
         "0: not charged).",
     )
+    pipeline_multi_action_us: float = Field(
+        0.0,
+        ge=0,
+        description="Extra host time torch.distributed.pipelining's multi-stage schedules (interleaved "
+        "1F1B, looped BFS, interleaved zero bubble, ZB-V) spend per forward and input-gradient action "
+        "(those that send and receive) beyond pipeline_action_us, which 1F1B's single-stage schedule "
+        "is measured on, microseconds (calibrate measures it on CPUs; 0: not charged).",
+    )
     co_run_slowdown: float = Field(
         1.0,
         ge=1,

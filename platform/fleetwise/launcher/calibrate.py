@@ -71,6 +71,7 @@ HOST_COSTS = (
     "dtensor_op_us",
     "fsdp_us_per_tensor",
     "pipeline_action_us",
+    "pipeline_multi_action_us",
     "zero1_us_per_tensor",
     "zero1_step_us_per_tensor",
     "co_run_slowdown",
@@ -104,6 +105,7 @@ class Calibration:
     dtensor_op_us: float = 0.0
     fsdp_us_per_tensor: float = 0.0
     pipeline_action_us: float = 0.0
+    pipeline_multi_action_us: float = 0.0  # more per forward/backward action of the multi-stage schedules
     zero1_us_per_tensor: float = 0.0  # ZeRO-1's host work per parameter tensor and micro-batch
     zero1_step_us_per_tensor: float = 0.0  # ... and per parameter tensor and step
     co_run_slowdown: float = 1.0
@@ -520,37 +522,54 @@ def zero1_host_us(
     return per_micro * 1e6, per_step * 1e6
 
 
-def pipeline_action_us(latency_s: float, microbatches: int = 8, width: int = 16, reps: int = 10) -> float:
+def pipeline_action_us(
+    latency_s: float, microbatches: int = 8, width: int = 16, reps: int = 10
+) -> tuple[float, float]:
     """Host time per schedule action of torch.distributed.pipelining (a micro-batch's forward or
     backward on one stage, with its send or receive), beyond the stage's own compute and the P2P
-    latency. Run on every rank: the ranks are the stages of a 1F1B pipeline of one tiny layer each,
-    whose compute is negligible, so a step's time is almost all per-action overhead. A 1F1B step
-    lasts (n + pp - 1) forward+backward slots, the planner's n actions / (1 - bubble)."""
+    latency: (single-stage 1F1B's, and what the multi-stage schedules spend on top). Run on every
+    rank: the ranks are the stages of a pipeline of tiny layers, one per chunk, whose compute is
+    negligible, so a step's time is almost all per-action overhead. With equal forward and backward
+    actions a 1F1B step lasts 2 (n + pp - 1) action slots, an interleaved 1F1B one with v chunks per
+    rank 2 (v n + pp - 1): the planner's actions / (1 - bubble). The multi-stage probe is interleaved
+    1F1B with 2 chunks per rank (torch's PipelineScheduleMulti, which every interleaved and
+    zero-bubble schedule runs on: 2 CPU ranks measured ~1.1 ms a slot there vs ~0.65 ms under 1F1B)."""
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    part = nn.Sequential(nn.Linear(width, width), nn.Tanh())
-    stage = PipelineStage(part, rank, world, torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lambda out, _: out.sum())
     x, target = torch.randn(2 * microbatches, width), torch.zeros(2 * microbatches, width)
 
-    def step():
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=target, losses=[])
-        else:
-            schedule.step()
-        dist.barrier()
+    def layer() -> nn.Module:
+        return nn.Sequential(nn.Linear(width, width), nn.Tanh())
 
+    def timed_step(schedule) -> float:
+        def step():
+            if rank == 0:
+                schedule.step(x)
+            elif rank == world - 1:
+                schedule.step(target=target, losses=[])
+            else:
+                schedule.step()
+            dist.barrier()
+
+        return _timed(step, reps, typical=True)
+
+    def loss(out, _):
+        return out.sum()
+
+    torch.manual_seed(0)
+    part = layer()
+    single = Schedule1F1B(PipelineStage(part, rank, world, torch.device("cpu")), microbatches, loss_fn=loss)
+    chunks = [PipelineStage(layer(), i, 2 * world, torch.device("cpu")) for i in (rank, rank + world)]
+    multi = ScheduleInterleaved1F1B(chunks, microbatches, loss_fn=loss)
     micro = x[:2]
     t_local = _timed(lambda: part(micro).sum().backward(), reps * microbatches, typical=True)
-    t_step = _timed(step, reps, typical=True)
-    slots = 2 * (microbatches + world - 1)  # forward and backward slots on the critical path
-    return max(0.0, t_step / slots - t_local / 2 - latency_s) * 1e6
+    per_single = timed_step(single) / (2 * (microbatches + world - 1))
+    per_multi = timed_step(multi) / (2 * (2 * microbatches + world - 1))
+    base = max(0.0, per_single - t_local / 2 - latency_s)
+    return base * 1e6, max(0.0, per_multi - per_single) * 1e6
 
 
 def _slowest(seconds: float) -> float:
@@ -632,7 +651,8 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
         results["dtensor_op_us"] = _slowest(dtensor_op_us(mesh, results[LATENCY_BYTES]))
         results["fsdp_us_per_tensor"] = _slowest(fsdp_us_per_tensor(mesh, results[LATENCY_BYTES]))
         results["co_run_slowdown"] = co_run_slowdown()
-        results["pipeline_action_us"] = _slowest(pipeline_action_us(results[LATENCY_BYTES]))
+        single, multi = pipeline_action_us(results[LATENCY_BYTES])
+        results["pipeline_action_us"], results["pipeline_multi_action_us"] = _slowest(single), _slowest(multi)
         zero_mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp", "sharding", "mp"))
         hook, step = zero1_host_us(zero_mesh, results[LATENCY_BYTES])
         results["zero1_us_per_tensor"], results["zero1_step_us_per_tensor"] = _slowest(hook), _slowest(step)

@@ -1137,6 +1137,13 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
     # backward into input- and weight-gradient actions. Measured on co-running stages, like DTensor's.
     pp_actions = (3 if "zero_bubble" in s.schedule else 2) if layout.pp > 1 else 0
     action_s = hw.pipeline_action_us * 1e-6 * per_core
+    # torch's multi-stage schedules (PipelineScheduleMulti: the interleaved and zero-bubble ones) pay
+    # more per action that sends and receives (a forward, a backward or input-gradient pass) than
+    # the single-stage 1F1B that `pipeline_action_us` is measured on (calibrate's interleaved probe;
+    # gpt/tiny pp 2, interleaved 1F1B v 2, measured 1.73x its plan where 1F1B and ZB-V ran 1.46-1.50x)
+    multi_s = (
+        hw.pipeline_multi_action_us * 1e-6 * per_core if is_interleaved(s.schedule) and layout.pp > 1 else 0.0
+    )
     # ... and the zero-bubble split itself: torch's input-gradient pass keeps the graph for the
     # weight-gradient pass, which walks it again (host time per forward op) and makes a
     # memory-bound pass over the chunk's weights, in every chunk but the first (which torch runs as
@@ -1227,6 +1234,7 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
                 + convs * slow * hw.conv_call_us * 1e-6 * per_core
                 + tensors * (fsdp_s + zero1_s)
                 + pp_actions * local_chunks * action_s
+                + 2 * local_chunks * multi_s
                 + split_ops * split_op_s
             )
         )
