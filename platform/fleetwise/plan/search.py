@@ -12,9 +12,10 @@ global batch stays the recipe's) and recompute. Keys the user set on the command
 
 Speed (a 1,024-GPU search must answer in seconds): the model's units are built once
 (planner._units); each subtree of degrees × stage × offload is first planned at its least memory
-(full recompute, micro-batch 1, 1F1B) and dropped whole when even that does not fit; inside it the
-micro-batch size grows only while memory still fits (memory grows with it), and only fitting
-layouts are timed.
+(full recompute, micro-batch 1; 1F1B, else each other schedule) and dropped whole when even that
+does not fit; inside it the micro-batch size grows only while memory still fits (memory grows with
+it), a layout's pipeline ranks are worked out only until one is too big, and only fitting layouts
+are timed. The degree tuples are independent: a large search runs them on forked workers.
 """
 
 from __future__ import annotations
@@ -432,12 +433,11 @@ def search(
     objective: str = "time",
     headroom: float = 0.10,
     progress: bool = False,
-    workers: int | None = None,
 ) -> SearchResult:
     """Every legal layout of `base`'s model, data, optimizer and hardware; those that fit in
     (1 - headroom) of the usable device memory, ranked by step time (objective=time) or memory.
-    `fixed`: searched keys (SEARCHED, plus micro_batch_size) the user set. `workers`: processes
-    (default `search_workers()`; the result does not depend on it)."""
+    `fixed`: searched keys (SEARCHED, plus micro_batch_size) the user set. A large search runs on
+    `search_workers()` processes; the result does not depend on how many."""
     fixed = dict(fixed or {})
     started = time.perf_counter()
     hw = base.hardware
@@ -452,7 +452,7 @@ def search(
     tuples = list(_degree_tuples(hw.world_size, max_mp, fixed))
     bar = _Progress(len(tuples), progress)
     try:
-        for part in _each_tuple(job, tuples, search_workers() if workers is None else workers, bar):
+        for part in _each_tuple(job, tuples, search_workers(), bar):
             found += part.found
             result.legal += part.legal
             result.too_big += part.too_big
