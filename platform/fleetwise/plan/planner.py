@@ -988,8 +988,6 @@ def _memory_of(
     todo = [r for r in which if r not in out]
     if len(todo) < 2:  # nothing to share
         return out | {r: _rank_memory(cfg, layout, chunks, ranks, r, n) for r in todo}
-    if any(mem.total > stop_above for mem, _ in out.values()):
-        return out
     by_key: RankMemory = {}
     local_chunks = _local_chunks(ranks, layout.pp)
     for r in todo:
