@@ -55,3 +55,32 @@ def test_offload_and_selective_recompute_cost_time_on_a_gpu():
     assert offloaded.time_s["offload"] > 0 == plain.time_s["offload"]
     assert offloaded.step_time_s == pytest.approx(plain.step_time_s + offloaded.time_s["offload"])
     assert _plan(*base, "strategy.recompute=selective").step_time_s > plain.step_time_s
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["recipe=gpt/tiny", "strategy=dp"],  # cpu: an optimizer step, nothing hidden
+        [*GPT13, "strategy.sharding_degree=8", "strategy.sharding_stage=3", "strategy.offload=true"],
+        [
+            "recipe=gpt/gpt3_175b", "hardware=a100", "hardware.nodes=128", "strategy=hybrid",
+            "strategy.mp_degree=8", "strategy.pp_degree=16",
+        ],
+    ],
+    ids=["cpu_dp", "a100_zero3_offload", "a100_175b_pp16_mp8"],
+)  # fmt: skip
+def test_the_step_time_breakdown_adds_up_to_the_step(overrides):
+    """`plan` prints the step as the sum of its parts (render.step_time_sum): compute (GEMMs, host
+    ops, elementwise, gradient accumulation) + bubble + exposed communication + update + offload."""
+    from fleetwise.plan.render import step_time_sum
+
+    plan = _plan(*overrides)
+    t = plan.time_s
+    comm = sum(v for k, v in t.items() if k.startswith("comm_") and k != "comm_hidden")
+    total = t["compute"] + t["bubble"] + comm - t["comm_hidden"] + t["update"] + t["offload"]
+    assert total == pytest.approx(plan.step_time_s, rel=1e-9)
+    # host ops, elementwise and accumulation are parts of compute; what is left is the GEMMs
+    assert t["host_ops"] + t["elementwise"] + t["grad_accumulate"] < t["compute"]
+    text = step_time_sum(t)
+    assert text.startswith("compute ") and "GEMMs" in text
+    assert ("hidden behind compute" in text) == (t["comm_hidden"] > 0)

@@ -34,6 +34,33 @@ def seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def step_time_sum(time_s: dict[str, float]) -> str:
+    """The planned step as the sum it is: the slowest stage's compute (its GEMMs, host ops,
+    elementwise ops and gradient accumulation), the bubble, the communication left exposed (each
+    mesh dimension's, less what hides behind compute), the optimizer step and offload's copies."""
+    t = dict(time_s)
+    terms = []
+    if "compute" in t:
+        inner = {k: t.pop(k, 0.0) for k in ("host_ops", "elementwise", "grad_accumulate")}
+        compute = t.pop("compute")
+        inner = {"GEMMs": compute - sum(inner.values()), **inner}
+        shown = [f"{k.replace('_', ' ')} {seconds(v)}" for k, v in inner.items() if v > 0]
+        terms.append(f"compute {seconds(compute)}" + (f" ({' + '.join(shown)})" if len(shown) > 1 else ""))
+    if t.get("bubble"):
+        terms.append(f"bubble {seconds(t.pop('bubble'))}")
+    comm = {
+        k.removeprefix("comm_"): t.pop(k) for k in list(t) if k.startswith("comm_") and k != "comm_hidden"
+    }
+    hidden = t.pop("comm_hidden", 0.0)
+    if any(comm.values()):
+        parts = " + ".join(f"{k} {seconds(v)}" for k, v in comm.items() if v)
+        if hidden:
+            parts += f" − {seconds(hidden)} hidden behind compute"
+        terms.append(f"comm ({parts})")
+    terms += [f"{k.replace('_', ' ')} {seconds(v)}" for k, v in t.items() if v]
+    return " + ".join(terms)
+
+
 PART_LABELS = {
     "params": "params",
     "grads": "grads",
@@ -159,8 +186,7 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
     comm = " · ".join(f"{k} {gib(v)}" for k, v in plan.comm_bytes_per_step.items() if v)
     if comm:
         t.add_row("comm/step", comm + " (bytes sent per device)")
-    parts = " · ".join(f"{k} {seconds(v)}" for k, v in plan.time_s.items() if v)
-    t.add_row("step time", f"{seconds(plan.step_time_s)} planned ({parts})")
+    t.add_row("step time", f"{seconds(plan.step_time_s)} planned = {step_time_sum(plan.time_s)}")
     rate = f"{plan.samples_per_s:,.1f} samples/s"
     if plan.tokens_per_s:
         rate += f" · {plan.tokens_per_s:,.0f} tokens/s"
