@@ -12,8 +12,8 @@ from conftest import compose
 from fleetwise.config.validate import check, resolve
 from fleetwise.launcher.auto import resolve_auto
 from fleetwise.plan import make_plan
-from fleetwise.plan.planner import worst_memory
-from fleetwise.plan.search import RECOMPUTE, SCHEDULES
+from fleetwise.plan.planner import step_parts, worst_memory
+from fleetwise.plan.search import PART_NAMES, RECOMPUTE, SCHEDULES
 
 TINY4 = ["recipe=gpt/tiny", "hardware.devices_per_node=4"]
 
@@ -129,6 +129,18 @@ def test_ranking_by_time_and_by_memory(tiny4):
     assert times == sorted(times)
     assert tiny4.result.ranked[0].why == "fastest that fits"
     assert tiny4.result.ranked[1].why.startswith(("+", "ties"))
+    # "vs #1" names the largest of the step's additive parts (no double-counted compute, no comm
+    # that is hidden behind compute anyway): their deltas add up to the step's
+    best = step_parts(tiny4.result.ranked[0].plan.time_s)
+    for c in tiny4.result.ranked[1:]:
+        parts = step_parts(c.plan.time_s)
+        deltas = {k: parts.get(k, 0.0) - best.get(k, 0.0) for k in parts.keys() | best.keys()}
+        assert sum(deltas.values()) == pytest.approx(
+            c.plan.step_time_s - tiny4.result.ranked[0].plan.step_time_s, abs=1e-12
+        )
+        if c.why.startswith("+"):
+            worst = max(sorted(deltas), key=lambda k: deltas[k])
+            assert PART_NAMES.get(worst, worst.replace("_", " ")) in c.why
     lean = resolve_auto(["strategy=auto", *TINY4, "auto.objective=memory"], progress=False).result
     mems = [c.memory for c in lean.ranked]
     assert mems == sorted(mems)

@@ -72,6 +72,7 @@ def test_offload_and_selective_recompute_cost_time_on_a_gpu():
 def test_the_step_time_breakdown_adds_up_to_the_step(overrides):
     """`plan` prints the step as the sum of its parts (render.step_time_sum): compute (GEMMs, host
     ops, elementwise, gradient accumulation) + bubble + exposed communication + update + offload."""
+    from fleetwise.plan.planner import step_parts
     from fleetwise.plan.render import step_time_sum
 
     plan = _plan(*overrides)
@@ -79,6 +80,10 @@ def test_the_step_time_breakdown_adds_up_to_the_step(overrides):
     comm = sum(v for k, v in t.items() if k.startswith("comm_") and k != "comm_hidden")
     total = t["compute"] + t["bubble"] + comm - t["comm_hidden"] + t["update"] + t["offload"]
     assert total == pytest.approx(plan.step_time_s, rel=1e-9)
+    # the additive parts strategy=auto's "vs #1" compares (plan/search.py explain)
+    parts = step_parts(t)
+    assert sum(parts.values()) == pytest.approx(plan.step_time_s, rel=1e-9)
+    assert "compute" not in parts and "comm_hidden" not in parts and parts["gemm"] > 0
     # host ops, elementwise and accumulation are parts of compute; what is left is the GEMMs
     assert t["host_ops"] + t["elementwise"] + t["grad_accumulate"] < t["compute"]
     text = step_time_sum(t)

@@ -127,6 +127,29 @@ class Plan:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def step_parts(time_s: dict[str, float]) -> dict[str, float]:
+    """A plan's `time_s` as terms that add up to its step time.
+
+    `time_s["compute"]` (the slowest stage's micro-batches) includes that stage's `host_ops`,
+    `elementwise` and `grad_accumulate`, and `comm_hidden` is the part of the dp and sharding
+    communication that runs behind compute. Here compute is split into its GEMMs and those parts,
+    and dp + sharding communication appears once, as what stays exposed (`comm_exposed_dp`,
+    `comm_exposed_sharding`: the hidden time taken off in proportion)."""
+    t = dict(time_s)
+    parts: dict[str, float] = {}
+    if "compute" in t:
+        inner = {k: t.pop(k, 0.0) for k in ("host_ops", "elementwise", "grad_accumulate")}
+        parts["gemm"] = t.pop("compute") - sum(inner.values())
+        parts.update(inner)
+    hidden = t.pop("comm_hidden", 0.0)
+    overlappable = {k: t.pop(k) for k in ("comm_dp", "comm_sharding") if k in t}
+    total = sum(overlappable.values())
+    for k, v in overlappable.items():
+        parts[k.replace("comm_", "comm_exposed_")] = v - hidden * v / total if total else 0.0
+    parts.update(t)  # bubble, comm_mp, comm_pp, comm_ps, update, offload
+    return parts
+
+
 # --------------------------------------------------------------------------------------------------
 # Stage assignment
 

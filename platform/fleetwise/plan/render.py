@@ -210,7 +210,7 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
 def print_search(console: Console, result, top_k: int, override: str) -> None:
     """strategy=auto: the top layouts (plan/search.py SearchResult) and the winner's override."""
     console = (
-        Console(width=max(console.width, 140), stderr=console.stderr) if not console.is_terminal else console
+        Console(width=max(console.width, 160), stderr=console.stderr) if not console.is_terminal else console
     )
     console.print(
         f"[bold]strategy=auto[/] · {result.legal} legal layouts checked, {len(result.ranked)} fit in "
