@@ -151,7 +151,7 @@ def test_planned_and_assumed_figures_are_labelled(capsys):
     capsys.readouterr()
     assert cli.main(["plan", "recipe=gpt/gpt3_1.3b"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert re.search(r"MFU \d+\.\d% \(planned\)", out) and " planned (compute" in out
+    assert re.search(r"MFU \d+\.\d% \(planned\)", out) and " planned = compute " in out
     assert "follow the a100 profile's assumed GEMM efficiency curve" in out
     assert cli.main(["plan", "recipe=gpt/tiny"]) == 0
     out = " ".join(capsys.readouterr().out.split())
