@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Tests never touch a GPU and never talk to a tracking server unless they start one themselves.
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+# ... nor read the developer's own config tree (~/.config/fleetwise, where `fleetwise calibrate`
+# writes hardware/local.yaml: with one there the hardware group's key check read a local.yaml
+# that conf/ lacks and failed); tests that need a local profile make their own.
+os.environ["FLEETWISE_CONFIG_DIR"] = tempfile.mkdtemp(prefix="fleetwise-test-config-")
 
 
 def compose(*overrides: str):
