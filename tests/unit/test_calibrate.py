@@ -221,6 +221,27 @@ def test_fsdp_host_work_is_per_unit_pass_and_a_regather_costs_only_its_collectiv
     assert z3.time_s["comm_sharding"] - z2.time_s["comm_sharding"] == pytest.approx(regather)
 
 
+def test_fsdp_copies_cost_per_parameter_at_each_all_gather_and_reduce_scatter(local_profile):
+    """FSDP's flat-buffer copies (`fsdp_ns_per_param`): a pass over the rank's parameters at each
+    all-gather and reduce-scatter of every unit; ZeRO-3 gathers again for the backward; DDP and
+    ZeRO-1 copy nothing of the kind."""
+
+    def plan(*overrides):
+        cfg, problems = compose("recipe=gpt/tiny", "hardware=local", *overrides)
+        assert problems == []
+        return make_plan(cfg)
+
+    n = 16 // 2 // 2  # micro-batches per rank
+    for stage, collectives in ((2, 2), (3, 3)):  # per micro-batch: gather (+ re-gather) + reduce-scatter
+        without = plan("strategy=sharding", f"strategy.sharding_stage={stage}")
+        copied = plan("strategy=sharding", f"strategy.sharding_stage={stage}", "hardware.fsdp_ns_per_param=2")
+        extra = copied.time_s["host_ops"] - without.time_s["host_ops"]
+        assert extra == pytest.approx(n * collectives * copied.params * 2e-9)  # 2 ranks on 2 cores
+        assert copied.step_time_s == pytest.approx(without.step_time_s + extra)
+    for other in (["strategy=dp"], ["strategy=sharding", "strategy.sharding_stage=1"]):
+        assert plan(*other, "hardware.fsdp_ns_per_param=2").step_time_s == plan(*other).step_time_s
+
+
 def _pipeline_plan(schedule: str, virtual: int, *overrides: str):
     """(config, plan) of gpt/tiny on 2 pipeline ranks of the calibrated profile."""
     cfg, problems = compose(

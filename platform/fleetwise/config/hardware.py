@@ -138,6 +138,13 @@ class HardwareConfig(Section):
         "unit's all-gather and reduce-scatter) and parameter tensor, microseconds (calibrate measures "
         "it on CPUs; 0: not charged).",
     )
+    fsdp_ns_per_param: float = Field(
+        0.0,
+        ge=0,
+        description="FSDP's copies into and out of its flat collective buffers, per parameter element of a "
+        "unit and per all-gather or reduce-scatter of it, nanoseconds (calibrate measures it on CPUs; "
+        "0: not charged).",
+    )
     zero1_us_per_tensor: float = Field(
         0.0,
         ge=0,

@@ -70,6 +70,7 @@ HOST_COSTS = (
     "zero_bubble_split_ns_per_param",
     "dtensor_op_us",
     "fsdp_us_per_tensor",
+    "fsdp_ns_per_param",
     "pipeline_action_us",
     "pipeline_multi_action_us",
     "zero1_us_per_tensor",
@@ -104,6 +105,7 @@ class Calibration:
     update_ns_per_param: float = 0.0
     dtensor_op_us: float = 0.0
     fsdp_us_per_tensor: float = 0.0
+    fsdp_ns_per_param: float = 0.0  # FSDP's buffer copies per element and collective
     pipeline_action_us: float = 0.0
     pipeline_multi_action_us: float = 0.0  # more per forward/backward action of the multi-stage schedules
     zero1_us_per_tensor: float = 0.0  # ZeRO-1's host work per parameter tensor and micro-batch
@@ -472,6 +474,41 @@ def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16,
     return max(0.0, t_sharded - t_plain - collectives * latency_s) / layers / tensors * 1e6
 
 
+def fsdp_ns_per_param(mesh, per_tensor_us: float, layers: int = 2, width: int = 2048, reps: int = 8) -> float:
+    """FSDP2's extra time per parameter element of a unit and per all-gather or reduce-scatter of it:
+    the copies into and out of its flat collective buffers, which `fsdp_us_per_tensor`'s width-16
+    blocks leave out. Wide blocks, fully sharded and plain, and the same collectives run alone:
+    what FSDP adds beyond those collectives and its per-tensor host work is memory-bound copying.
+    Units of 8.4M parameters, beyond the caches like a real model's (at width 1024, 2.1M, the copies
+    read 0.8-1.8 ns, at 2048 2.3-3.5 on 2 CPU ranks: ~110 ms a micro-batch for a 19M GPT). Run on
+    every rank of `mesh`, which co-run."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    plain, sharded = _Chain(layers, width), _Chain(layers, width)
+    for block in sharded.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    x = torch.randn(2, 8, width)
+    params = [p.numel() for p in plain.layers["0"].parameters()]
+    world = mesh.size()
+    piece = torch.zeros(-(-sum(params) // world))  # FSDP pads each unit's flat buffer to the world size
+    whole = torch.zeros(piece.numel() * world)
+    group = mesh.get_group()
+
+    def collectives() -> None:  # each unit's all-gather (forward) and reduce-scatter (backward)
+        for _ in range(layers):
+            dist.all_gather_into_tensor(whole, piece, group=group)
+            dist.reduce_scatter_tensor(piece, whole, group=group)
+
+    t_plain, t_sharded, t_comm = _interleaved(
+        [lambda: plain(x).backward(), lambda: sharded(x).backward(), collectives], reps
+    )
+    hooks = layers * len(params) * per_tensor_us * 1e-6
+    return max(0.0, t_sharded - t_plain - t_comm - hooks) / (2 * layers * sum(params)) * 1e9
+
+
 def zero1_host_us(
     mesh, latency_s: float, layers: int = 8, width: int = 16, reps: int = 20
 ) -> tuple[float, float]:
@@ -650,6 +687,7 @@ def _allreduce_worker(rank: int, world: int, init_file: str, backend: str, out_f
         mesh = init_device_mesh("cpu", (world,))
         results["dtensor_op_us"] = _slowest(dtensor_op_us(mesh, results[LATENCY_BYTES]))
         results["fsdp_us_per_tensor"] = _slowest(fsdp_us_per_tensor(mesh, results[LATENCY_BYTES]))
+        results["fsdp_ns_per_param"] = _slowest(fsdp_ns_per_param(mesh, results["fsdp_us_per_tensor"]))
         results["co_run_slowdown"] = co_run_slowdown()
         single, multi = pipeline_action_us(results[LATENCY_BYTES])
         results["pipeline_action_us"], results["pipeline_multi_action_us"] = _slowest(single), _slowest(multi)

@@ -1138,6 +1138,17 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
     # every unit in every micro-batch's forward and backward, whatever the ZeRO stage; measured on
     # co-running ranks like DTensor's. A stage-3 re-gather adds only its collective's latency.
     fsdp_s = hw.fsdp_us_per_tensor * 1e-6 * per_core if engine == "fsdp" else 0.0
+    # ... and its copies into and out of the flat collective buffers (the all-gather's copy-in of the
+    # shard and copy-out into the unsharded parameters, the reduce-scatter's concatenation of the
+    # gradients and copy-out of the shard): memory-bound passes over the unit's parameters at each
+    # of its all-gathers and reduce-scatters, which the per-tensor probe (width 16) cannot see.
+    # On a 6-layer d=512 GPT (19M parameters, 2 CPU ranks) ZeRO-2 ran ~300 ms a step behind DDP
+    # where the plan had ~120 ms; calibrate's probe (units of 8.4M parameters) reads 2.3-3.5 ns per
+    # element and collective on that machine, ~110 ms a micro-batch there.
+    gathers, scatters = (
+        _fsdp_collectives(s, layout, n) if engine == "fsdp" and layout.sharding > 1 else (0, 0)
+    )
+    fsdp_copy_s = (gathers + scatters) * hw.fsdp_ns_per_param * 1e-9 * per_core
     # ZeRO-1's own host work (runtime/zero1.py), measured on co-running ranks like FSDP's: a Python
     # gradient hook per parameter tensor in every micro-batch's backward, and per tensor once a
     # step the reduce's bookkeeping, the squared norms of its pieces and the all-gather's copies
@@ -1258,6 +1269,7 @@ def _collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage
                 + 2 * local_chunks * multi_s
                 + split_ops * split_op_s
             )
+            + rank_params[r] * fsdp_copy_s
         )
         elementwise_time.append(n * b * elements * elem_s)
         accumulate_time.append(
@@ -1440,6 +1452,15 @@ def _latency(cfg: RunConfig, layout: Layout, dim: str) -> float:
     return hw.comm_latency_us * 1e-6
 
 
+def _fsdp_collectives(s: CollectiveStrategy, layout: Layout, n: int) -> tuple[int, int]:
+    """All-gathers and reduce-scatters of each FSDP unit per step. Under a pipeline FSDP gathers
+    once before the first micro-batch and reduce-scatters once after the last; without one every
+    micro-batch gathers (twice under ZeRO-3: again for its backward) and reduce-scatters."""
+    if layout.pp > 1:
+        return 1, 1
+    return (2 if reshard_after_forward(s.sharding_stage) else 1) * n, n
+
+
 def _comm(
     cfg: RunConfig,
     layout: Layout,
@@ -1495,9 +1516,7 @@ def _comm(
         vol["dp"] = 2 * (dp - 1) / dp * grad_bytes / sh
         calls["dp"] = buckets if dp > 1 else 0
     elif engine == "fsdp":
-        gathers = 1 if (not reshard_after_forward(s.sharding_stage) or pp > 1) else 2
-        scatters = 1 if pp > 1 else n  # pipelined FSDP reduce-scatters once, after the last micro-batch
-        gathers_per_step = gathers if pp > 1 else gathers * n
+        gathers_per_step, scatters = _fsdp_collectives(s, layout, n)
         vol["sharding"] = (sh - 1) / sh * (gathers_per_step * gather * p + scatters * grad_bytes)
         cost["sharding"] = (sh - 1) / sh * (ag * gathers_per_step * gather * p + rs * scatters * grad_bytes)
         # + the gradient norm's all-reduce of the shards' squared norms (DTensor's full_tensor)
