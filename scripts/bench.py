@@ -709,11 +709,11 @@ def markdown(results: dict) -> str:
         curve = ", ".join(f"{float(f):.0e}: {e:.2f}" for f, e in c.get("gemm_curve", {}).items())
         curve1 = ", ".join(f"{float(f):.0e}: {e:.2f}" for f, e in c.get("gemm_curve_one_thread", {}).items())
         out.append("\nHost costs the planner charges (medians; the planner's time model, plan/planner.py):\n")
-        out.append(table(["elementwise", "update per tensor", "update per param", "conv call", "checkpointing per op (selective)", "DTensor per op", "FSDP per unit pass·tensor", "zero-bubble split per op + per param", "co-run slowdown"],
+        out.append(table(["elementwise", "update per tensor", "update per param", "conv call", "checkpointing per op (selective)", "DTensor per op", "FSDP per unit pass·tensor (copies per param·collective)", "zero-bubble split per op + per param", "co-run slowdown"],
                          [[f"{c.get('elementwise_ns', 0):.2f} ns", f"{c.get('update_us_per_tensor', 0):.1f} µs",
                            f"{c.get('update_ns_per_param', 0):.2f} ns", f"{c.get('conv_call_us', 0):.0f} µs",
                            f"{c.get('checkpoint_op_us', 0):.0f} µs ({c.get('selective_checkpoint_op_us', 0):.0f} µs)",
-                           f"{c.get('dtensor_op_us', 0):.0f} µs", f"{c.get('fsdp_us_per_tensor', 0):.0f} µs",
+                           f"{c.get('dtensor_op_us', 0):.0f} µs", f"{c.get('fsdp_us_per_tensor', 0):.0f} µs ({c.get('fsdp_ns_per_param', 0):.2f} ns)",
                            f"{c.get('zero_bubble_split_op_us', 0):.0f} µs + {c.get('zero_bubble_split_ns_per_param', 0):.2f} ns",
                            f"{c.get('co_run_slowdown', 1):.2f}"]]))  # fmt: skip
         out.append(f"\nGEMM efficiency by FLOPs per GEMM, all threads: {curve}; one thread: {curve1}\n")
