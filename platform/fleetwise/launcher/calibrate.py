@@ -454,12 +454,9 @@ def dtensor_op_us(mesh, latency_s: float, layers: int = 8, width: int = 16, reps
     return max(0.0, t_tp - t_plain - collectives * latency_s) / counter.count * 1e6
 
 
-def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16, reps: int = 30) -> float:
-    """Extra host time of FSDP2 per unit and parameter tensor in one forward + backward, over the
-    same plain module and after its collectives' latency is taken out: the hooks, the copies into
-    and out of the flat all-gather and reduce-scatter buffers (per tensor) and waiting for the peer.
-    It is paid for every unit in every micro-batch (the hooks run whether or not they gather), so
-    the planner charges it per unit pass, not per collective."""
+def _fsdp_twins(mesh, layers: int, width: int) -> tuple[_Chain, _Chain]:
+    """A plain chain and its twin with every block (and the root) fully sharded over `mesh`, kept
+    gathered until the backward (ZeRO-2), as the FSDP probes compare them."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -467,6 +464,16 @@ def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16,
     for block in sharded.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    return plain, sharded
+
+
+def fsdp_us_per_tensor(mesh, latency_s: float, layers: int = 8, width: int = 16, reps: int = 30) -> float:
+    """Extra host time of FSDP2 per unit and parameter tensor in one forward + backward, over the
+    same plain module and after its collectives' latency is taken out: the hooks, the copies into
+    and out of the flat all-gather and reduce-scatter buffers (per tensor) and waiting for the peer.
+    It is paid for every unit in every micro-batch (the hooks run whether or not they gather), so
+    the planner charges it per unit pass, not per collective."""
+    plain, sharded = _fsdp_twins(mesh, layers, width)
     x = torch.randn(2, 8, width)
     t_plain, t_sharded = _interleaved([lambda: plain(x).backward(), lambda: sharded(x).backward()], reps)
     collectives = 2 * layers  # an all-gather and a reduce-scatter per block (the root holds none)
@@ -483,13 +490,8 @@ def fsdp_ns_per_param(mesh, per_tensor_us: float, layers: int = 2, width: int = 
     read 0.8-1.8 ns, at 2048 2.3-3.5 on 2 CPU ranks: ~110 ms a micro-batch for a 19M GPT). Run on
     every rank of `mesh`, which co-run."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    plain, sharded = _Chain(layers, width), _Chain(layers, width)
-    for block in sharded.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(sharded, mesh=mesh, reshard_after_forward=False)
+    plain, sharded = _fsdp_twins(mesh, layers, width)
     x = torch.randn(2, 8, width)
     params = [p.numel() for p in plain.layers["0"].parameters()]
     world = mesh.size()
