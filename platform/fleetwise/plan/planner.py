@@ -127,6 +127,9 @@ class Plan:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+COMPUTE_PARTS = ("host_ops", "elementwise", "grad_accumulate")  # time_s keys inside time_s["compute"]
+
+
 def step_parts(time_s: dict[str, float]) -> dict[str, float]:
     """A plan's `time_s` as terms that add up to its step time.
 
@@ -138,7 +141,7 @@ def step_parts(time_s: dict[str, float]) -> dict[str, float]:
     t = dict(time_s)
     parts: dict[str, float] = {}
     if "compute" in t:
-        inner = {k: t.pop(k, 0.0) for k in ("host_ops", "elementwise", "grad_accumulate")}
+        inner = {k: t.pop(k, 0.0) for k in COMPUTE_PARTS}
         parts["gemm"] = t.pop("compute") - sum(inner.values())
         parts.update(inner)
     hidden = t.pop("comm_hidden", 0.0)

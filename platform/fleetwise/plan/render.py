@@ -8,7 +8,7 @@ from rich.table import Table
 
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.planner import COMPUTE_PARTS, Plan, step_parts
 from fleetwise.plan.remedies import Remedy
 
 GIB = 1024**3
@@ -41,10 +41,9 @@ def step_time_sum(time_s: dict[str, float]) -> str:
     t = dict(time_s)
     terms = []
     if "compute" in t:
-        inner = {k: t.pop(k, 0.0) for k in ("host_ops", "elementwise", "grad_accumulate")}
-        compute = t.pop("compute")
-        inner = {"GEMMs": compute - sum(inner.values()), **inner}
+        inner = {"GEMMs": step_parts(time_s)["gemm"]} | {k: t.pop(k, 0.0) for k in COMPUTE_PARTS}
         shown = [f"{k.replace('_', ' ')} {seconds(v)}" for k, v in inner.items() if v > 0]
+        compute = t.pop("compute")
         terms.append(f"compute {seconds(compute)}" + (f" ({' + '.join(shown)})" if len(shown) > 1 else ""))
     if t.get("bubble"):
         terms.append(f"bubble {seconds(t.pop('bubble'))}")
@@ -53,10 +52,10 @@ def step_time_sum(time_s: dict[str, float]) -> str:
     }
     hidden = t.pop("comm_hidden", 0.0)
     if any(comm.values()):
-        parts = " + ".join(f"{k} {seconds(v)}" for k, v in comm.items() if v)
+        sent = " + ".join(f"{k} {seconds(v)}" for k, v in comm.items() if v)
         if hidden:
-            parts += f" − {seconds(hidden)} hidden behind compute"
-        terms.append(f"comm ({parts})")
+            sent += f" − {seconds(hidden)} hidden behind compute"
+        terms.append(f"comm ({sent})")
     terms += [f"{k.replace('_', ' ')} {seconds(v)}" for k, v in t.items() if v]
     return " + ".join(terms)
 
