@@ -147,6 +147,22 @@ def test_ranking_by_time_and_by_memory(tiny4):
     assert mems[0] <= min(c.memory for c in tiny4.result.ranked)
 
 
+def test_vs_1_names_what_costs_time_not_comm_hidden_behind_compute():
+    """A layout whose extra sharding traffic all hides behind compute loses on what does not:
+    "vs #1" names that (here elementwise), never the hidden comm, nor compute beside its parts."""
+    from dataclasses import replace
+
+    from fleetwise.plan.search import Candidate, explain
+
+    best = make_plan(compose(*TINY4, "strategy=sharding", "strategy.sharding_stage=3")[0])
+    t = dict(best.time_s)
+    t |= {"comm_sharding": t["comm_sharding"] + 10.0, "comm_hidden": t["comm_hidden"] + 10.0}
+    t |= {"elementwise": t["elementwise"] + 0.5, "compute": t["compute"] + 0.5}
+    slower = replace(best, time_s=t, step_time_s=best.step_time_s + 0.5)
+    why = explain(Candidate({}, 1, slower), Candidate({}, 1, best), "time")
+    assert why.endswith(": elementwise +500.0 ms"), why
+
+
 def test_worst_memory_is_the_plans_memory_for_every_pipeline_schedule():
     base = compose("recipe=gpt/tiny", "hardware.devices_per_node=4")[0]
     for sched, v in [
