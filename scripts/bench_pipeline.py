@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node=PP scripts/bench_pipeline.py OUT.json [--microbatches 2,4,8] [--steps 4]
 
-Each rank builds fleetwise's GPT, keeps its pipeline chunks (fleetwise.models.pipeline_chunk, the
+Each rank builds fleetwise's GPT, keeps its pipeline chunks (fleetwise.models.pipeline.pipeline_chunk, the
 runtime's placement) and runs GPipe, 1F1B and interleaved 1F1B (2 chunks per rank) for several
 micro-batch counts, a few steps each after warm-up.
 
@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fleetwise.families.gpt import GPTModel
-from fleetwise.models import pipeline_chunk
-from fleetwise.models.gpt import GPT, lm_loss
+from fleetwise.families.gpt.model import GPT
+from fleetwise.families.gpt.schema import GPTModel
+from fleetwise.models.pipeline import pipeline_chunk
+from fleetwise.models.transformer import lm_loss
 from fleetwise.plan.pipeline import bubble_fraction, split_layers
 
 MODEL = dict(

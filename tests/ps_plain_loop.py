@@ -36,8 +36,8 @@ def lr_closed_form(o, steps: int, k: int) -> float:
 
 def plain_ps_loop(cfg, steps: int):
     """Returns (model after `steps` steps, losses, pre-clip global gradient norms, LRs)."""
-    from fleetwise.data.ctr import SyntheticClicks
-    from fleetwise.models.ctr import CTRNet
+    from fleetwise.families.ctr.data import SyntheticClicks
+    from fleetwise.families.ctr.model import CTRNet
 
     o, s, m = cfg.optim, cfg.strategy, cfg.model
     model = CTRNet(m, seed=cfg.train.seed)

@@ -15,7 +15,7 @@ LOAD = """
 import json, sys, torch
 import fleetwise
 from fleetwise import rundir
-from fleetwise.models.gpt import lm_loss
+from fleetwise.models.transformer import lm_loss
 from fleetwise.tracking.models import eval_batch
 
 model = fleetwise.load_model(sys.argv[1])

@@ -67,7 +67,7 @@ def fresh_process(root: Path, uri: str, script: str) -> dict:
 LOAD_AND_EVALUATE = """
 import json, sys, torch, yaml, mlflow, mlflow.pytorch, mlflow.pyfunc
 from fleetwise.config.run import RunConfig
-from fleetwise.models.gpt import lm_loss
+from fleetwise.models.transformer import lm_loss
 from fleetwise.tracking.models import eval_batch
 
 uri = sys.argv[1] if len(sys.argv) > 1 else "models:/{name}/1"

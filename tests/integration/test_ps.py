@@ -27,8 +27,8 @@ import pytest
 import torch
 from conftest import compose
 
-from fleetwise.data.ctr import SyntheticClicks, step_indices
-from fleetwise.models.ctr import CTRNet
+from fleetwise.families.ctr.data import SyntheticClicks, step_indices
+from fleetwise.families.ctr.model import CTRNet
 from fleetwise.plan.planner import make_plan
 from fleetwise.plan.ps import placement
 from fleetwise.runtime.ps.reference import load_shards

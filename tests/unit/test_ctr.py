@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import compose
 
-from fleetwise.data.ctr import SyntheticClicks, rank_micro_batches, step_indices
 from fleetwise.families import total_params
-from fleetwise.families.ctr import parameter_shapes as ctr_parameter_shapes
-from fleetwise.models.ctr import TABLE_CHUNK_ROWS, CTRNet, ctr_loss, table_init
+from fleetwise.families.ctr.data import SyntheticClicks, rank_micro_batches, step_indices
+from fleetwise.families.ctr.model import TABLE_CHUNK_ROWS, CTRNet, ctr_loss, table_init
+from fleetwise.families.ctr.units import parameter_shapes as ctr_parameter_shapes
 
 
 def ctr_cfg(*overrides: str):

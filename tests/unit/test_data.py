@@ -4,8 +4,8 @@ import numpy as np
 import torch
 
 from fleetwise.data.loader import StepBatches
-from fleetwise.data.masking import IGNORE, MaskedLM, mask_sequence
 from fleetwise.data.tokens import SyntheticTokens, TokenFile, write_token_file
+from fleetwise.families.ernie.data import IGNORE, MaskedLM, mask_sequence
 
 
 def test_ranks_split_the_global_batch_without_overlap_and_equally():

@@ -37,7 +37,7 @@ def test_gpt_statistics_follow_gpt2_init():
 
 
 def test_a_pipeline_chunk_initialised_alone_equals_the_whole_model():
-    from fleetwise.models import pipeline_chunk
+    from fleetwise.models.pipeline import pipeline_chunk
 
     cfg, _ = compose("recipe=resnet/tiny")
     whole = build_model(cfg).state_dict()
@@ -51,7 +51,7 @@ def test_a_pipeline_chunk_initialised_alone_equals_the_whole_model():
 
 
 def test_ctr_initial_values_equal_its_own_reset():
-    from fleetwise.models.ctr import CTRNet
+    from fleetwise.families.ctr.model import CTRNet
 
     cfg, _ = compose("recipe=ctr/tiny")
     eager = CTRNet(cfg.model, seed=5).state_dict()

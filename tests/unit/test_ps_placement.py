@@ -10,7 +10,7 @@ import pytest
 from conftest import compose
 
 from fleetwise.families import total_params
-from fleetwise.families.ctr import parameter_shapes as ctr_parameter_shapes
+from fleetwise.families.ctr.units import parameter_shapes as ctr_parameter_shapes
 from fleetwise.plan.planner import make_plan
 from fleetwise.plan.ps import dispatch, placement, slice_rows, stable_hash
 

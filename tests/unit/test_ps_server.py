@@ -132,7 +132,7 @@ def test_one_trainer_with_sharded_servers_equals_single_process(overrides):
 
 
 def initial_model(cfg):
-    from fleetwise.models.ctr import CTRNet
+    from fleetwise.families.ctr.model import CTRNet
 
     return CTRNet(cfg.model, seed=cfg.train.seed)
 

@@ -8,7 +8,8 @@ import torch
 from conftest import compose
 from torch.distributed.pipelining._backward import stage_backward_input
 
-from fleetwise.models.gpt import GPT, lm_loss
+from fleetwise.families.gpt.model import GPT
+from fleetwise.models.transformer import lm_loss
 from fleetwise.plan.planner import _units
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fleetwise.config.model import ModelConfig
 from fleetwise.config.problems import Problem
-from fleetwise.families.resnet import ResNetModel
+from fleetwise.families.resnet.schema import ResNetModel
 from fleetwise.families.transformer import TransformerModel
 
 TOKEN_DTYPES = {"uint8": 1, "uint16": 2, "uint32": 4, "int32": 4}

@@ -4,6 +4,11 @@ A source maps *global sample indices* to tensors, so every layout sees exactly t
 step k uses indices [k·G, (k+1)·G) (mod the source size) and data-parallel rank r of D takes
 the r-th contiguous slice of G/D of them, in micro-batches. Every rank therefore gets the same
 number of batches, every step (unequal counts would hang the last collective).
+
+This package holds what the families share: the per-rank slicing (`loader`), token sources
+(`tokens`), the bundled corpora (`bundled`) and the tokenizer (`tokenize_text`). A family's own
+sources live with it (`fleetwise.families.<name>.data`: ERNIE's masking, ResNet's images, CTR's
+click logs).
 """
 
 from __future__ import annotations

@@ -1,8 +1,27 @@
-"""Model families: one module per family, one `Family` record each (see `base.Family`).
+"""Model families: one package per family, one `Family` record each (`record.Family`).
 
-Adding a family is one module here (schema, rules, planner units, rank-side builder and data
-source) plus its `conf/model/<name>.yaml` and recipes; the config union, the rules, the planner and
-the runtime reach it through `FAMILIES` / `family_of`. Importing this package never imports torch.
+    families/<name>/__init__.py   FAMILY: the record that ties the parts together
+                    schema.py     the `model` section (pydantic) and its rules
+                    units.py      the model as a chain of planner units
+                    model.py      the nn.Module (obeys fleetwise.models.contract)
+                    tp_plan.py    its tensor-parallel plan (families that have one)
+                    data.py       its sample source (families with a data source of their own)
+    families/transformer.py       what GPT and ERNIE share (schema fields, block unit, checks, tokens)
+    families/record.py            `Family` and `ModelSpec`
+
+Adding a family is one package here plus its `conf/model/<name>.yaml` and recipes (a family from
+outside, a plugin or a test, calls `register`); the config union, the rules, the planner and the
+runtime reach it through `FAMILIES` / `family_of`. Importing this package never imports torch: the
+records name their rank-side parts (`model`, `tp_plan`, `data`) in functions a rank calls.
+
+How config's `model` union reaches the families, and why that is no import cycle:
+`fleetwise.config.model` imports this registry and builds the `model` union (one schema per
+family, told apart by `family`) from `FAMILIES` when it is imported. The families, in turn, import
+from config only its two leaves -- `config.base` (`Section`) and `config.problems` (`Problem`),
+which import nothing of fleetwise -- and never `config.model` or `config.run`. Where a family's
+code reads another config section (a data source reads the `data` section), it takes it as a
+protocol of the fields it reads (`families/ctr/data.py: ClickData`) or untyped, so the import graph
+runs config.model -> families -> config.base, and never back.
 """
 
 from __future__ import annotations
@@ -10,7 +29,7 @@ from __future__ import annotations
 import sys
 
 from fleetwise.families import ctr, ernie, gpt, resnet
-from fleetwise.families.base import Family, ModelSpec
+from fleetwise.families.record import Family, ModelSpec
 from fleetwise.plan.units import Unit
 
 # Order matters to users: it is the order of the `model.family` tags in error messages.

@@ -1,9 +1,11 @@
-"""What the platform needs to know about a model family, in one record.
+"""What the platform needs to know about a model family, in one record (`Family`), and the
+rank-side parts of it (`ModelSpec`).
 
 A `Family` is importable without torch: its schema, its validation rules, its planner units and
 the capabilities the strategy rules ask about are plain Python. Its rank-side parts (`spec`:
 builder, loss, batch inputs and tensor-parallel plan; `source`: the sample source) are functions
-that import torch, `fleetwise.models` and `fleetwise.data` only when a rank calls them.
+that import torch, the family's `model`, `tp_plan` and `data` modules, `fleetwise.models` and
+`fleetwise.data` only when a rank calls them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from fleetwise.config.base import Section
 from fleetwise.config.problems import Problem
+from fleetwise.models.contract import ModelContract
 from fleetwise.plan.units import Unit
 
 
@@ -21,9 +24,10 @@ from fleetwise.plan.units import Unit
 class ModelSpec:
     """The rank-side parts of a family (callables over torch; this record itself is torch-free)."""
 
-    # model config -> nn.Module, called under torch.device("meta"); the root module says how its
-    # parameters start with `init_rule` (or `initial_value`), see fleetwise.models.init
-    build: Callable[..., Any]
+    # model config -> nn.Module, called under torch.device("meta"); it obeys the model contract
+    # (fleetwise.models.contract: blocks in `layers`, first/last modules, how parameters start),
+    # which the runtime checks on every model it builds
+    build: Callable[[Any], ModelContract]
     loss: Callable[[Any, Any], Any]  # (output, labels) -> scalar tensor
     inputs: tuple[str, ...]  # batch keys fed to the first pipeline stage, in order
     tp_plan: Callable[[bool], dict] | None = None  # sequence_parallel -> plan (None: no tensor parallelism)

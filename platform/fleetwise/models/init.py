@@ -12,7 +12,8 @@ a file of the model's full size; drawing costs one parameter of host memory and 
 
 Each model class says how its parameters are drawn with `init_rule(module_name, module, attr,
 shape, generator)`; CTR models keep their own chunked scheme (the parameter server's servers rely on
-it) through `initial_value(name, shape, seed)`.
+it) through `initial_value(name, shape, seed)` (the model contract: `models/contract.py`). The rule
+GPT and ERNIE share is here (`transformer_rule`); a family's own rule lives with its model.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import zlib
 import torch
 from torch import nn
 
-from fleetwise.models.ctr import mix_seed
+_MASK64 = (1 << 64) - 1
 
 # the checkpoint wrapper first: its segment ends in "module." too
 # Longest first: "module." is also the tail of "_checkpoint_wrapped_module.".
@@ -37,6 +38,18 @@ def model_name(name: str) -> str:
     for seg in WRAPPER_SEGMENTS:
         name = name.replace(seg, "")
     return name
+
+
+def mix_seed(*values: int) -> int:
+    """splitmix64 over a tuple of ints: a well-spread seed for one generator per (seed, parameter
+    name) here, per (seed, table, chunk) in the CTR family's tables."""
+    x = 0x243F6A8885A308D3
+    for v in values:
+        x = (x ^ (v & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return x & ((1 << 63) - 1)
 
 
 def generator(seed: int, name: str) -> torch.Generator:
@@ -83,19 +96,3 @@ def transformer_rule(std: float, num_layers: int):
         return torch.zeros(shape)  # biases
 
     return rule
-
-
-def resnet_rule(mname: str, module: nn.Module, attr: str, shape, g: torch.Generator) -> torch.Tensor:
-    """torchvision's ResNet init: Kaiming-normal (fan_out, ReLU) convolutions, BatchNorm ones/zeros
-    (running variance ones), and torch's default U(±1/sqrt(fan_in)) for the classifier."""
-    if isinstance(module, nn.Conv2d):
-        fan_out = shape[0] * math.prod(shape[2:])
-        return torch.randn(shape, generator=g) * math.sqrt(2.0 / fan_out)
-    if isinstance(module, nn.Linear):
-        bound = 1.0 / math.sqrt(module.in_features)
-        return torch.rand(shape, generator=g) * 2 * bound - bound
-    if attr in ("weight", "running_var"):
-        return torch.ones(shape)
-    if attr == "num_batches_tracked":
-        return torch.zeros(shape, dtype=torch.long)
-    return torch.zeros(shape)

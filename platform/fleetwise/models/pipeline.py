@@ -1,20 +1,14 @@
-"""Model families: plain nn.Modules (GPT, ERNIE, ResNet, CTR) with no parallel code inside.
-
-Every model exposes the same small surface the runtime relies on:
-- `layers`: an nn.ModuleDict of the repeated blocks (what pipelines split, FSDP wraps and
-  activation checkpointing recomputes), keyed by index so names survive any split;
-- `first_modules` / `last_modules`: attribute names kept only by the first / last pipeline stage;
-- `forward(*inputs)` on the first stage, `forward(hidden)` on later ones.
-"""
+"""Pipeline chunking: a copy of a model that keeps only some of its blocks, and its first and
+last modules only on the first and last chunk (the contract: `fleetwise.models.contract`)."""
 
 from __future__ import annotations
 
 import copy
 
-from torch import nn
+from fleetwise.models.contract import ModelContract
 
 
-def pipeline_chunk(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+def pipeline_chunk(model: ModelContract, layer_ids: list[int], first: bool, last: bool) -> ModelContract:
     """A copy of `model` holding only the given blocks (and the embedding/head at the ends)."""
     chunk = copy.deepcopy(model)
     keep = {str(i) for i in layer_ids}

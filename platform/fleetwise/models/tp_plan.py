@@ -1,4 +1,6 @@
-"""Tensor-parallel plans as data: module path -> ParallelStyle (Megatron-style sharding).
+"""Tensor-parallel plans as data: module path -> ParallelStyle (Megatron-style sharding). The parts
+GPT and ERNIE share live here (the transformer block's plan, the vocabulary-parallel embedding);
+each family's whole plan lives with it (`fleetwise.families.<name>.tp_plan`).
 
 Attention q/k/v and the first MLP linear are column-parallel (each rank computes a slice of the
 heads / hidden units); the attention output projection and the second MLP linear are row-parallel
@@ -21,7 +23,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -68,37 +69,9 @@ def _vocab_parallel_lookup(module: nn.Embedding, tokens: torch.Tensor) -> torch.
     return out.redistribute(placements=[Replicate()], async_op=True).to_local()
 
 
-def gpt_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    act = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "embed.tok": VocabParallelEmbedding(),
-        "output": ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False),
-        **_block_plan("layers.*", act, sequence_parallel, pre_ln=True),
-    }
-    if sequence_parallel:
-        # token + position sum is computed replicated, then each rank keeps its sequence slice
-        plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-        plan["norm"] = SequenceParallel()
-    return plan
-
-
-def ernie_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    act = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "embed.word": VocabParallelEmbedding(),
-        "head.decoder": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-        **_block_plan("layers.*", act, sequence_parallel, pre_ln=False),
-    }
-    if sequence_parallel:
-        plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
-        # the MLM transform runs on whole sequences
-        plan["head"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
-    return plan
-
-
-def _block_plan(prefix: str, act, sequence_parallel: bool, pre_ln: bool) -> dict[str, ParallelStyle]:
+def block_plan(prefix: str, act, sequence_parallel: bool, pre_ln: bool) -> dict[str, ParallelStyle]:
+    """The plan of the transformer blocks under `prefix` (`models/transformer.py`); `act`: the
+    layout of the activations between blocks (sequence shards under sequence parallelism)."""
     plan: dict[str, ParallelStyle] = {
         f"{prefix}.attn.wq": ColwiseParallel(),
         f"{prefix}.attn.wk": ColwiseParallel(),

@@ -1,7 +1,7 @@
-"""Transformer building blocks shared by GPT and ERNIE.
+"""Transformer building blocks shared by GPT and ERNIE, and their language-model loss.
 
 Plain nn.Modules with no parallel code: tensor parallelism is applied from outside with the
-plans in `tp_plan.py`. Attention keeps q, k and v as separate projections (a fused qkv weight
+plans in each family's `tp_plan.py` (their shared parts: `models/tp_plan.py`). Attention keeps q, k and v as separate projections (a fused qkv weight
 would be split across ranks in the wrong places by column parallelism) and infers the number of
 local heads from the projection width, so the same code runs whole or sharded.
 """
@@ -76,3 +76,8 @@ class PostLNBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.ln1(x + self.drop(self.attn(x)))
         return self.ln2(x + self.drop(self.mlp(x)))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; positions labelled -100 are ignored."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)

@@ -7,6 +7,7 @@ from torch import nn
 
 from fleetwise.config.run import RunConfig
 from fleetwise.families import ModelSpec, family_of
+from fleetwise.models.contract import check_model
 
 
 def model_spec(cfg: RunConfig) -> ModelSpec:
@@ -15,9 +16,27 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
 
 
 def build_meta_model(cfg: RunConfig) -> nn.Module:
-    """The model's structure on the `meta` device: no memory, no values (see materialize)."""
+    """The model's structure on the `meta` device: no memory, no values (see materialize),
+    checked against the model contract before anything relies on it (ModelContractError lists
+    every break, with its fix)."""
+    family, spec = family_of(cfg.model), model_spec(cfg)
     with torch.device("meta"):
-        return model_spec(cfg).build(cfg.model)
+        model = spec.build(cfg.model)
+    check_model(
+        model,
+        inputs=spec.inputs,
+        num_layers=cfg.model.num_layers,
+        pipeline=family.no_pipeline is None,
+        tp_paths=_tp_plan_paths(spec),
+    )
+    return model
+
+
+def _tp_plan_paths(spec: ModelSpec) -> list[str]:
+    """The submodule paths of the family's tensor-parallel plan, with and without sequence parallelism."""
+    if spec.tp_plan is None:
+        return []
+    return list(dict.fromkeys([*spec.tp_plan(False), *spec.tp_plan(True)]))
 
 
 def materialize(part: nn.Module, device: torch.device, seed: int, *, params_on_host: bool = False) -> None:
@@ -42,5 +61,6 @@ def build_model(cfg: RunConfig) -> nn.Module:
 
 
 def build_source(cfg: RunConfig):
-    """The sample source for the model family and data config (see fleetwise.data)."""
+    """The sample source for the model family and data config (see fleetwise.data and the
+    family's own `data` module)."""
     return family_of(cfg.model).source(cfg.model, cfg.data)

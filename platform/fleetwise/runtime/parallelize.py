@@ -24,7 +24,7 @@ from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
 from fleetwise.families import ModelSpec, family_of
-from fleetwise.models import pipeline_chunk
+from fleetwise.models.pipeline import pipeline_chunk
 from fleetwise.plan.pipeline import chunk_ranks, split_layers
 from fleetwise.runtime.mesh import process_group
 from fleetwise.runtime.modeling import build_meta_model, materialize, model_spec

@@ -21,14 +21,24 @@ contiguous slice [t·G/T, (t+1)·G/T), in micro-batches of train.micro_batch_siz
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from fleetwise.config.run import DataConfig
-from fleetwise.families.ctr import CTRModel
+from fleetwise.families.ctr.schema import CTRModel
 
 _U64 = np.uint64
+
+
+class ClickData(Protocol):
+    """The settings of the `data` section (`fleetwise.config.run.DataConfig`) the clicks depend on.
+    A protocol, not DataConfig itself: config's `model` union imports the families, so a family's
+    module importing `config.run` back would close an import cycle."""
+
+    seed: int
+    num_samples: int
+    zipf_alpha: float
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
@@ -66,7 +76,7 @@ class SyntheticClicks:
     # stream numbers keep the hashed draws of different quantities independent
     _IDS, _DENSE, _LABEL, _TEACHER_ID, _TEACHER_DENSE = 0, 1000, 2000, 3000, 4000
 
-    def __init__(self, model_cfg: CTRModel, data_cfg: DataConfig) -> None:
+    def __init__(self, model_cfg: CTRModel, data_cfg: ClickData) -> None:
         self.model_cfg, self.seed, self.alpha = model_cfg, data_cfg.seed, data_cfg.zipf_alpha
         self.num_samples = data_cfg.num_samples  # distinct samples before the stream repeats
         self._cdf: list[np.ndarray] = []

@@ -6,7 +6,7 @@ DeepFM adds the factorization-machine term 0.5·Σ_k((Σ_f e_fk)² − Σ_f e_fk
 parameters (the "wide" part is the first-order term) without it, so both plan identically.
 
 Each field f has a table of `num_embeddings` rows: an embedding (embedding_dim) and a first-order
-weight (1), the accounting of `fleetwise.families.ctr.parameter_shapes`. The tables are separable
+weight (1), the accounting of `fleetwise.families.ctr.units.parameter_shapes`. The tables are separable
 from the dense part: `forward(sparse_ids, dense)` looks them up (ordinary, collective training);
 `forward_rows(emb, first_order, dense)` takes looked-up rows, which is how parameter-server trainers
 run the model without ever holding the distributed tables (`remote_tables=True` leaves them out).
@@ -26,23 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-from fleetwise.families.ctr import CTRModel
+from fleetwise.families.ctr.schema import CTRModel
+from fleetwise.models.init import mix_seed
 
 EMBEDDING_STD = 0.05
 TABLE_CHUNK_ROWS = 1 << 16
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(*values: int) -> int:
-    """splitmix64 over a tuple of ints: a well-spread seed for one generator per (seed, table, chunk)."""
-    x = 0x243F6A8885A308D3
-    for v in values:
-        x = (x ^ (v & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
-        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
-        x ^= x >> 31
-    return x & ((1 << 63) - 1)
 
 
 def table_init(
@@ -71,7 +59,7 @@ def _empty(cls, *args) -> nn.Module:
 
 
 class CTRNet(nn.Module):
-    # The collective runtime's model surface: CTR models are neither pipelined nor recomputed
+    # The model contract (fleetwise.models.contract): CTR models are neither pipelined nor recomputed
     # (validation refuses both), so there are no repeated blocks; FSDP shards the root module.
     first_modules: tuple[str, ...] = ()
     last_modules: tuple[str, ...] = ()

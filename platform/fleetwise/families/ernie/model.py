@@ -1,22 +1,18 @@
 """ERNIE: a bidirectional Transformer encoder pre-trained by masked language modelling with
 knowledge masking (Sun et al. 2019, "ERNIE: Enhanced Representation through Knowledge
 Integration"): instead of single tokens, whole words, phrases and entities are masked together, so
-the model must recover a unit from its context. The masking itself lives in `data/masking.py`;
-the model is the BERT-shaped encoder plus the MLM head.
+the model must recover a unit from its context. The masking itself lives in `data.py` beside this
+module; the model is the BERT-shaped encoder plus the MLM head.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from fleetwise.families.ernie.schema import ERNIEModel
 from fleetwise.models.init import transformer_rule
 from fleetwise.models.transformer import PostLNBlock
-
-if TYPE_CHECKING:  # models depend on config only for type hints
-    from fleetwise.families.ernie import ERNIEModel
 
 
 class ERNIEEmbedding(nn.Module):

@@ -1,75 +1,32 @@
-"""GPT: a decoder-only causal LM (GPT-2/3): pre-LN blocks, learned positions, untied LM head."""
+"""GPT: a decoder-only causal LM (GPT-2/3): pre-LN blocks, learned positions, untied LM head.
+
+The family in one package: `schema` (the `model` section), `units` (the planner's view), `model`
+(the nn.Module), `tp_plan` (its tensor-parallel plan); the data is the token source GPT and ERNIE
+share (`fleetwise.families.transformer.token_source`). The rank-side parts are imported when a
+rank asks for them (`spec`, `source`), so importing this package never imports torch.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
-from fleetwise.families.base import Family, ModelSpec
+from fleetwise.families.gpt.schema import GPTModel
+from fleetwise.families.gpt.units import input_bytes, units
+from fleetwise.families.record import Family, ModelSpec
 from fleetwise.families.transformer import (
     TOKEN_SOURCES,
-    TransformerModel,
     check_shape,
     check_tensor_parallel,
     token_data_profile,
     token_source,
     tokens_per_sample,
-    transformer_block,
 )
-from fleetwise.plan.units import Acts, Unit
-
-
-class GPTModel(TransformerModel):
-    """Decoder-only causal LM (GPT-2/3): pre-LN blocks, learned positions, untied LM head."""
-
-    family: Literal["gpt"] = "gpt"
-
-
-def units(m: GPTModel) -> list[Unit]:
-    s, h, v = m.seq_len, m.hidden_size, m.padded_vocab_size
-    emb = Unit(
-        "embedding",
-        "embedding",
-        params_split=v * h,
-        params_whole=s * h,
-        mp_allreduces=1,
-        boundary_elements=s * h,
-        fwd_ops=4,  # arange, 2 lookups, add
-        fwd_elementwise=2 * s * h,  # token lookups, the sum with the positions (looked up once per batch)
-        param_tensors=2,
-        largest_split=v * h,
-        largest_whole=s * h,
-    )
-    head = Unit(
-        "head",
-        "head",
-        params_split=h * v,  # LM head, column-parallel over the vocabulary (untied)
-        params_whole=2 * h,  # final layer norm
-        fwd_flops=2 * s * h * v,
-        # final LN input; LN output (saved by the LM head); log-softmax output (vocab-parallel)
-        acts={"none": Acts(fp32=s * v, sp=s * h, whole=s * h + 2 * s)},
-        # the gradients of the log-softmax output and of the logits (fp32: the loss upcasts)
-        transient=Acts(fp32=2 * s * v),
-        transient_tp=Acts(fp32=s * v),
-        output_split=s * v,  # the logits
-        weight_grad_outputs=Acts(split=s * v, sp=s * h),  # the logits' and the final norm output's
-        fwd_ops=10,  # LN, LM head (t, mm, views), log-softmax, NLL
-        fwd_gemms=1,
-        fwd_elementwise=s * h + 2 * s + s * v,  # LN, log-softmax
-        param_tensors=3,  # LN weight and bias, LM head
-        largest_split=h * v,
-        largest_whole=h,
-    )
-    return [emb] + [transformer_block(m) for _ in range(m.num_layers)] + [head]
-
-
-def input_bytes(m: GPTModel) -> int:
-    return 2 * 8 * m.seq_len  # int64 token ids and labels
 
 
 def spec(_: GPTModel) -> ModelSpec:
-    from fleetwise.models.gpt import GPT, lm_loss
-    from fleetwise.models.tp_plan import gpt_plan
+    from fleetwise.families.gpt.model import GPT
+    from fleetwise.families.gpt.tp_plan import gpt_plan
+    from fleetwise.models.transformer import lm_loss
 
     return ModelSpec(GPT, lm_loss, ("tokens",), gpt_plan)
 

@@ -8,17 +8,12 @@ by layer index, so parameter names stay the same however the model is cut into p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from fleetwise.families.gpt.schema import GPTModel
 from fleetwise.models.init import transformer_rule
 from fleetwise.models.transformer import PreLNBlock
-
-if TYPE_CHECKING:  # models depend on config only for type hints
-    from fleetwise.families.gpt import GPTModel
 
 
 class GPTEmbedding(nn.Module):
@@ -34,6 +29,7 @@ class GPTEmbedding(nn.Module):
 
 
 class GPT(nn.Module):
+    # the model contract (fleetwise.models.contract): blocks in `layers`, the ends named here
     first_modules = ("embed",)  # kept only by the first pipeline stage
     last_modules = ("norm", "output")  # kept only by the last
 
@@ -61,8 +57,3 @@ class GPT(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy; positions labelled -100 are ignored."""
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)

@@ -1,4 +1,4 @@
-"""Image sources for ResNet: synthetic class prototypes, .npz arrays, and class folders."""
+"""Image sources for ResNet: synthetic class prototypes, .npz arrays, and class folders (the\nbundled digits, which ship with the package, are shared data: `fleetwise.data.bundled`)."""
 
 from __future__ import annotations
 

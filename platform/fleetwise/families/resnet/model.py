@@ -9,16 +9,13 @@ stage.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleetwise.models.init import resnet_rule
-
-if TYPE_CHECKING:  # models depend on config only for type hints
-    from fleetwise.families.resnet import ResNetModel
+from fleetwise.families.resnet.schema import ResNetModel
 
 
 def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
@@ -67,7 +64,24 @@ def _downsample(cin: int, planes: int, stride: int, expansion: int) -> nn.Module
     return nn.Sequential(conv1x1(cin, planes * expansion, stride), nn.BatchNorm2d(planes * expansion))
 
 
+def resnet_rule(mname: str, module: nn.Module, attr: str, shape, g: torch.Generator) -> torch.Tensor:
+    """torchvision's ResNet init: Kaiming-normal (fan_out, ReLU) convolutions, BatchNorm ones/zeros
+    (running variance ones), and torch's default U(±1/sqrt(fan_in)) for the classifier."""
+    if isinstance(module, nn.Conv2d):
+        fan_out = shape[0] * math.prod(shape[2:])
+        return torch.randn(shape, generator=g) * math.sqrt(2.0 / fan_out)
+    if isinstance(module, nn.Linear):
+        bound = 1.0 / math.sqrt(module.in_features)
+        return torch.rand(shape, generator=g) * 2 * bound - bound
+    if attr in ("weight", "running_var"):
+        return torch.ones(shape)
+    if attr == "num_batches_tracked":
+        return torch.zeros(shape, dtype=torch.long)
+    return torch.zeros(shape)
+
+
 class ResNet(nn.Module):
+    # the model contract (fleetwise.models.contract): blocks in `layers`, the ends named here
     first_modules = ("stem",)
     last_modules = ("head",)
 

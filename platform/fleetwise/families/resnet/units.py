@@ -1,63 +1,10 @@
-"""ResNet image classifier (He et al. 2015): stem, four stages of residual blocks, pooling, classifier."""
+"""ResNet as a chain of planner units: the stem, one unit per residual block, the head (pooling,
+classifier, the loss)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
-from typing import Annotated, Literal
-
-from pydantic import Field
-
-from fleetwise.config.base import Section
-from fleetwise.config.problems import Problem
-from fleetwise.families.base import Family, ModelSpec
+from fleetwise.families.resnet.schema import ResNetModel
 from fleetwise.plan.units import Acts, Unit
-
-MAX_RESNET_BLOCKS = 4096
-
-
-class ResNetModel(Section):
-    """ResNet image classifier (He et al. 2015): stem, four stages of residual blocks, pooling, classifier."""
-
-    family: Literal["resnet"] = "resnet"
-    block: Literal["basic", "bottleneck"] = Field("bottleneck", description="Residual block type.")
-    layers: list[Annotated[int, Field(ge=1)]] = Field(
-        description="Blocks per stage, e.g. [3, 4, 6, 3] for ResNet-50."
-    )
-    base_width: int = Field(64, ge=1, description="Channels of the first stage (64 in the paper).")
-    num_classes: int = Field(1000, ge=2, description="Output classes.")
-    image_size: int = Field(224, ge=8, description="Square input resolution.")
-    in_channels: int = Field(3, ge=1, description="Input channels.")
-
-    @property
-    def num_layers(self) -> int:
-        """Residual blocks: the units a pipeline split distributes."""
-        return sum(self.layers)
-
-
-def check(m: ResNetModel) -> Iterator[Problem]:
-    if m.image_size < 32:
-        yield Problem(
-            "model.image_size",
-            f"image_size={m.image_size}: ResNet downsamples by 32",
-            "use model.image_size >= 32",
-        )
-    if len(m.layers) != 4:
-        yield Problem(
-            "model.layers",
-            f"{len(m.layers)} stages given; ResNet has 4 (e.g. [3, 4, 6, 3])",
-            "give four block counts",
-        )
-
-
-def limits(m: ResNetModel) -> Iterator[Problem]:
-    if sum(m.layers) > MAX_RESNET_BLOCKS:
-        yield Problem(
-            "model.layers",
-            f"model.layers has {sum(m.layers):,} blocks, at most {MAX_RESNET_BLOCKS:,} are planned",
-            "use fewer blocks per stage",
-        )
-
 
 # torchvision layout: convolutions without bias, BatchNorm after each, stride on the 3x3
 
@@ -169,47 +116,3 @@ def units(m: ResNetModel) -> list[Unit]:
 
 def input_bytes(m: ResNetModel) -> int:
     return 4 * m.in_channels * m.image_size**2 + 8  # fp32 image, int64 label
-
-
-def data_profile(m: ResNetModel, _d) -> dict:
-    return {"num_classes": m.num_classes, "image_size": m.image_size, "in_channels": m.in_channels}
-
-
-def spec(_: ResNetModel) -> ModelSpec:
-    from fleetwise.models.resnet import ResNet, classification_loss
-
-    return ModelSpec(ResNet, classification_loss, ("images",))
-
-
-def source(m: ResNetModel, d):
-    from fleetwise.data.images import ImageArray, ImageFolder, SyntheticImages
-
-    if d.source == "bundled":
-        from fleetwise.data.bundled import BundledDigits
-
-        return BundledDigits(m.image_size, m.in_channels)
-    if d.source == "image_array":
-        return ImageArray(d.path)
-    if d.source == "image_folder":
-        return ImageFolder(d.path, m.image_size)
-    return SyntheticImages(m.num_classes, m.image_size, m.in_channels, d.seed, d.num_samples)
-
-
-FAMILY = Family(
-    name="resnet",
-    schema=ResNetModel,
-    units=units,
-    input_bytes=input_bytes,
-    spec=spec,
-    source=source,
-    check=check,
-    limits=limits,
-    data_sources=("bundled", "image_folder", "image_array"),
-    data_profile=data_profile,
-    no_tensor_parallel=(
-        "convolutions are not split by fleetwise",
-        "set strategy.mp_degree=1 and use dp or sharding",
-    ),
-    convolutional=True,
-    chance_loss=lambda m: math.log(m.num_classes),
-)

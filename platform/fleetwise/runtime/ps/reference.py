@@ -16,9 +16,9 @@ import torch
 
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
-from fleetwise.data.ctr import SyntheticClicks, step_indices
-from fleetwise.families.ctr import CTRModel
-from fleetwise.models.ctr import CTRNet, ctr_loss
+from fleetwise.families.ctr.data import SyntheticClicks, step_indices
+from fleetwise.families.ctr.model import CTRNet, ctr_loss
+from fleetwise.families.ctr.schema import CTRModel
 from fleetwise.plan.ps import placement, table_parameter_names
 from fleetwise.runtime.ps.optim import dense_optimizer, lr_at, set_lr, sparse_optimizer
 

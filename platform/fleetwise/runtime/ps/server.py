@@ -43,7 +43,7 @@ from torch.futures import Future
 
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
-from fleetwise.models.ctr import CTRNet, table_init
+from fleetwise.families.ctr.model import CTRNet, table_init
 from fleetwise.plan.ps import Placement, placement
 from fleetwise.runtime.ps.optim import dense_optimizer, lr_at, set_lr, sparse_optimizer
 from fleetwise.runtime.ps.roles import Role, init_rpc, log, peak_rss_bytes

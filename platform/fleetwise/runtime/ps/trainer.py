@@ -53,9 +53,9 @@ import torch.distributed.rpc as rpc
 
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
-from fleetwise.data.ctr import SyntheticClicks, rank_micro_batches
-from fleetwise.families.ctr import CTRModel
-from fleetwise.models.ctr import CTRNet, ctr_loss
+from fleetwise.families.ctr.data import SyntheticClicks, rank_micro_batches
+from fleetwise.families.ctr.model import CTRNet, ctr_loss
+from fleetwise.families.ctr.schema import CTRModel
 from fleetwise.plan.planner import Plan
 from fleetwise.plan.ps import placement
 from fleetwise.rundir import PS_SUMMARY_FILE, Metric, append_record, metrics_path
