@@ -3,6 +3,7 @@ module that breaks it is told where, what and how to fix it."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -208,3 +209,28 @@ def test_the_contract_imports_no_torch():
     code = "import sys, fleetwise.models.contract; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_model_never_pipelined_needs_no_first_or_last_modules():
+    class Flat(Good):
+        first_modules = None  # not named at all: the model is never cut into stages
+
+    assert [p.loc for p in contract_problems(_meta(Flat))] == ["Flat.first_modules", "Flat.embed"]
+    assert contract_problems(_meta(Flat), pipeline=False) == []
+
+
+def test_the_runtime_refuses_a_model_that_breaks_it(monkeypatch):
+    import fleetwise.runtime.modeling as modeling
+
+    cfg, problems = compose("recipe=gpt/tiny")
+    assert cfg is not None, problems
+    real = model_spec(cfg)
+
+    class Blockless(Good):
+        def __init__(self, _cfg):
+            super().__init__()
+            del self.layers
+
+    monkeypatch.setattr(modeling, "model_spec", lambda _cfg: dataclasses.replace(real, build=Blockless))
+    with pytest.raises(ModelContractError, match=r"Blockless.layers: missing"):
+        modeling.build_meta_model(cfg)

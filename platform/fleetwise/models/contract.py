@@ -82,9 +82,18 @@ class ModelContractError(TypeError):
         super().__init__("\n".join(lines))
 
 
-def check_model(model: Any, **expect: Any) -> None:
+def check_model(
+    model: Any,
+    *,
+    inputs: Sequence[str] | None = None,
+    num_layers: int | None = None,
+    pipeline: bool = True,
+    tp_paths: Iterable[str] = (),
+) -> None:
     """Raise ModelContractError listing every problem `contract_problems` finds (none: return)."""
-    problems = contract_problems(model, **expect)
+    problems = contract_problems(
+        model, inputs=inputs, num_layers=num_layers, pipeline=pipeline, tp_paths=tp_paths
+    )
     if problems:
         raise ModelContractError(type(model).__name__, problems)
 
@@ -101,7 +110,8 @@ def contract_problems(
     `<Class>.<attribute>`. What the caller knows about the model sharpens the check:
     inputs: the batch entries the first stage's forward takes (ModelSpec.inputs);
     num_layers: the blocks the config says `layers` holds (what the planner counts);
-    pipeline: whether the model may be pipelined (a model that cannot needs no first/last split);
+    pipeline: whether the model may be pipelined; one that never is (CTR) is never cut into
+      stages, so its first/last modules, where its state lives and forward(hidden) go unchecked;
     tp_paths: the submodule paths of its tensor-parallel plan (`*` for every block)."""
     from torch import nn
 
@@ -109,8 +119,8 @@ def contract_problems(
     if not isinstance(model, nn.Module):
         return [Problem(name, f"is a {name}, not an nn.Module", "build the model as a torch.nn.Module")]
     problems = list(_layers_problems(model, name, num_layers, pipeline))
-    problems += _stage_modules_problems(model, name)
     if pipeline:
+        problems += _stage_modules_problems(model, name)
         problems += _unsplit_state_problems(model, name)
     problems += _forward_problems(model, name, inputs, pipeline)
     problems += _init_problems(model, name)
