@@ -569,7 +569,13 @@ def cmd_calibrate(argv: list[str]) -> int:
         for problem in problems:
             print(f"✗ fleetwise calibrate: {problem}", file=sys.stderr)
         return EXIT_INVALID
-    from fleetwise.launcher.calibrate import calibrate, inter_node_speed, profile, profile_yaml, update_link
+    from fleetwise.calibrate.probes.machine import (
+        calibrate,
+        inter_node_speed,
+        profile,
+        profile_yaml,
+        update_link,
+    )
 
     link_args = {"nodes": args.nodes, "node_rank": args.node_rank, "endpoint": args.endpoint}
     if args.link_only:

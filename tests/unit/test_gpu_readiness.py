@@ -127,7 +127,7 @@ def test_calibrated_v100_profile_has_no_bf16():
     has_bf16=false (it used to copy the emulated bf16 number into fp16 and claim bf16)."""
     from test_calibrate import MEASURED
 
-    from fleetwise.launcher.calibrate import Calibration, profile
+    from fleetwise.calibrate.probes.machine import Calibration, profile
 
     cal = Calibration(
         **{
@@ -150,7 +150,7 @@ def test_calibrate_nccl_probe_selects_its_gpu_first(monkeypatch, tmp_path):
     import torch
     import torch.distributed as dist
 
-    from fleetwise.launcher import calibrate
+    from fleetwise.calibrate.probes import machine as calibrate
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))

@@ -1,0 +1,1 @@
+"""`fleetwise calibrate`: measure this machine and write a hardware profile the planner can use."""

@@ -1,0 +1,1 @@
+"""The probes of `fleetwise calibrate`: what each measures is in machine.py's docstring."""
