@@ -21,6 +21,8 @@ probe, and the planner term; the test fails while any of them is missing.
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -336,3 +338,15 @@ def defaulted_notes(hardware: Any) -> list[str]:
             f"using the default {value}; {fix}"
         )
     return out
+
+
+@functools.cache  # once per process: a sweep plans the same profile at every point
+def _print_once(note: str) -> None:
+    print(f"note: {note}", file=sys.stderr)
+
+
+def note_defaults(hardware: Any) -> None:
+    """Print (to stderr, each once) the defaulted_notes of a validated hardware config: what
+    `plan`, `validate` and `train` say about a profile that lacks a calibrated key."""
+    for note in defaulted_notes(hardware):
+        _print_once(note)
