@@ -144,7 +144,7 @@ class HardwareConfig(Section):
         12.0,
         ge=0,
         description="Host time per forward op (dispatch, autograd, Python) with its backward, microseconds "
-        "(calibrate measures it; 0 on GPUs, where kernels queue behind the device's work).",
+        "(calibrate measures it; on a GPU the time a kernel takes at least, for its ~3 kernels).",
     )
     gemm_efficiency: list[tuple[float, float]] | None = Field(
         None,
@@ -160,7 +160,7 @@ class HardwareConfig(Section):
         2.0,
         ge=0,
         description="Host time per element a non-matmul op (norm, activation, add, softmax) writes, "
-        "forward with its backward, nanoseconds (calibrate measures it; 0 on GPUs).",
+        "forward with its backward, nanoseconds (calibrate measures it; on a GPU bytes over HBM bandwidth).",
     )
     grad_accumulate_ns: float = Field(
         1.2,
