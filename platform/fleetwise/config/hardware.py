@@ -144,7 +144,7 @@ class HardwareConfig(Section):
         12.0,
         ge=0,
         description="Host time per forward op (dispatch, autograd, Python) with its backward, microseconds "
-        "(calibrate measures it; on a GPU the time a kernel takes at least, for its ~3 kernels).",
+        "(calibrate measures it; on a GPU the shortest time of its ~3 kernels, launch to end).",
     )
     gemm_efficiency: list[tuple[float, float]] | None = Field(
         None,
