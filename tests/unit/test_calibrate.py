@@ -38,7 +38,8 @@ MEASURED = dict(
 
 @pytest.fixture
 def local_profile(tmp_path, monkeypatch):
-    from fleetwise.launcher.calibrate import Calibration, profile_yaml
+    from fleetwise.calibrate.calibration import Calibration
+    from fleetwise.calibrate.profile import profile_yaml
 
     (tmp_path / "hardware").mkdir()
     (tmp_path / "hardware" / "local.yaml").write_text(profile_yaml(Calibration(**MEASURED)))
@@ -113,7 +114,7 @@ def test_ddp_gradients_are_planned_once_on_gloo_and_nccl():
 
 @pytest.mark.parametrize("recipe", ["gpt/tiny", "ernie/tiny", "resnet/tiny"])
 def test_planned_op_counts_match_the_ops_torch_dispatches(recipe):
-    from fleetwise.launcher.calibrate import OpCounter
+    from fleetwise.calibrate.probes.workloads import OpCounter
     from fleetwise.runtime.modeling import build_model, build_source, model_spec
 
     cfg, problems = compose(f"recipe={recipe}", "hardware.devices_per_node=1")
@@ -348,7 +349,8 @@ def test_zero1_and_fsdp_pay_the_backends_own_reduce_scatter_and_all_gather(local
     """gloo's reduce-scatter and all-gather are slower per byte of ring volume than its all-reduce
     (calibrate measures them): ZeRO-1's reduce-scatter + all-gather cost more than DDP's one
     all-reduce of the same gradients, and ZeRO-1 also all-reduces the chunks' squared norm."""
-    from fleetwise.launcher.calibrate import Calibration, profile
+    from fleetwise.calibrate.calibration import Calibration
+    from fleetwise.calibrate.profile import profile
 
     written = profile(Calibration(**MEASURED, reduce_scatter_gbps=0.5, all_gather_gbps=0.75))
     assert (written["reduce_scatter_gbps"], written["all_gather_gbps"]) == (0.5, 0.75)
@@ -392,7 +394,8 @@ def test_each_micro_batch_adds_its_gradient_into_the_steps(local_profile):
     """Gradient accumulation is a memory-bound pass over the rank's gradients per micro-batch:
     DDP's autograd adds micro-batches 2..n into .grad, ZeRO-1's hook adds every one (the first too)
     into its fp32 buffer; at 2 ns an element, 1.5x slower with the other rank running."""
-    from fleetwise.launcher.calibrate import Calibration, profile
+    from fleetwise.calibrate.calibration import Calibration
+    from fleetwise.calibrate.profile import profile
 
     assert profile(Calibration(**MEASURED, grad_accumulate_ns=1.25))["grad_accumulate_ns"] == 1.25
 
@@ -423,7 +426,7 @@ def test_each_micro_batch_adds_its_gradient_into_the_steps(local_profile):
 def test_probes_that_subtract_timings_interleave_them(monkeypatch):
     """A variant and its plain twin are timed in turn (a, b, a, b), so a slow spell of a shared
     machine lands on both: each gets the median of its own runs after one warm-up."""
-    from fleetwise.launcher import calibrate
+    from fleetwise.calibrate.probes import timing
 
     now, calls = [0.0], []
     costs = {"a": iter([100, 5, 1, 9]), "b": iter([100, 2, 3, 2])}  # warm-up first, then three runs
@@ -435,8 +438,8 @@ def test_probes_that_subtract_timings_interleave_them(monkeypatch):
 
         return fn
 
-    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
-    assert calibrate._interleaved([make("a"), make("b")], reps=3) == [5, 2]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    assert timing.interleaved([make("a"), make("b")], reps=3) == [5, 2]
     assert calls == ["a", "b"] * 4
 
 
@@ -445,7 +448,8 @@ def test_zero1_pays_its_hook_per_tensor_and_micro_batch_and_its_copies_per_step(
     parameter tensor in every micro-batch's backward (40 µs here) and, once a step, per tensor the
     reduce's bookkeeping, the pieces' squared norms and the all-gather's copies (25 µs). Measured
     on co-running ranks (no co-run slowdown on top); time-shared when ranks outnumber cores."""
-    from fleetwise.launcher.calibrate import Calibration, profile
+    from fleetwise.calibrate.calibration import Calibration
+    from fleetwise.calibrate.profile import profile
 
     written = profile(Calibration(**MEASURED, zero1_us_per_tensor=40.0, zero1_step_us_per_tensor=25.0))
     assert (written["zero1_us_per_tensor"], written["zero1_step_us_per_tensor"]) == (40.0, 25.0)
@@ -484,7 +488,7 @@ def test_the_gemm_curve_never_falls_with_size(monkeypatch):
     (two idle calibrations read 0.96 and 0.87 at 2e9 FLOPs) would rank larger micro-batches
     slower in the search. Timed here with a fake probe: the 1024 GEMM's run is twice as slow
     as its FLOPs say, the others at peak."""
-    from fleetwise.launcher import calibrate
+    from fleetwise.calibrate.probes import compute
 
     peak = 1e11
 
@@ -493,11 +497,11 @@ def test_the_gemm_curve_never_falls_with_size(monkeypatch):
         inner = fn.__defaults__[3]
         return inner * 3 * 2 * n**3 / peak * (2.0 if n == 1024 else 1.0)
 
-    monkeypatch.setattr(calibrate, "_timed", timed)
-    curve = calibrate.gemm_curve(peak, overhead_us=0.0)
-    assert list(curve) == [str(2 * n**3) for n in calibrate.CURVE_SIZES]
+    monkeypatch.setattr(compute, "timed", timed)
+    curve = compute.gemm_curve(peak, overhead_us=0.0)
+    assert list(curve) == [str(2 * n**3) for n in compute.CURVE_SIZES]
     assert curve[str(2 * 1024**3)] == curve[str(2 * 512**3)] == 1.0, curve
-    assert calibrate.monotone({"1e9": 0.87, "1e5": 0.1, "3e8": 0.96, "1e7": 0.5}) == {
+    assert compute.monotone({"1e9": 0.87, "1e5": 0.1, "3e8": 0.96, "1e7": 0.5}) == {
         "1e5": 0.1,
         "1e7": 0.5,
         "3e8": 0.96,

@@ -209,7 +209,8 @@ def test_the_demo_on_a_calibrated_two_core_profile_says_which_device_count_it_ne
     hardware=local then names the exact override, which makes it valid."""
     from test_calibrate import MEASURED
 
-    from fleetwise.launcher.calibrate import Calibration, profile_yaml
+    from fleetwise.calibrate.calibration import Calibration
+    from fleetwise.calibrate.profile import profile_yaml
 
     (tmp_path / "hardware").mkdir()
     (tmp_path / "hardware" / "local.yaml").write_text(profile_yaml(Calibration(**MEASURED)))

@@ -127,7 +127,8 @@ def test_calibrated_v100_profile_has_no_bf16():
     has_bf16=false (it used to copy the emulated bf16 number into fp16 and claim bf16)."""
     from test_calibrate import MEASURED
 
-    from fleetwise.launcher.calibrate import Calibration, profile
+    from fleetwise.calibrate.calibration import Calibration
+    from fleetwise.calibrate.profile import profile
 
     cal = Calibration(
         **{
@@ -150,7 +151,7 @@ def test_calibrate_nccl_probe_selects_its_gpu_first(monkeypatch, tmp_path):
     import torch
     import torch.distributed as dist
 
-    from fleetwise.launcher import calibrate
+    from fleetwise.calibrate.probes import collectives
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
@@ -161,7 +162,7 @@ def test_calibrate_nccl_probe_selects_its_gpu_first(monkeypatch, tmp_path):
 
     monkeypatch.setattr(dist, "init_process_group", init)
     with pytest.raises(RuntimeError, match="stop here"):
-        calibrate._allreduce_worker(1, 2, str(tmp_path / "init"), "nccl", str(tmp_path / "out"))
+        collectives.allreduce_worker(1, 2, str(tmp_path / "init"), "nccl", str(tmp_path / "out"))
     assert calls == [("set_device", "cuda:1"), ("init", "nccl")]
 
 

@@ -127,7 +127,7 @@ def test_calibrate_link_options_are_checked_and_only_the_link_keys_change(tmp_pa
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "--endpoint HOST:PORT" in r.stderr and "--node-rank 2: must be 0..1" in r.stderr
     assert f"{tmp_path / 'no.yaml'} does not exist" in r.stderr
-    from fleetwise.launcher.calibrate import update_link
+    from fleetwise.calibrate.profile import update_link
 
     profile = tmp_path / "p.yaml"
     profile.write_text("# mine\nname: x\ninter_node_gbps: 1.25  # 10 GbE\ncomm_latency_us: 210\n")

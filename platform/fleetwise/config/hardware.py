@@ -1,15 +1,68 @@
-"""Where a job runs: the `hardware` config group (device, backend, counts, speeds, memory)."""
+"""Where a job runs: the `hardware` config group (device, backend, counts, speeds, memory).
+
+Two kinds of field. The DESCRIBED ones say what the machine is (device, counts, capacity, peak):
+a profile sets them itself. Every other one is a constant of the planner's time model that
+`fleetwise calibrate` measures, one row each in calibrate/registry.py (unit, defaults, probe,
+planner term; tests/unit/test_calibrate_registry.py holds this schema to it). A profile that lacks
+one (written by an older calibrate) gets its device type's default, and `defaulted` names it, so
+that plan, validate and train say so; conf/hardware_keys.yaml makes every key overridable even
+where the chosen profile lacks it.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr, model_validator
 
 from fleetwise.config.base import Section
 
 GIB = 1024**3
+# OmegaConf's mark of a value nothing set: conf/hardware_keys.yaml's, where a profile has no key
+MISSING = "???"
+
+# What a profile says the machine is: no default stands in for a missing one.
+DESCRIBED = (
+    "name",
+    "device_type",
+    "backend",
+    "nodes",
+    "devices_per_node",
+    "memory_per_device_gib",
+    "device_overhead_gib",
+    "fragmentation",
+    "peak_tflops",
+    "has_bf16",
+    "shared_compute",
+    "host_cores",
+)
+# A calibrated constant's default on a GPU where it differs from the field's (a CPU's): host costs
+# are 0 there (the host's work overlaps the kernels it queues; calibrate on a GPU writes 0), the
+# others the shipped h100 profile's figures.
+GPU_DEFAULTS: dict[str, Any] = {
+    "intra_node_gbps": 450.0,
+    "inter_node_gbps": 50.0,
+    "op_overhead_us": 10.0,
+    "elementwise_ns": 0.0054,
+    "grad_accumulate_ns": 0.0036,
+    "update_us_per_tensor": 0.0,
+    "update_ns_per_param": 0.0,
+    "conv_call_us": 0.0,
+    "checkpoint_op_us": 0.0,
+    "selective_checkpoint_op_us": 0.0,
+    "zero_bubble_split_op_us": 0.0,
+    "zero_bubble_split_ns_per_param": 0.0,
+    "dtensor_op_us": 0.0,
+    "fsdp_us_per_tensor": 0.0,
+    "fsdp_ns_per_param": 0.0,
+    "pipeline_action_us": 0.0,
+    "pipeline_multi_action_us": 0.0,
+    "zero1_us_per_tensor": 0.0,
+    "zero1_step_us_per_tensor": 0.0,
+    "co_run_slowdown": 1.0,
+    "offload_update_ns_per_param": 1.0,
+}
 
 
 class PeakTflops(Section):
@@ -49,10 +102,10 @@ class HardwareConfig(Section):
         description="Whether bf16 arithmetic is native (V100: no; AVX2-only CPUs: emulated)."
     )
     intra_node_gbps: float = Field(
-        gt=0, description="Per-device bandwidth inside a node, GB/s per direction."
+        2.0, gt=0, description="Per-device bandwidth inside a node, GB/s per direction."
     )
     inter_node_gbps: float = Field(
-        gt=0, description="Per-device bandwidth between nodes, GB/s per direction."
+        1.25, gt=0, description="Per-device bandwidth between nodes, GB/s per direction."
     )
     shared_compute: bool = Field(
         False,
@@ -88,10 +141,10 @@ class HardwareConfig(Section):
         "output), where it differs from an all-reduce's (calibrate measures it). null: intra_node_gbps.",
     )
     op_overhead_us: float = Field(
-        0.0,
+        12.0,
         ge=0,
         description="Host time per forward op (dispatch, autograd, Python) with its backward, microseconds "
-        "(calibrate measures it; 0 on GPUs, where kernels queue behind the device's work).",
+        "(calibrate measures it; on a GPU the shortest time of its ~3 kernels, launch to end).",
     )
     gemm_efficiency: list[tuple[float, float]] | None = Field(
         None,
@@ -104,63 +157,63 @@ class HardwareConfig(Section):
         "of one core's share of the peak.",
     )
     elementwise_ns: float = Field(
-        0.0,
+        2.0,
         ge=0,
         description="Host time per element a non-matmul op (norm, activation, add, softmax) writes, "
-        "forward with its backward, nanoseconds (calibrate measures it; 0 on GPUs).",
+        "forward with its backward, nanoseconds (calibrate measures it; on a GPU bytes over HBM bandwidth).",
     )
     grad_accumulate_ns: float = Field(
-        0.0,
+        1.2,
         ge=0,
         description="Time per gradient element added into a step's accumulated gradient (each micro-batch "
         "after the first into autograd's .grad under DDP, every micro-batch into ZeRO-1's fp32 buffer): "
         "an in-place fp32 add, memory-bound, nanoseconds (calibrate measures it; 0: not charged).",
     )
     update_us_per_tensor: float = Field(
-        0.0,
+        30.0,
         ge=0,
         description="Host time of the parameter update (gradient norm, clipping, AdamW) per parameter "
         "tensor, microseconds (calibrate measures it; 0: not charged).",
     )
     update_ns_per_param: float = Field(
-        0.0, ge=0, description="The same update's time per parameter element, nanoseconds."
+        1.2, ge=0, description="The same update's time per parameter element, nanoseconds."
     )
     dtensor_op_us: float = Field(
-        0.0,
+        450.0,
         ge=0,
         description="Extra host time per forward op of a tensor-parallel (DTensor) module, with its "
         "backward, microseconds (calibrate measures it on CPUs; 0: not charged).",
     )
     fsdp_us_per_tensor: float = Field(
-        0.0,
+        550.0,
         ge=0,
         description="Extra host time of FSDP per unit, micro-batch (its forward and backward, with the "
         "unit's all-gather and reduce-scatter) and parameter tensor, microseconds (calibrate measures "
         "it on CPUs; 0: not charged).",
     )
     fsdp_ns_per_param: float = Field(
-        0.0,
+        3.0,
         ge=0,
         description="FSDP's copies into and out of its flat collective buffers, per parameter element of a "
         "unit and per all-gather or reduce-scatter of it, nanoseconds (calibrate measures it on CPUs; "
         "0: not charged).",
     )
     zero1_us_per_tensor: float = Field(
-        0.0,
+        17.0,
         ge=0,
         description="Extra host time of the ZeRO-1 engine per parameter tensor and micro-batch (its "
         "gradient hook, a Python call adding the fresh gradient into the fp32 buffer), microseconds "
         "(calibrate measures it on CPUs; 0: not charged, as on GPUs, where it overlaps the kernels).",
     )
     zero1_step_us_per_tensor: float = Field(
-        0.0,
+        30.0,
         ge=0,
         description="Extra host time of the ZeRO-1 engine per parameter tensor and optimizer step (the "
         "reduce's bookkeeping, the pieces' squared norms, the all-gather's copies in and out), "
         "microseconds (calibrate measures it on CPUs; 0: not charged).",
     )
     pipeline_action_us: float = Field(
-        0.0,
+        250.0,
         ge=0,
         description="Host time torch.distributed.pipelining spends per schedule action (one "
         "micro-batch's forward, backward or weight-gradient pass of one stage, with its send/receive) "
@@ -168,7 +221,7 @@ class HardwareConfig(Section):
         "0: not charged).",
     )
     pipeline_multi_action_us: float = Field(
-        0.0,
+        450.0,
         ge=0,
         description="Extra host time torch.distributed.pipelining's multi-stage schedules (interleaved "
         "1F1B, looped BFS, interleaved zero bubble, ZB-V) spend per forward and input-gradient action "
@@ -176,38 +229,38 @@ class HardwareConfig(Section):
         "is measured on, microseconds (calibrate measures it on CPUs; 0: not charged).",
     )
     co_run_slowdown: float = Field(
-        1.0,
+        1.1,
         ge=1,
         description="How much slower a CPU rank's work gets when every core runs a rank in lockstep than "
         "when it runs alone (shared execution units, noise, waiting for the slowest; calibrate measures it).",
     )
     conv_call_us: float = Field(
-        0.0,
+        250.0,
         ge=0,
         description="Extra host time per convolution call, forward with its backward, microseconds "
         "(calibrate measures it on CPUs; 0: not charged).",
     )
     checkpoint_op_us: float = Field(
-        0.0,
+        10.0,
         ge=0,
         description="Extra host time per forward op of a fully checkpointed block beyond re-running it "
         "(saved-tensor hooks, recompute bookkeeping), microseconds (calibrate measures it on CPUs; 0: not charged).",
     )
     selective_checkpoint_op_us: float = Field(
-        0.0,
+        45.0,
         ge=0,
         description="The same for selective checkpointing, whose policy dispatch mode sees every op twice "
         "(calibrate measures it on CPUs; 0: not charged).",
     )
     zero_bubble_split_op_us: float = Field(
-        0.0,
+        38.0,
         ge=0,
         description="Extra host time per forward op of a block whose backward a zero-bubble schedule "
         "splits into input- and weight-gradient passes, beyond one full backward, microseconds "
         "(calibrate measures it on CPUs; 0: not charged).",
     )
     zero_bubble_split_ns_per_param: float = Field(
-        0.0,
+        0.44,
         ge=0,
         description="The same split's extra time per parameter of the block (a memory-bound pass over "
         "its weights), nanoseconds (calibrate measures it on CPUs; 0: not charged).",
@@ -229,6 +282,29 @@ class HardwareConfig(Section):
         ge=1,
         description="CPU cores the ranks of a node share (shared_compute); more ranks than cores time-share them.",
     )
+
+    _defaulted: tuple[str, ...] = PrivateAttr(())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _fill_calibrated(cls, data: Any, handler: Any) -> HardwareConfig:
+        """A key the profile does not set (absent, or conf/hardware_keys.yaml's ???) is left out: a
+        calibrated constant then takes its device type's default (the field's, or GPU_DEFAULTS on a
+        GPU) and is named in `defaulted`; a DESCRIBED one its field's default, or "Field required"."""
+        if not isinstance(data, dict):
+            return handler(data)
+        data = {k: v for k, v in data.items() if not (isinstance(v, str) and v == MISSING)}
+        missing = tuple(f for f in cls.model_fields if f not in DESCRIBED and f not in data)
+        if data.get("device_type") == "cuda":
+            data |= {f: GPU_DEFAULTS[f] for f in missing if f in GPU_DEFAULTS}
+        hardware = handler(data)
+        hardware._defaulted = missing
+        return hardware
+
+    @property
+    def defaulted(self) -> tuple[str, ...]:
+        """The calibrated constants the profile did not set, which took their defaults."""
+        return self._defaulted
 
     @property
     def world_size(self) -> int:

@@ -5,8 +5,7 @@
     launch.py      the run directory, torchrun, following rank 0, signals, the failure's root cause
     agent.py       torchrun for one node, its rendezvous stores on loopback
     dryrun.py      `fleetwise dryrun`: one fake-tensor process per simulated rank, planner beside it
-    calibrate.py   `fleetwise calibrate`: measure this machine, write a hardware profile
 
 Code that runs inside a rank lives in fleetwise.runtime; what crosses the boundary is
-fleetwise.rundir.
+fleetwise.rundir; `fleetwise calibrate` is fleetwise.calibrate.
 """

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fleetwise.calibrate.registry import note_defaults
 from fleetwise.config.problems import ConfigError, Problem
 from fleetwise.config.run import RunConfig
 from fleetwise.plan.planner import Plan
@@ -57,6 +58,7 @@ def _preflight(overrides: list[str], *, launching: bool, enforce_memory: bool) -
         except ConfigError as plain:
             return Preflight(problems=found + _memory_as_given(overrides, plain.problems, enforce_memory))
         problems += found
+    note_defaults(cfg.hardware)
     plan = make_plan(cfg)
     fixes = [] if plan.fits else remedies(cfg)
     if not plan.fits and enforce_memory and cfg.plan.memory_check == "error":
