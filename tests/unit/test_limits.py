@@ -13,7 +13,7 @@ from conftest import compose
 
 from fleetwise.launcher.preflight import preflight
 
-# The largest configs the bounds accept (config/limits.py), each at a different limit.
+# The largest configs the bounds accept (config/rules/limits.py), each at a different limit.
 AT_THE_LIMITS = [
     (  # 256 pipeline stages (the chunk bound), 4096 layers, 2^16 micro-batches
         "strategy=hybrid",

@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from fleetwise.config.run import DataConfig
+from fleetwise.config.data import DataConfig
 from fleetwise.families.ctr import CTRModel
 
 _U64 = np.uint64
