@@ -30,7 +30,7 @@ import yaml
 from bench_slices import intervals_inside, steps_inside, take_turns
 
 from fleetwise import rundir
-from fleetwise.launcher.launch import HOST_MALLOC
+from fleetwise.launcher.torchrun import HOST_MALLOC
 from fleetwise.rundir import Metric
 from fleetwise.runtime.hostmalloc import STEADY_MMAP_THRESHOLD, STEADY_TRIM_THRESHOLD
 

@@ -1,4 +1,4 @@
-"""The `fleetwise` command: validate | plan | train | … over Hydra overrides.
+"""The `fleetwise` command: one table of commands (`COMMANDS`), one prologue for those that take a config.
 
     fleetwise validate [OVERRIDES…] [--json] [-m]  exit 0 valid, 2 invalid (every problem listed)
     fleetwise plan     [OVERRIDES…] [--json] [-m]  the analytic plan (exit 2 if the config is invalid)
@@ -8,6 +8,13 @@
                                                the real runtime of any world size on fake tensors
     fleetwise calibrate [--out PATH] [--json]  measure this machine, write hardware profile `local`
     fleetwise tokenize TEXT… --out FILE.bin    a byte-level token file for data=token_file
+
+A row of the table is a `Command`: its handler, its line of help, and its arguments. A config command
+(validate, plan, train) goes through one prologue, `run_config_command`: it parses the overrides and
+the shared flags (--json where the row has it, -m, --cfg, --help), prints --help and --cfg, expands a
+sweep into its points, composes, validates and plans every point (`preflight`), prints every problem
+(exit 2) and hands the handler what is left to do. Commands with arguments of their own (dryrun,
+calibrate, checkpoint, tokenize, ui, compare, sync) parse their argv themselves.
 
 Heavy imports (torch, mlflow) stay out of validate/plan: they load inside the commands that use them.
 """
@@ -21,26 +28,47 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from fleetwise.config.problems import Problem, did_you_mean
-from fleetwise.launcher.preflight import preflight
+from fleetwise.launcher.preflight import Preflight, preflight
 from fleetwise.tracking import commands as tracking  # light: mlflow loads inside the commands
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
+
+Argument = tuple[tuple[str, ...], dict[str, Any]]  # argparse's add_argument(*flags, **options)
+JSON: Argument = (("--json",), {"action": "store_true", "help": "machine-readable output"})
+
+
+@dataclass(frozen=True)
+class Command:
+    """One row of the command table."""
+
+    handler: Callable[..., int]
+    help: str  # its line in `fleetwise --help`
+    # A config command's arguments beyond the overrides, -m, --cfg and --help every one of them takes;
+    # None: the handler parses its own argv (`handler(argv)`).
+    arguments: tuple[Argument, ...] | None = None
+    # preflight's keywords: the prologue checks and plans every point and calls `handler(args, pf)`
+    # with a valid one (without -m). None: `handler(args, points)` checks the points itself (train,
+    # whose check also asks this machine).
+    checks: dict[str, bool] | None = None
 
 
 # ------------------------------------------------------------------------------------------------
 # argument parsing shared by the config commands
 
 
-def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+def _parser(prog: str, description: str, *, with_json: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"fleetwise {prog}", description=description, add_help=False)
     p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option, key=value, +key=value")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    if with_json:
+        p.add_argument(*JSON[0], **JSON[1])
     p.add_argument("--cfg", "-c", choices=["job", "hydra", "all"], help="print the composed config and exit")
     p.add_argument("--resolve", action="store_true", help="with --cfg: resolve interpolations")
     p.add_argument("--help", "-h", action="store_true", help="show groups, options and examples")
@@ -53,33 +81,58 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def _sweep(args) -> tuple[list[list[str]], list[str]] | int:
-    """The points of `-m` (each a full override list) and, per point, the overrides that vary."""
-    from fleetwise.launcher.train import sweep_points
+def run_config_command(name: str, command: Command, argv: list[str]) -> int:
+    """The prologue of every config command: parse, --help, --cfg, the sweep's points, and (where
+    the row asks for it) every point composed, validated and planned, every problem printed with
+    exit 2; then the handler."""
+    p = _parser(name, command.help, with_json=False)
+    for flags, options in command.arguments or ():
+        p.add_argument(*flags, **options)
+    args = p.parse_intermixed_args(argv)
+    as_json = getattr(args, "json", False)
+    if args.help:
+        return print_help(name)
+    if args.cfg:
+        return _print_cfg(args.overrides, args.cfg, args.resolve)
+    points = _points(args.overrides, args.multirun)
+    if isinstance(points, Problem):
+        return _report_invalid([points], as_json)
+    if command.checks is None:
+        return command.handler(args, points)
+    checked = [preflight(point, **command.checks) for point in points]
+    if args.multirun:
+        return _sweep_report(name, args, points, checked)
+    if checked[0].problems:
+        return _report_invalid(checked[0].problems, as_json)
+    return command.handler(args, checked[0])
+
+
+def _points(overrides: list[str], multirun: bool) -> list[list[str]] | Problem:
+    """The points of `-m` (each a full override list), or the one point without it."""
+    if not multirun:
+        return [list(overrides)]
+    from fleetwise.launcher.sweeps import sweep_points
 
     try:
-        points = sweep_points(args.overrides)
+        return sweep_points(overrides)
     except Exception as exc:  # noqa: BLE001 - bad sweep syntax is a config problem
-        problem = Problem(
+        return Problem(
             "<overrides>", f"cannot parse the sweep: {exc}", "write key=a,b (see Hydra's sweep syntax)"
         )
-        return _report_invalid([problem], as_json=args.json)
+
+
+def _labels(points: list[list[str]]) -> list[str]:
+    """Per point of a sweep, the overrides that vary."""
     varying = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1] if points else []
-    return points, [" ".join(p[i] for i in varying) or " ".join(p) for p in points]
+    return [" ".join(p[i] for i in varying) or " ".join(p) for p in points]
 
 
-def _sweep_report(args, validate_only: bool) -> int:
+def _sweep_report(name: str, args, points: list[list[str]], checked: list[Preflight]) -> int:
     """`validate -m` / `plan -m`: every point checked and planned like a single config; one row each
     (`--json`: a list, each entry what the single command prints plus `overrides`); exit 2 if any
     point is invalid."""
-    swept = _sweep(args)
-    if isinstance(swept, int):
-        return swept
-    points, labels = swept
-    rows = []
-    for point, label in zip(points, labels, strict=True):
-        pf = preflight(point, enforce_memory=validate_only)
-        rows.append((point, label, pf))
+    validate_only = name == "validate"
+    rows = list(zip(points, _labels(points), checked, strict=True))
     invalid = any(pf.problems for _, _, pf in rows)
     if args.json:
         out = []
@@ -153,13 +206,13 @@ def _two_columns(rows) -> Table:
 
 
 def print_help(command: str | None = None) -> int:
-    from fleetwise.config.compose import config_dir, group_options
+    from fleetwise.config.paths import config_dir, group_options
 
     console = Console()
     console.print("[bold]fleetwise[/]: declarative distributed training for PyTorch\n")
     console.print("usage: fleetwise COMMAND [OVERRIDES…] [--json] [--cfg job] [--help]\n")
     console.print("[bold]commands[/]")
-    console.print(_two_columns((name, text) for name, (_, text) in COMMANDS.items()))
+    console.print(_two_columns((name, command.help) for name, command in COMMANDS.items()))
     console.print("\n[bold]config groups[/] (choose one option each, e.g. strategy=hybrid)")
     groups = sorted(p.name for p in config_dir().iterdir() if p.is_dir())
     console.print(_two_columns((g, ", ".join(group_options(g))) for g in groups))
@@ -201,19 +254,8 @@ def _report_invalid(problems: list[Problem], as_json: bool) -> int:
 # commands
 
 
-def cmd_validate(argv: list[str]) -> int:
-    args = _parser(
-        "validate", "Check a config; exit 0 if valid, 2 with every problem otherwise."
-    ).parse_intermixed_args(argv)
-    if args.help:
-        return print_help("validate")
-    if args.cfg:
-        return _print_cfg(args.overrides, args.cfg, args.resolve)
-    if args.multirun:
-        return _sweep_report(args, validate_only=True)
-    pf = preflight(args.overrides)
-    if pf.problems:
-        return _report_invalid(pf.problems, args.json)
+def cmd_validate(args, pf: Preflight) -> int:
+    """A valid config: one line with the job and its memory per device (--json: no errors)."""
     if args.json:
         out = {"valid": True, "errors": []}
         if pf.auto is not None:
@@ -233,19 +275,8 @@ def cmd_validate(argv: list[str]) -> int:
     return EXIT_OK
 
 
-def cmd_plan(argv: list[str]) -> int:
-    args = _parser(
-        "plan", "Print the analytic plan: mesh, memory, FLOPs, bubble, step time."
-    ).parse_intermixed_args(argv)
-    if args.help:
-        return print_help("plan")
-    if args.cfg:
-        return _print_cfg(args.overrides, args.cfg, args.resolve)
-    if args.multirun:
-        return _sweep_report(args, validate_only=False)
-    pf = preflight(args.overrides, enforce_memory=False)
-    if pf.problems:
-        return _report_invalid(pf.problems, args.json)
+def cmd_plan(args, pf: Preflight) -> int:
+    """The plan of a valid config: mesh, memory, FLOPs, bubble, step time (and remedies)."""
     if args.json:
         out = pf.plan.to_dict()
         out["remedies"] = [r.to_dict() for r in pf.remedies]
@@ -262,31 +293,15 @@ def cmd_plan(argv: list[str]) -> int:
     return EXIT_OK
 
 
-def cmd_train(argv: list[str]) -> int:
+def cmd_train(args, points: list[list[str]]) -> int:
     """Validate every sweep point (exit 2, nothing started), then run the job(s) through Hydra."""
-    from fleetwise.launcher import train as tc
+    from fleetwise.launcher import sweeps
 
-    multirun = any(a in tc.MULTIRUN_FLAGS for a in argv)
-    if any(a in ("-h", "--help") for a in argv):
-        return print_help("train")
-    if "--cfg" in argv or "-c" in argv:
-        i = argv.index("--cfg") if "--cfg" in argv else argv.index("-c")
-        which = argv[i + 1] if i + 1 < len(argv) else "job"
-        rest = [a for j, a in enumerate(argv) if j not in (i, i + 1) and a not in tc.MULTIRUN_FLAGS]
-        return _print_cfg(rest, which, "--resolve" in argv)
-    overrides = [a for a in argv if a not in tc.MULTIRUN_FLAGS]
-    try:
-        points = tc.sweep_points(overrides) if multirun else [overrides]
-    except Exception as exc:  # noqa: BLE001 - bad sweep syntax is a config problem
-        problem = Problem(
-            "<overrides>", f"cannot parse the sweep: {exc}", "write key=a,b (see Hydra's sweep syntax)"
-        )
-        return _report_invalid([problem], as_json=False)
-    problems, checked = tc.check_points(points)
+    problems, checked = sweeps.check_points(points)
     if problems:
         return _report_invalid(problems, as_json=False)
     try:
-        return tc.run_hydra(overrides, multirun, checked)
+        return sweeps.run_hydra(args.overrides, args.multirun, checked)
     except KeyboardInterrupt as exc:  # the job was stopped and its run marked KILLED
         from fleetwise.runtime.lifeline import Stopped
 
@@ -321,32 +336,10 @@ def cmd_dryrun(argv: list[str]) -> int:
         return _print_cfg(args.overrides, args.cfg, args.resolve)
     from fleetwise.launcher import dryrun
 
-    # a dry run is how one checks a job that may not fit: the memory rule only warns here
-    pf = preflight(args.overrides, launching=True, enforce_memory=False)
+    # a dry run is how one checks a job that may not fit: the memory rule only warns here; what it
+    # cannot simulate (strategy=ps, train.compile) is refused by config/rules/dryrun.py
+    pf = preflight(args.overrides, launching=True, dryrun=True, enforce_memory=False)
     problems = list(pf.problems)
-    if pf.cfg is not None:  # a dry run starts no rendezvous: the launch rules (ports, node rank) don't apply
-        problems = [p for p in problems if not p.loc.startswith("launch.")]
-    if pf.cfg is not None and pf.cfg.strategy.name == "ps":
-        problems.append(
-            Problem(
-                "strategy",
-                "dryrun simulates the collective runtime; strategy=ps runs on torch.distributed.rpc",
-                "use `fleetwise plan` for a parameter-server job, or a collective strategy (dp, sharding, …)",
-            )
-        )
-    if pf.cfg is not None and pf.cfg.train.compile:
-        # dynamo refuses to trace under the dry run's counting dispatch mode (it would run the blocks
-        # eagerly: a second path), and the FLOPs/bytes it counts per op are not visible inside a
-        # compiled graph; refused rather than reported for a program the job would not run
-        problems.append(
-            Problem(
-                "train.compile",
-                "dryrun cannot simulate train.compile=true: torch.compile does not trace under the dispatch "
-                "mode that counts the dry run's FLOPs and collective bytes, and hides the ops inside its graphs",
-                "dry-run the eager model (train.compile=false): the same parameters, gradients, optimizer state "
-                "and saved activations; compiled blocks usually hold less (fused elementwise ops)",
-            )
-        )
     if args.steps < 1:
         problems.append(Problem("--steps", f"--steps {args.steps}: at least one step", "use --steps 2"))
     ranks: list[int] = []
@@ -540,26 +533,42 @@ def cmd_tokenize(argv: list[str]) -> int:
     return tokenize(argv)
 
 
-COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
-    "validate": (
+COMMANDS: dict[str, Command] = {
+    "validate": Command(
         cmd_validate,
         "check a config: every problem with its path, values and fix (exit 2; -m a sweep)",
+        arguments=(JSON,),
+        checks={"enforce_memory": True},
     ),
-    "plan": (cmd_plan, "mesh, memory per device, FLOPs, communication, bubble, step time, MFU (-m a sweep)"),
-    "train": (cmd_train, "run the job on torch.distributed (torchrun; -m for Hydra sweeps)"),
-    "dryrun": (
-        cmd_dryrun,
-        "the real runtime of any world size on fake tensors: memory, FLOPs, comm per rank",
+    "plan": Command(
+        cmd_plan,
+        "mesh, memory per device, FLOPs, communication, bubble, step time, MFU (-m a sweep)",
+        arguments=(JSON,),
+        checks={"enforce_memory": False},
     ),
-    "calibrate": (cmd_calibrate, "measure this machine (matmul, op overhead, all-reduce): hardware=local"),
-    "checkpoint": (
+    "train": Command(
+        cmd_train, "run the job on torch.distributed (torchrun; -m for Hydra sweeps)", arguments=()
+    ),
+    "dryrun": Command(
+        cmd_dryrun, "the real runtime of any world size on fake tensors: memory, FLOPs, comm per rank"
+    ),
+    "calibrate": Command(
+        cmd_calibrate, "measure this machine (matmul, op overhead, all-reduce): hardware=local"
+    ),
+    "checkpoint": Command(
         cmd_checkpoint,
         "checkpoint export RUN_DIR [--log-model]: one consolidated state dict (and an MLflow model)",
     ),
-    "tokenize": (cmd_tokenize, "text files -> a byte-level token file for data=token_file (vocab 257)"),
-    "ui": (tracking.cmd_ui, "browse tracked runs in the MLflow UI (127.0.0.1:5000 by default)"),
-    "compare": (tracking.cmd_compare, "table + PNG of runs: throughput, MFU, peak vs predicted memory"),
-    "sync": (tracking.cmd_sync, "deliver metrics that did not reach MLflow (server down during a run)"),
+    "tokenize": Command(
+        cmd_tokenize, "text files -> a byte-level token file for data=token_file (vocab 257)"
+    ),
+    "ui": Command(tracking.cmd_ui, "browse tracked runs in the MLflow UI (127.0.0.1:5000 by default)"),
+    "compare": Command(
+        tracking.cmd_compare, "table + PNG of runs: throughput, MFU, peak vs predicted memory"
+    ),
+    "sync": Command(
+        tracking.cmd_sync, "deliver metrics that did not reach MLflow (server down during a run)"
+    ),
 }
 
 
@@ -575,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
             highlight=False,
         )
         return EXIT_INVALID
-    return COMMANDS[command][0](rest)
+    row = COMMANDS[command]
+    return row.handler(rest) if row.arguments is None else run_config_command(command, row, rest)
 
 
 if __name__ == "__main__":

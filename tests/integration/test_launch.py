@@ -179,7 +179,7 @@ def test_submitit_local_launcher_runs_the_job(tmp_path):
 
 def test_cluster_launch_spans_the_slurm_allocation():
     from fleetwise.config.validate import load_config
-    from fleetwise.launcher.train import cluster_launch
+    from fleetwise.launcher.sweeps import cluster_launch
 
     cfg = load_config(["recipe=gpt/tiny", "hardware.nodes=2", "hardware.devices_per_node=2"])
     env = SimpleNamespace(num_nodes=2, node=1, hostnames=["gpu-a", "gpu-b"], job_id="42")

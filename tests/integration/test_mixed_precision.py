@@ -20,7 +20,7 @@ STEPS = 3
 
 def train_unvalidated(run_dir, *overrides, precision: str, steps: int = STEPS) -> list[dict]:
     """Compose a valid config, switch its precision, and run it the way the launcher does."""
-    from fleetwise.launcher.launch import torchrun_command
+    from fleetwise.launcher.torchrun import torchrun_command
     from fleetwise.plan import make_plan
     from fleetwise.rundir import write_run_dir
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from conftest import REPO
 
-from fleetwise.launcher.launch import HOST_MALLOC
+from fleetwise.launcher.torchrun import HOST_MALLOC
 from fleetwise.runtime.hostmalloc import STEADY_MMAP_THRESHOLD, STEADY_TRIM_THRESHOLD
 
 sys.path.insert(0, str(REPO / "scripts"))  # bench.py imports its sibling bench_slices

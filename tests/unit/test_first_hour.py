@@ -36,7 +36,7 @@ def test_user_tags_are_accepted_and_bad_ones_are_named():
     assert "adds keys only under tracking.tags" in by_loc["train.foo"].hint
     _, problems = compose("recipe=gpt/tiny", "+tracking.tags.a$b=1")
     assert [p.loc for p in problems] == ["tracking.tags.a$b"]
-    from fleetwise.config import limits
+    from fleetwise.config.rules import limits
 
     reserved = cfg.model_copy(
         update={"tracking": cfg.tracking.model_copy(update={"tags": {"mlflow.user": "x"}})}

@@ -18,7 +18,7 @@ TWO_NODES = (
 
 
 def rdzv_id(*overrides: str, run_dir: str) -> str:
-    from fleetwise.launcher.launch import torchrun_command
+    from fleetwise.launcher.torchrun import torchrun_command
 
     cfg, problems = compose(*TWO_NODES, *overrides)
     assert cfg is not None, problems

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fleetwise.launcher.launch import HOST_MALLOC, rank_malloc_env
+from fleetwise.launcher.torchrun import HOST_MALLOC, rank_malloc_env
 from fleetwise.runtime.hostmalloc import OWNED_VAR, steady_malloc
 
 # One process with the launcher's start-up setting: minor page faults of allocating, touching and

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import compose, run_cli
 
-from fleetwise.launcher import hostnet, launch
+from fleetwise.launcher import hostnet, torchrun
 
 # Two interfaces: a management network and the cluster network node 0 is on.
 ADDRS = {"127.0.0.1": "lo", "192.168.1.7": "eth0", "10.77.0.2": "ib0"}
@@ -64,7 +64,7 @@ def test_multi_node_torchrun_command_carries_the_derived_network():
     )
     assert not problems
     net = hostnet.node_network(cfg.launch.rdzv_endpoint, ADDRS, _route)
-    cmd = launch.torchrun_command(cfg, Path("/tmp/run"), net)
+    cmd = torchrun.torchrun_command(cfg, Path("/tmp/run"), net)
     assert [c for c in cmd if c.startswith("--rdzv-conf")] == [
         f"--rdzv-conf=last_call_timeout={cfg.launch.rdzv_last_call_s},is_host=false"
     ]
@@ -72,7 +72,7 @@ def test_multi_node_torchrun_command_carries_the_derived_network():
 
 
 def test_an_endpoint_this_node_cannot_resolve_is_refused_before_launch():
-    from fleetwise.launcher.train import check_points
+    from fleetwise.launcher.sweeps import check_points
 
     point = ["recipe=gpt/tiny", "hardware.nodes=2", "hardware.devices_per_node=1"]
     point.append("launch.rdzv_endpoint=no-such-host.invalid:29500")

@@ -13,7 +13,7 @@ from conftest import compose
 
 from fleetwise.launcher.preflight import preflight
 
-# The largest configs the bounds accept (config/limits.py), each at a different limit.
+# The largest configs the bounds accept (config/rules/limits.py), each at a different limit.
 AT_THE_LIMITS = [
     (  # 256 pipeline stages (the chunk bound), 4096 layers, 2^16 micro-batches
         "strategy=hybrid",
@@ -135,8 +135,9 @@ def test_an_error_about_a_recipe_value_says_it_came_from_the_recipe():
 
 def test_credentials_stay_out_of_rank_environments_and_params():
     from fleetwise.config.compose import _compose
-    from fleetwise.launcher.launch import rank_environment
-    from fleetwise.launcher.train import REDACTED, env_interpolated, redact_params
+    from fleetwise.launcher.job_tracking import REDACTED, redact_params
+    from fleetwise.launcher.sweeps import env_interpolated
+    from fleetwise.launcher.torchrun import rank_environment
 
     env = {
         "PATH": "/bin",
@@ -164,7 +165,7 @@ def test_credentials_stay_out_of_rank_environments_and_params():
 
 
 def test_ranks_are_checked_against_this_machines_cores_and_memory():
-    from fleetwise.launcher.launch import capacity_problem
+    from fleetwise.launcher.preflight import capacity_problem
 
     pf = preflight(["recipe=gpt/tiny", "hardware.devices_per_node=16", "train.global_batch_size=32"])
     assert capacity_problem(pf.cfg, pf.plan, cores=2, available=24 << 30) is None  # the 4D test's 16 ranks

@@ -45,7 +45,7 @@ def test_every_option_of_a_group_defines_the_same_keys(group):
     # Hydra's struct mode rejects typos only if every option of a group defines every key of its kind.
     import yaml
 
-    from fleetwise.config.compose import config_dir
+    from fleetwise.config.paths import config_dir
 
     keys = {}
     for opt in group_options(group):

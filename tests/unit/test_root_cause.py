@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fleetwise.launcher.launch import root_cause
+from fleetwise.launcher.failure import root_cause
 
 
 def _report(tmp_path, failures):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import compose
 
-from fleetwise.launcher import launch
+from fleetwise.launcher import run_dir_guard, torchrun
 from fleetwise.runtime.checkpoint_files import (
     META,
     checkpoint_dir,
@@ -32,16 +32,16 @@ def _cfg(*overrides):
 
 def test_a_non_empty_run_dir_is_refused_unless_resumed_or_overwritten(tmp_path):
     run = tmp_path / "run"
-    assert launch.run_dir_problems(_cfg(f"run.dir={run}")) == []  # new
+    assert run_dir_guard.run_dir_problems(_cfg(f"run.dir={run}")) == []  # new
     run.mkdir()
-    (run / launch.LOCK_NAME).write_text("pid 1\n")
-    assert launch.run_dir_problems(_cfg(f"run.dir={run}")) == []  # only a lock file: empty
+    (run / run_dir_guard.LOCK_NAME).write_text("pid 1\n")
+    assert run_dir_guard.run_dir_problems(_cfg(f"run.dir={run}")) == []  # only a lock file: empty
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    (p,) = launch.run_dir_problems(_cfg(f"run.dir={run}"))
+    (p,) = run_dir_guard.run_dir_problems(_cfg(f"run.dir={run}"))
     assert p.loc == "run.dir" and "metrics.jsonl" in p.msg
     assert "checkpoint.resume=auto" in p.hint and "run.overwrite=true" in p.hint
-    assert launch.run_dir_problems(_cfg(f"run.dir={run}", "run.overwrite=true")) == []
-    assert launch.run_dir_problems(_cfg(f"run.dir={run}", "checkpoint.resume=auto")) == []
+    assert run_dir_guard.run_dir_problems(_cfg(f"run.dir={run}", "run.overwrite=true")) == []
+    assert run_dir_guard.run_dir_problems(_cfg(f"run.dir={run}", "checkpoint.resume=auto")) == []
 
 
 def test_the_nodes_of_one_multi_node_job_may_share_the_run_dir(tmp_path):
@@ -53,16 +53,16 @@ def test_the_nodes_of_one_multi_node_job_may_share_the_run_dir(tmp_path):
     import yaml
 
     (run / "config.yaml").write_text(yaml.safe_dump(cfg1.model_dump(mode="json")))
-    assert launch.run_dir_problems(cfg0) == []  # node 1 of the same job wrote it
+    assert run_dir_guard.run_dir_problems(cfg0) == []  # node 1 of the same job wrote it
     other = _cfg(f"run.dir={run}", *node, "launch.node_rank=0", "train.steps=7")
-    assert [p.loc for p in launch.run_dir_problems(other)] == ["run.dir"]  # another job did
+    assert [p.loc for p in run_dir_guard.run_dir_problems(other)] == ["run.dir"]  # another job did
 
 
 def test_overwrite_clears_the_old_jobs_files_only(tmp_path):
     for name in ("metrics.jsonl", "config.yaml", "notes.txt"):
         (tmp_path / name).write_text("x")
     (tmp_path / "checkpoints" / "step_00000001").mkdir(parents=True)
-    launch.clear_run_dir(tmp_path)
+    run_dir_guard.clear_run_dir(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
@@ -70,10 +70,10 @@ def test_one_job_holds_the_run_dir_at_a_time(tmp_path):
     import subprocess
     import sys
 
-    held = launch.lock_run_dir(tmp_path)
+    held = run_dir_guard.lock_run_dir(tmp_path)
     code = (
-        "import sys; from pathlib import Path; from fleetwise.launcher import launch\n"
-        "try:\n    launch.lock_run_dir(Path(sys.argv[1]))\nexcept launch.RunDirBusy as e:\n"
+        "import sys; from pathlib import Path; from fleetwise.launcher import run_dir_guard\n"
+        "try:\n    run_dir_guard.lock_run_dir(Path(sys.argv[1]))\nexcept run_dir_guard.RunDirBusy as e:\n"
         "    print(e); sys.exit(3)\n"
     )
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
@@ -81,7 +81,7 @@ def test_one_job_holds_the_run_dir_at_a_time(tmp_path):
     held.close()
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0, r  # released with the job
-    assert launch.lock_run_dir(tmp_path, node_rank=1)  # another node's lock is its own
+    assert run_dir_guard.lock_run_dir(tmp_path, node_rank=1)  # another node's lock is its own
 
 
 def test_default_run_dirs_of_jobs_started_in_the_same_second_differ():
@@ -131,26 +131,26 @@ def test_stale_tmp_checkpoints_are_swept(tmp_path):
 
 
 def test_a_torn_metrics_line_is_skipped_not_fatal():
-    assert launch.metrics_record('{"step": 3, "train/loss": 1.5}') == {"step": 3, "train/loss": 1.5}
+    assert torchrun.metrics_record('{"step": 3, "train/loss": 1.5}') == {"step": 3, "train/loss": 1.5}
     for torn in ('{"step": 4, "train/lo', "", "[1, 2]", '{"step": "x"}', "\x00\x00"):
-        assert launch.metrics_record(torn) is None
+        assert torchrun.metrics_record(torn) is None
 
 
 def test_rdzv_id_is_random_per_single_node_job_and_shared_by_the_nodes_of_one_job():
     one = _cfg("launch.rdzv_endpoint=127.0.0.1:29999")
-    assert launch.rdzv_id(one) != launch.rdzv_id(one) and len(launch.rdzv_id(one)) >= 24
+    assert torchrun.rdzv_id(one) != torchrun.rdzv_id(one) and len(torchrun.rdzv_id(one)) >= 24
     node = ("hardware.nodes=2", "hardware.devices_per_node=2", "launch.rdzv_endpoint=10.0.0.1:29500")
-    ids = {launch.rdzv_id(_cfg(*node, f"launch.node_rank={r}")) for r in (0, 1)}
+    ids = {torchrun.rdzv_id(_cfg(*node, f"launch.node_rank={r}")) for r in (0, 1)}
     assert len(ids) == 1
-    assert launch.rdzv_id(_cfg(*node, "train.steps=9")) not in ids  # another job, another id
-    assert launch.rdzv_id(_cfg(*node, "launch.rdzv_id=job-42")) == "job-42"
-    cmd = launch.torchrun_command(one, Path("/tmp/run"))
+    assert torchrun.rdzv_id(_cfg(*node, "train.steps=9")) not in ids  # another job, another id
+    assert torchrun.rdzv_id(_cfg(*node, "launch.rdzv_id=job-42")) == "job-42"
+    cmd = torchrun.torchrun_command(one, Path("/tmp/run"))
     assert any(c.startswith("--rdzv-id=fw-") for c in cmd)
 
 
 @pytest.mark.parametrize("resume", ["/etc/passwd", "/etc"])
 def test_resume_from_something_that_is_no_checkpoint_is_refused_before_launch(resume):
-    from fleetwise.launcher.train import check_points
+    from fleetwise.launcher.sweeps import check_points
 
     problems, checked = check_points([["recipe=gpt/tiny", f"checkpoint.resume={resume}"]])
     assert checked == {}  # nothing to launch
@@ -181,7 +181,7 @@ def test_single_node_stores_listen_on_loopback_only():
     client = dist.TCPStore("127.0.0.1", store.port, timeout=datetime.timedelta(seconds=30))
     client.set("k", "v")
     assert store.get("k") == b"v"
-    cmd = launch.torchrun_command(_cfg(), Path("/tmp/run"))
+    cmd = torchrun.torchrun_command(_cfg(), Path("/tmp/run"))
     assert cmd[2] == "fleetwise.launcher.agent" and "--local-addr=127.0.0.1" in cmd
     assert any(c.startswith("--rdzv-endpoint=127.0.0.1:") for c in cmd)
 
@@ -195,15 +195,15 @@ def test_a_later_node_accepts_the_run_dir_node_0_is_still_writing(tmp_path):
     run.mkdir()
     (run / ".hydra").mkdir()
     (run / "plan.json").write_text("{}")
-    assert launch.run_dir_problems(_cfg(f"run.dir={run}", *node, "launch.node_rank=1")) == []
+    assert run_dir_guard.run_dir_problems(_cfg(f"run.dir={run}", *node, "launch.node_rank=1")) == []
     # node 0 (or a single-node job) still refuses what it did not write itself
-    assert [p.loc for p in launch.run_dir_problems(_cfg(f"run.dir={run}", *node, "launch.node_rank=0"))] == [
-        "run.dir"
-    ]
+    assert [
+        p.loc for p in run_dir_guard.run_dir_problems(_cfg(f"run.dir={run}", *node, "launch.node_rank=0"))
+    ] == ["run.dir"]
     import yaml
 
     other = _cfg(f"run.dir={run}", *node, "launch.node_rank=0", "train.steps=7")
     (run / "config.yaml").write_text(yaml.safe_dump(other.model_dump(mode="json")))
-    assert [p.loc for p in launch.run_dir_problems(_cfg(f"run.dir={run}", *node, "launch.node_rank=1"))] == [
-        "run.dir"
-    ]
+    assert [
+        p.loc for p in run_dir_guard.run_dir_problems(_cfg(f"run.dir={run}", *node, "launch.node_rank=1"))
+    ] == ["run.dir"]

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fleetwise import rundir
-from fleetwise.launcher.train import _Tracking
+from fleetwise.launcher.job_tracking import JobTracking
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a per-thread nice is Linux's")
@@ -27,7 +27,7 @@ def test_the_tracking_thread_yields_to_the_ranks_once_they_train(tmp_path):
     thread.start()
     ready.wait(10)
     try:
-        t = object.__new__(_Tracking)  # only what _yield_to_ranks reads
+        t = object.__new__(JobTracking)  # only what _yield_to_ranks reads
         t.run_dir, t._tid, t._yielded = tmp_path, tids[0], False
         t._metrics_at_start = -1  # no metrics.jsonl when the job started
         before = os.getpriority(os.PRIO_PROCESS, tids[0])
@@ -35,7 +35,7 @@ def test_the_tracking_thread_yields_to_the_ranks_once_they_train(tmp_path):
         assert os.getpriority(os.PRIO_PROCESS, tids[0]) == before  # ranks not training yet
         rundir.metrics_path(tmp_path).write_text('{"step": 1}\n')
         t._yield_to_ranks()
-        assert os.getpriority(os.PRIO_PROCESS, tids[0]) == max(before, _Tracking.STEPPING_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, tids[0]) == max(before, JobTracking.STEPPING_NICE)
         assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the launcher's own thread keeps its share
     finally:
         stop.set()
@@ -50,9 +50,9 @@ def test_the_tracking_thread_delivers_less_often_once_the_ranks_train(tmp_path, 
             polls.append(max_batches)
             return 0
 
-    monkeypatch.setattr(_Tracking, "POLL_EVERY_S", 0.02)
-    monkeypatch.setattr(_Tracking, "DELIVER_EVERY_S", 0.5)
-    t = object.__new__(_Tracking)  # only what _deliver reads
+    monkeypatch.setattr(JobTracking, "POLL_EVERY_S", 0.02)
+    monkeypatch.setattr(JobTracking, "DELIVER_EVERY_S", 0.5)
+    t = object.__new__(JobTracking)  # only what _deliver reads
     t.tracker, t._yielded, t._stop = Tracker(), False, threading.Event()
     t.start = lambda: None  # the run exists
     thread = threading.Thread(target=t._deliver, daemon=True)
@@ -70,4 +70,4 @@ def test_the_tracking_thread_delivers_less_often_once_the_ranks_train(tmp_path, 
         thread.join(10)
     assert before >= 5, before  # every 0.02 s while the ranks start (fewer on a loaded machine)
     assert after <= 4, after  # every 0.5 s once they train: ~3 in 1.6 s, not ~80
-    assert set(polls) == {_Tracking.MAX_BATCHES}  # a delivery takes the whole backlog
+    assert set(polls) == {JobTracking.MAX_BATCHES}  # a delivery takes the whole backlog

@@ -8,29 +8,14 @@ not only the first.
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 from typing import Any
 
+from fleetwise.config.paths import config_dir, group_options, user_config_dir
 from fleetwise.config.problems import ConfigError, Problem, did_you_mean
+from fleetwise.config.recipes import apply_strategy_choice
 
 PRIMARY = "config"
-
-
-def config_dir() -> Path:
-    """conf/ inside an installed wheel (fleetwise/conf), else the checkout's conf/."""
-    here = Path(__file__).resolve()
-    packaged = here.parents[1] / "conf"
-    return packaged if packaged.is_dir() else here.parents[3] / "conf"
-
-
-def user_config_dir() -> Path:
-    """A config tree of the user's own, searched after conf/: $FLEETWISE_CONFIG_DIR, else
-    ~/.config/fleetwise. `fleetwise calibrate` writes hardware/local.yaml there, so
-    `hardware=local` works in a checkout and in an installed wheel alike."""
-    env = os.environ.get("FLEETWISE_CONFIG_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".config" / "fleetwise"
 
 
 def search_path_overrides(overrides: list[str]) -> list[str]:
@@ -40,16 +25,6 @@ def search_path_overrides(overrides: list[str]) -> list[str]:
     if not user.is_dir() or any(o.lstrip("+").startswith("hydra.searchpath=") for o in overrides):
         return []
     return [f"hydra.searchpath=[file://{user.resolve()}]"]
-
-
-def group_options(group: str) -> list[str]:
-    """Options of a config group, e.g. 'recipe' -> ['ctr/tiny', ..., 'resnet/tiny']."""
-    options = set()
-    for base in (config_dir(), user_config_dir()):
-        root = base / group
-        if root.is_dir():
-            options.update(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
-    return sorted(options)
 
 
 def _is_group_override(text: str) -> bool:
@@ -132,8 +107,6 @@ def compose_partial(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]
         kept = [o for o in overrides if not any(o.lstrip("+~").startswith(p.loc) for p in refused)]
         data, problems = compose_partial(kept)
         return data, refused + problems
-    from fleetwise.config.recipes import apply_strategy_choice
-
     try:
         return apply_strategy_choice(_to_dict(_compose(list(overrides), hydra_cfg=True)), overrides), []
     except Exception as first:  # noqa: BLE001 - diagnosed below, then reported as problems

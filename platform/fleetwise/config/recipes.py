@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from fleetwise.config.paths import config_dir, user_config_dir
 from fleetwise.config.problems import Problem
 
 DEFAULT_RECIPE = "gpt/tiny"  # conf/config.yaml's defaults list
@@ -39,8 +40,6 @@ def _yaml(path: Path) -> dict[str, Any]:
 
 
 def recipe_file(name: str) -> Path | None:
-    from fleetwise.config.compose import config_dir, user_config_dir
-
     for base in (config_dir(), user_config_dir()):
         path = base / "recipe" / f"{name}.yaml"
         if path.is_file():
@@ -69,8 +68,6 @@ def recipe_strategy(recipe: dict[str, Any]) -> str | None:
 def apply_strategy_choice(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """`data` (a composed config) with the strategy section the user's `strategy=X` gives, when X
     is not the recipe's own strategy and the recipe set strategy keys."""
-    from fleetwise.config.compose import config_dir
-
     chosen = _choice(overrides, "strategy")
     recipe = _recipe(overrides)
     if chosen is None or not isinstance(recipe.get("strategy"), dict) or recipe_strategy(recipe) == chosen:

@@ -1,6 +1,9 @@
-"""The whole job: RunConfig ties model, data, optimizer, training, strategy and hardware together.
+"""The whole job: `RunConfig`, the root of conf/config.yaml, and the sections config.yaml defines
+itself (train, launch, run, checkpoint, tracking, fault, plan, auto).
 
-Workers and library code receive a validated `RunConfig`, never a raw DictConfig.
+Each config group of conf/ has its schema in the module of its name (config/data.py, optim.py,
+strategy.py, hardware.py, model.py); RunConfig ties them together. Workers and library code
+receive a validated `RunConfig`, never a raw DictConfig.
 """
 
 from __future__ import annotations
@@ -10,39 +13,11 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field
 
 from fleetwise.config.base import Section
+from fleetwise.config.data import DataConfig
 from fleetwise.config.hardware import HardwareConfig
 from fleetwise.config.model import ModelConfig
+from fleetwise.config.optim import OptimConfig
 from fleetwise.config.strategy import StrategyConfig
-
-
-class DataConfig(Section):
-    source: Literal["synthetic", "bundled", "token_file", "image_folder", "image_array"] = Field(
-        "synthetic",
-        description="synthetic (seeded, layout-independent), bundled (real data every installation "
-        "has: the standard library's text as byte tokens for GPT/ERNIE, scikit-learn's 8x8 digits "
-        "for ResNet) or a file reader.",
-    )
-    path: str | None = Field(
-        None, description="token_file: .bin of token ids (+ .json meta); image_*: folder or .npz."
-    )
-    seed: int = Field(1234, description="Seed of the synthetic data and of masking.")
-    num_samples: int = Field(
-        1_000_000, ge=1, description="Synthetic: distinct samples before the stream repeats (an epoch)."
-    )
-    zipf_alpha: float = Field(1.1, gt=1, description="CTR synthetic ids: Zipf exponent of id popularity.")
-
-
-class OptimConfig(Section):
-    name: Literal["sgd", "adamw", "adagrad"] = Field("adamw", description="Optimizer of dense parameters.")
-    lr: float = Field(gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="Decoupled (AdamW) or L2 (SGD) weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="AdamW/Adagrad epsilon.")
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum.")
-    schedule: Literal["constant", "cosine"] = Field("cosine", description="LR schedule after warm-up.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine: final lr as a fraction of lr.")
-    grad_clip: float | None = Field(1.0, gt=0, description="Max global gradient norm (null: no clipping).")
 
 
 class TrainConfig(Section):

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ValidationError
 
 from fleetwise.config.layout import Layout
 from fleetwise.config.problems import ConfigError, Problem, did_you_mean
-from fleetwise.config.rules import RULES, Context, num_microbatches
+from fleetwise.config.rules import RULES
+from fleetwise.config.rules.context import Context, num_microbatches
+from fleetwise.config.rules.launch import elastic_candidate, elastic_problems
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import DEGREE_NAMES, PSStrategy
 
@@ -160,8 +162,11 @@ def fill_max(cfg: RunConfig) -> RunConfig:
     return with_degrees(**chosen)
 
 
-def check(cfg: RunConfig, *, launching: bool = False) -> list[Problem]:
-    from fleetwise.config import limits
+def check(cfg: RunConfig, *, launching: bool = False, dryrun: bool = False) -> list[Problem]:
+    """Every problem of a parsed config: bounds first, then every rule (rules/). `launching`: the
+    rules about starting processes too (`train`); `dryrun`: the dry run's instead of the launch
+    section's (`fleetwise dryrun`)."""
+    from fleetwise.config.rules import limits
 
     cfg = fill_max(cfg)
     bounded = limits.problems(cfg)  # first: an absurd value must not reach a rule that hangs on it
@@ -172,7 +177,7 @@ def check(cfg: RunConfig, *, launching: bool = False) -> list[Problem]:
         layout, _ = Layout.resolve(cfg.strategy, cfg.hardware.world_size)
         if layout is not None and (bounded := limits.layout_problems(cfg, layout.pp)):
             return bounded
-    ctx = Context(cfg, layout, launching)
+    ctx = Context(cfg, layout, check=check, launching=launching, dryrun=dryrun)
     problems: list[Problem] = []
     for r in RULES:
         problems.extend(r(ctx))
@@ -200,27 +205,48 @@ def resolve(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update=update)
 
 
-def load_config(overrides: list[str], *, launching: bool = False) -> RunConfig:
+def load_config(overrides: list[str], *, launching: bool = False, dryrun: bool = False) -> RunConfig:
     """Compose with Hydra and validate: every Hydra and validation problem in one ConfigError."""
     from fleetwise.config.compose import compose_partial
 
     data, hydra_problems = compose_partial(overrides)
     if not hydra_problems:
-        return validate(data, launching=launching)
+        return validate(data, launching=launching, dryrun=dryrun)
     if not data:
         raise ConfigError(hydra_problems)
     cfg, problems = parse(data)
     if cfg is not None:
-        problems = check(cfg, launching=launching)
+        problems = check(cfg, launching=launching, dryrun=dryrun)
     raise ConfigError(hydra_problems + problems)
 
 
-def validate(data: dict[str, Any], *, launching: bool = False) -> RunConfig:
+def validate(data: dict[str, Any], *, launching: bool = False, dryrun: bool = False) -> RunConfig:
     """Parse, check and resolve a composed config; raise ConfigError listing every problem."""
     cfg, problems = parse(data)
     if cfg is None:
         raise ConfigError(problems)
-    problems = check(cfg, launching=launching)
+    problems = check(cfg, launching=launching, dryrun=dryrun)
     if problems:
         raise ConfigError(problems)
     return resolve(cfg)
+
+
+def elastic_config(cfg: RunConfig, world_size: int) -> RunConfig:
+    """The config for an elastic job that started with `world_size` ranks (rules/launch.py
+    `elastic_candidate`), validated as a whole for the new size and resolved."""
+    per_node = cfg.hardware.devices_per_node
+    if world_size % per_node:
+        raise ConfigError(
+            [
+                Problem(
+                    "hardware.devices_per_node",
+                    f"{world_size} ranks are not whole nodes of {per_node}",
+                    "start every node with the same devices_per_node",
+                )
+            ]
+        )
+    candidate = elastic_candidate(cfg, world_size // per_node)
+    problems = elastic_problems(check(candidate))
+    if problems:
+        raise ConfigError(problems)
+    return resolve(candidate)

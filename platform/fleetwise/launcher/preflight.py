@@ -1,9 +1,18 @@
-"""Everything `validate`, `plan` and `train` check before a process starts: compose, validate,
-plan, and the memory fit (with remedies)."""
+"""Everything `validate`, `plan`, `train` and `dryrun` check before a process starts: compose,
+validate, plan, and the memory fit (with remedies); and for `train`, what this machine and its run
+directory say (`machine_problems`).
+
+The config's own rules live in config/rules/ and hold for a config anywhere; the checks here need
+the machine that launches (its GPUs, cores and free memory, the route to node 0, the files in
+run.dir and the checkpoint to resume) or the plan (the memory fit), so they are not config rules.
+"""
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleetwise.calibrate.registry import note_defaults
@@ -27,20 +36,24 @@ class Preflight:
     auto: AutoOutcome | None = None  # strategy=auto: the search that chose the layout
 
 
-def preflight(overrides: list[str], *, launching: bool = False, enforce_memory: bool = True) -> Preflight:
+def preflight(
+    overrides: list[str], *, launching: bool = False, dryrun: bool = False, enforce_memory: bool = True
+) -> Preflight:
+    """`launching`: the rules about starting processes too (train, dryrun); `dryrun`: the dry run's
+    rules instead of the launch section's (config/rules/dryrun.py)."""
     from fleetwise.launcher import auto
 
     if auto.requested(overrides):  # search, then check the winner like a typed-in layout
         outcome = auto.resolve_auto(overrides)
         if outcome.problems:
             return Preflight(problems=outcome.problems, auto=outcome)
-        pf = _preflight(outcome.command, launching=launching, enforce_memory=enforce_memory)
+        pf = _preflight(outcome.command, launching=launching, dryrun=dryrun, enforce_memory=enforce_memory)
         pf.auto = outcome
         return pf
-    return _preflight(overrides, launching=launching, enforce_memory=enforce_memory)
+    return _preflight(overrides, launching=launching, dryrun=dryrun, enforce_memory=enforce_memory)
 
 
-def _preflight(overrides: list[str], *, launching: bool, enforce_memory: bool) -> Preflight:
+def _preflight(overrides: list[str], *, launching: bool, dryrun: bool, enforce_memory: bool) -> Preflight:
     from fleetwise.config.recipes import mark_recipe_values
     from fleetwise.config.validate import load_config
     from fleetwise.plan import make_plan
@@ -48,12 +61,13 @@ def _preflight(overrides: list[str], *, launching: bool, enforce_memory: bool) -
 
     problems: list[Problem] = []
     try:
-        cfg = load_config(overrides, launching=launching)
+        cfg = load_config(overrides, launching=launching, dryrun=dryrun)
     except ConfigError as err:
         found = mark_recipe_values(err.problems, overrides)
-        if not launching:
+        if not (launching or dryrun):
             return Preflight(problems=found + _memory_as_given(overrides, err.problems, enforce_memory))
-        try:  # only rules about starting processes failed? Then plan it too and list everything
+        # only rules about starting processes (or a dry run's) failed? Then plan it too, list everything
+        try:
             cfg = load_config(overrides)
         except ConfigError as plain:
             return Preflight(problems=found + _memory_as_given(overrides, plain.problems, enforce_memory))
@@ -126,3 +140,108 @@ def memory_problem(plan: Plan, fixes: list[Remedy]) -> Problem:
         ),
         f"cheapest remedies: {cures}; or plan.memory_check=warn to launch anyway",
     )
+
+
+def machine_problems(pf: Preflight) -> tuple[list[Problem], str | None]:
+    """What this machine and run directory say about launching a config that parsed (`train`),
+    and a warning to print: the checkpoint to resume and the run directory (once the config is
+    valid), room for the ranks (only a warning with launch.oversubscribe=true), the route to node 0
+    (multi-node), and the GPUs a GPU profile needs."""
+    from fleetwise.launcher.hostnet import network_problems
+    from fleetwise.launcher.run_dir_guard import run_dir_problems
+
+    cfg, valid = pf.cfg, not pf.problems
+    assert cfg is not None
+    problems = resume_problems(cfg) + run_dir_problems(cfg) if valid else []
+    warning = None
+    full = capacity_problem(cfg, pf.plan) if pf.plan is not None else None
+    if full and not cfg.launch.oversubscribe:
+        problems.append(Problem(*full))
+    elif full:
+        warning = f"{full[1]} (launch.oversubscribe=true)"
+    if valid and cfg.launch.nnodes != "1":  # this node must reach node 0
+        problems += network_problems(cfg)
+    gpu = gpu_problem(cfg)
+    if gpu:
+        problems.append(
+            Problem(
+                "hardware",
+                gpu.split(". ")[0],
+                "use hardware=cpu here; validate and plan work for any profile",
+            )
+        )
+    return problems, warning
+
+
+def resume_problems(cfg: RunConfig) -> list[Problem]:
+    """The checkpoint a job would resume from must be complete, intact and of the same model."""
+    from fleetwise.runtime.checkpoint_files import find_resume, verify
+
+    if cfg.checkpoint.resume == "none" or (cfg.checkpoint.resume == "auto" and not cfg.run.dir):
+        return []
+    path = find_resume(cfg, Path(cfg.run.dir or "."))  # an explicit path is checked without run.dir too
+    return verify(path, cfg) if path is not None else []
+
+
+def gpu_problem(cfg: RunConfig) -> str | None:
+    """A GPU profile on a machine without (enough) GPUs fails fast, before any process starts."""
+    from fleetwise.launcher.torchrun import nproc_per_node
+
+    if cfg.hardware.device_type != "cuda":
+        return None
+    found = len(glob.glob("/dev/nvidia[0-9]*"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        found = min(found, len([d for d in visible.split(",") if d.strip()]))
+    need = nproc_per_node(cfg)
+    if found >= need:
+        return None
+    return (
+        f"hardware={cfg.hardware.name} runs {need} CUDA devices per node, but this machine has {found}. "
+        "Train here with hardware=cpu (validate and plan work for any profile)."
+    )
+
+
+MAX_RANKS_PER_CORE = 8  # the 16-rank 4D mesh trains on 2 cores; far beyond, gloo times out
+RANK_BASE_BYTES = 200 << 20  # a CPU rank before its tensors: interpreter, torch, gloo (RSS)
+
+
+def capacity_problem(cfg: RunConfig, plan: Plan, cores: int | None = None, available: int | None = None):
+    """A CPU job whose ranks this machine cannot hold (4096 ranks on 2 cores; processes whose
+    memory adds up past what is free) is refused before anything is spawned, unless
+    launch.oversubscribe=true. Returns (loc, message, hint) or None."""
+    from fleetwise.launcher.torchrun import nproc_per_node
+
+    if cfg.hardware.device_type != "cpu":
+        return None
+    ranks = nproc_per_node(cfg)
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    available = _mem_available() if available is None else available
+    need = ranks * (RANK_BASE_BYTES + int(plan.memory_bytes.get("total", 0)))
+    what = None
+    if ranks > MAX_RANKS_PER_CORE * cores:
+        what = f"{ranks} ranks on this node, but it has {cores} CPU cores (at most {MAX_RANKS_PER_CORE} per core)"
+    elif available is not None and need > available:
+        what = (
+            f"{ranks} ranks need about {need / 2**30:,.1f} GiB here ({RANK_BASE_BYTES >> 20} MiB of "
+            f"start-up per rank + the plan's {plan.memory_bytes.get('total', 0) / 2**30:,.2f} GiB), "
+            f"but {available / 2**30:,.1f} GiB are available"
+        )
+    if what is None:
+        return None
+    return (
+        "hardware.devices_per_node" if cfg.strategy.name != "ps" else "strategy.num_trainers",
+        what,
+        "use fewer ranks, or launch.oversubscribe=true to start them anyway",
+    )
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -12,7 +12,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from fleetwise.config.run import OptimConfig, TrainConfig
+from fleetwise.config.optim import OptimConfig
+from fleetwise.config.run import TrainConfig
 from fleetwise.models.init import model_name
 from fleetwise.runtime import checkpoint
 from fleetwise.runtime.zero1 import Zero1

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     imported = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != cfg.hardware.world_size:  # an elastic job started with fewer (or more) nodes
-        from fleetwise.config.rules.launch import elastic_config
+        from fleetwise.config.validate import elastic_config
         from fleetwise.plan import make_plan
 
         # the plan follows the layout: predicted memory and MFU of the layout that really runs

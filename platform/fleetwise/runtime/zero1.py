@@ -58,7 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fleetwise.config.engine import ZERO1_BUCKET_ELEMENTS as BUCKET_ELEMENTS
-from fleetwise.config.run import OptimConfig
+from fleetwise.config.optim import OptimConfig
 from fleetwise.models.init import model_name
 
 

@@ -1,62 +1,28 @@
-"""Pass 2 of validation: rules across config sections, one module per section.
+"""Every validation rule: bounds first (limits.py), then the rules across config sections, one
+module per section, and the data files a config names (datafiles.py).
 
-A rule takes a `Context` (the config and, when it could be derived, its layout) and yields
-`Problem`s naming the config path, the values and a fix. Every rule runs, so a user sees every
-mistake at once; they run in the order their modules are imported below (strategy, model,
-train, launch), which is the order problems are listed in.
+A rule takes a `Context` (the config and, when it could be derived, its layout; context.py) and
+yields `Problem`s naming the config path, the values and a fix. Every rule runs, so a user sees
+every mistake at once; they run in the order their modules are imported below (strategy, model,
+train, launch, dryrun), which is the order problems are listed in.
+
+    context.py    Context, @rule, RULES; the batch arithmetic rules and `resolve` share
+    limits.py     bounds on sizes, names and addresses, checked before every other rule
+    strategy.py   degrees, tensor and pipeline parallelism, sharding, the parameter server
+    model.py      each model family's own shapes
+    train.py      the batch triad, precision, backend, data source, optimizer
+    datafiles.py  the data files a config names (token files, image folders and arrays)
+    launch.py     launch, fault and checkpoint; the elastic resize of a config
+    dryrun.py     what `fleetwise dryrun` cannot simulate
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-
-from fleetwise.config.layout import Layout
-from fleetwise.config.problems import Problem
-from fleetwise.config.run import RunConfig
-from fleetwise.config.strategy import CollectiveStrategy, PSStrategy
-
-
-@dataclass(frozen=True)
-class Context:
-    """What rules need beyond the config: the resolved layout when it could be derived."""
-
-    cfg: RunConfig
-    layout: Layout | None
-    launching: bool = False  # rules about starting processes apply only to `train`
-
-    @property
-    def collective(self) -> CollectiveStrategy | None:
-        s = self.cfg.strategy
-        return None if isinstance(s, PSStrategy) else s
-
-
-Rule = Callable[[Context], Iterator[Problem]]
-RULES: list[Rule] = []
-
-
-def rule(fn: Rule) -> Rule:
-    RULES.append(fn)
-    return fn
-
-
-def num_microbatches(cfg: RunConfig, layout: Layout | None) -> int | None:
-    """Micro-batches per step per data-parallel rank, given or derived from the batch triad."""
-    t = cfg.train
-    if t.accumulate_steps is not None:
-        return t.accumulate_steps
-    ranks = data_parallel_ranks(cfg, layout)
-    if ranks is None:
-        return None
-    per_rank = t.micro_batch_size * ranks
-    return t.global_batch_size // per_rank if t.global_batch_size % per_rank == 0 else None
-
-
-def data_parallel_ranks(cfg: RunConfig, layout: Layout | None) -> int | None:
-    if isinstance(cfg.strategy, PSStrategy):
-        return cfg.strategy.num_trainers
-    return layout.data_parallel_size if layout else None
-
+from fleetwise.config.rules.context import RULES, Context, Rule, rule
 
 # The rule modules register themselves on import, in this order.
-from fleetwise.config.rules import strategy, model, train, launch  # noqa: E402, F401, I001
+# isort: off
+from fleetwise.config.rules import strategy, model, train, launch, dryrun  # noqa: F401
+# isort: on
+
+__all__ = ["RULES", "Context", "Rule", "rule"]

@@ -1,4 +1,5 @@
-"""Rules of the `launch`, `fault` and `checkpoint` sections, and the elastic resize of a config."""
+"""Rules of the `launch`, `fault` and `checkpoint` sections, and the elastic resize of a config
+(validated by config/validate.py `elastic_config`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from fleetwise.config.problems import ConfigError, Problem
-from fleetwise.config.rules import Context, rule
+from fleetwise.config.problems import Problem
+from fleetwise.config.rules.context import Context, rule
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
 
@@ -17,6 +18,8 @@ _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
 @rule
 def launch_topology(ctx: Context) -> Iterator[Problem]:
     launch, hw = ctx.cfg.launch, ctx.cfg.hardware
+    if ctx.dryrun:  # a dry run starts no rendezvous
+        return
     match = _NNODES.match(launch.nnodes)
     if not match:
         yield Problem(
@@ -66,7 +69,7 @@ def elastic_nodes(ctx: Context) -> Iterator[Problem]:
     """Elastic jobs (launch.nnodes=MIN:MAX) grow and shrink the data-parallel dimension: every node
     count in the range must still give a valid layout and batch split."""
     s, cfg = ctx.collective, ctx.cfg
-    if not _NNODES.match(cfg.launch.nnodes):
+    if ctx.dryrun or not _NNODES.match(cfg.launch.nnodes):
         return
     lo, hi = node_range(cfg.launch.nnodes)
     if lo == hi:
@@ -81,12 +84,11 @@ def elastic_nodes(ctx: Context) -> Iterator[Problem]:
     if ctx.layout is None or lo < 1 or lo > hi:
         return
     for n in range(lo, hi + 1):
-        try:
-            elastic_config(cfg, n * cfg.hardware.devices_per_node)
-        except ConfigError as err:
+        problems = elastic_problems(ctx.check(elastic_candidate(cfg, n)))  # the whole validation
+        if problems:
             yield Problem(
                 "launch.nnodes",
-                f"with {n} node(s): {err.problems[0].msg}",
+                f"with {n} node(s): {problems[0].msg}",
                 "choose degrees and a global batch that every node count in the range divides "
                 "(only dp_degree changes with the node count)",
             )
@@ -96,26 +98,16 @@ def elastic_nodes(ctx: Context) -> Iterator[Problem]:
 _ELASTIC_IGNORES = ("launch.nnodes", "launch.node_rank")
 
 
-def elastic_config(cfg: RunConfig, world_size: int) -> RunConfig:
-    """The config for an elastic job that started with `world_size` ranks: data parallelism absorbs
-    the change (pp, sharding and mp stay as planned), accumulation is derived again."""
+def elastic_candidate(cfg: RunConfig, nodes: int) -> RunConfig:
+    """The config of an elastic job running on `nodes` nodes, before validation: data parallelism
+    absorbs the change (pp, sharding and mp stay as planned), accumulation is derived again
+    (config/validate.py `elastic_config` validates and resolves it)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
-    per_node = cfg.hardware.devices_per_node
-    if world_size % per_node:
-        raise ConfigError(
-            [
-                Problem(
-                    "hardware.devices_per_node",
-                    f"{world_size} ranks are not whole nodes of {per_node}",
-                    "start every node with the same devices_per_node",
-                )
-            ]
-        )
-    hardware = cfg.hardware.model_copy(update={"nodes": world_size // per_node})
+    hardware = cfg.hardware.model_copy(update={"nodes": nodes})
     strategy = s.model_copy(update={"dp_degree": "auto"})
     train = cfg.train.model_copy(update={"accumulate_steps": None})
-    candidate = cfg.model_copy(
+    return cfg.model_copy(
         update={
             "hardware": hardware,
             "strategy": strategy,
@@ -123,16 +115,13 @@ def elastic_config(cfg: RunConfig, world_size: int) -> RunConfig:
             "launch": cfg.launch.model_copy(update={"nnodes": str(hardware.nodes)}),
         }
     )
-    from fleetwise.config.validate import check, resolve  # the whole validation, for the new size
 
-    # Not problems of the smaller world: the node ranks torch's rendezvous hands out (node_rank is
-    # the static launch's), and a test hook aimed at a rank that this node count does not have.
-    problems = [
-        p for p in check(candidate) if p.loc not in _ELASTIC_IGNORES and not p.loc.startswith("fault.")
-    ]
-    if problems:
-        raise ConfigError(problems)
-    return resolve(candidate)
+
+def elastic_problems(problems: list[Problem]) -> list[Problem]:
+    """The problems of an elastic candidate that count. Not problems of the smaller world: the node
+    ranks torch's rendezvous hands out (node_rank is the static launch's), and a test hook aimed at
+    a rank that this node count does not have."""
+    return [p for p in problems if p.loc not in _ELASTIC_IGNORES and not p.loc.startswith("fault.")]
 
 
 @rule

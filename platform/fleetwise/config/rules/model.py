@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from fleetwise.config.problems import Problem
-from fleetwise.config.rules import Context, rule
+from fleetwise.config.rules.context import Context, rule
 from fleetwise.families import family_of
 
 

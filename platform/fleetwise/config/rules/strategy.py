@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from fleetwise.config.layout import Layout
 from fleetwise.config.problems import Problem
-from fleetwise.config.rules import Context, num_microbatches, rule
+from fleetwise.config.rules.context import Context, num_microbatches, rule
 from fleetwise.config.strategy import DEGREE_NAMES, INTERLEAVED_SCHEDULES, PSStrategy
 from fleetwise.families import family_of
 

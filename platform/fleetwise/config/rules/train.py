@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from fleetwise.config.problems import Problem
-from fleetwise.config.rules import Context, data_parallel_ranks, rule
+from fleetwise.config.rules.context import Context, data_parallel_ranks, rule
 from fleetwise.config.strategy import PSStrategy
 from fleetwise.families import FAMILIES, family_of
 
@@ -110,7 +110,7 @@ def data_source(ctx: Context) -> Iterator[Problem]:
     if not d.path:
         yield Problem("data.path", f"data.source={d.source} needs a path", "set data.path=/path/to/data")
         return
-    from fleetwise.config.datafiles import check_data_file  # local: only file-backed configs pay for it
+    from fleetwise.config.rules.datafiles import check_data_file  # local: only file-backed configs pay for it
 
     yield from check_data_file(d.source, Path(d.path), m)
 

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
-from fleetwise.config.run import OptimConfig, RunConfig
+from fleetwise.config.optim import OptimConfig
+from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
 from fleetwise.runtime.optim import lr_factor
 

@@ -1,15 +1,15 @@
-"""Launcher: the parent side of `fleetwise train`.
+"""One job's ranks under torchrun: the command, the ranks' environment, and the loop that follows them.
 
-It writes the run directory (resolved config, plan, command line), starts the ranks with torchrun
-(`torch.distributed.run`: one process per device, c10d rendezvous, restarts), follows rank 0's log
-and metrics for the console, and reports how the job ended. It never imports torch: a bad setup is
-reported before anything heavy starts.
+`launch_job` writes the run directory (resolved config, plan, command line), starts the ranks with
+torchrun (`torch.distributed.run`: one process per device, c10d rendezvous, restarts), follows rank
+0's log and metrics for the console, stops the process group when asked to, and reports how the
+job ended (its root cause: launcher/failure.py). It never imports torch: a bad setup is reported
+before anything heavy starts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import re
@@ -20,13 +20,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 
 from fleetwise import rundir
-from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
-from fleetwise.launcher.failure import TracebackFold
+from fleetwise.launcher.failure import TracebackFold, root_cause
 from fleetwise.launcher.hostnet import (
     NetworkError,
     NodeNet,
@@ -52,181 +50,16 @@ class JobResult:
     fold: TracebackFold | None = None  # rank 0's traceback, held back from the console
 
 
-# What a job writes into its run directory (run.overwrite=true clears exactly these).
-JOB_FILES = (
-    rundir.CONFIG_FILE,
-    rundir.PLAN_FILE,
-    rundir.COMMAND_FILE,
-    rundir.METRICS_FILE,
-    rundir.TRACKING_FILE,
-    rundir.ERROR_FILE,
-    rundir.PS_SUMMARY_FILE,
-)
-JOB_DIRS = (rundir.LOGS_DIR, rundir.CHECKPOINTS_DIR)
-LOCK_NAME = ".fleetwise.lock"
-
-
-def run_dir_problems(cfg: RunConfig) -> list[Problem]:
-    """A run directory that already holds something is refused unless the job resumes it or
-    run.overwrite=true: reusing it would continue the old MLflow run, drop steps as re-runs, mix
-    the summary and let keep-N delete what was just written. The other nodes of the same
-    multi-node job (same config but node_rank, on a shared filesystem) are not "something"."""
-    if not cfg.run.dir or cfg.checkpoint.resume != "none" or cfg.run.overwrite:
-        return []
-    path = Path(cfg.run.dir)
-    if not path.is_dir():
-        return [] if not path.exists() else [Problem("run.dir", f"{path} is a file", "choose a directory")]
-    entries = sorted(p.name for p in path.iterdir() if not p.name.startswith(LOCK_NAME))
-    if not entries:
-        return []
-    if _node_count(cfg) > 1:
-        written = path / rundir.CONFIG_FILE
-        if _same_job(cfg, written):
-            return []
-        if cfg.launch.node_rank > 0 and not written.exists():
-            # node 0 checked the directory before writing into it and may be writing it now (its
-            # .hydra/ and plan.json come before config.yaml): only a different job's config refuses
-            # it here -- else node 1 starting a moment late saw a half-written job and exited 2
-            return []
-    shown = ", ".join(entries[:5]) + (", …" if len(entries) > 5 else "")
-    return [
-        Problem(
-            "run.dir",
-            f"{path} is not empty ({shown}): a new job there would mix with the one that wrote it",
-            "resume it with checkpoint.resume=auto, choose a new run.dir, or run.overwrite=true to "
-            "replace the old job's files",
-        )
-    ]
-
-
-def _same_job(cfg: RunConfig, written: Path) -> bool:
-    try:
-        theirs = yaml.safe_load(written.read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    if not isinstance(theirs, dict) or not isinstance(theirs.get("launch"), dict):
-        return False
-    return per_job(cfg.model_dump(mode="json")) == per_job(theirs)
-
-
-def per_job(data: dict) -> dict:
-    """A resolved config (as JSON data) without what differs between the nodes of one job: the
-    node's rank and its run directory (by default a timestamp of when that node started)."""
-    out = dict(data)
-    for section, key in (("launch", "node_rank"), ("run", "dir")):
-        if isinstance(out.get(section), dict):
-            out[section] = {k: v for k, v in out[section].items() if k != key}
-    return out
-
-
-class RunDirBusy(RuntimeError):
-    """Another live job holds the run directory."""
-
-
-def lock_run_dir(run_dir: Path, node_rank: int = 0):
-    """Hold an exclusive lock on the run directory for the life of this job (released when the
-    returned file is closed, or when the process dies). Each node of a multi-node job locks its
-    own file, so the nodes can share one directory on a shared filesystem."""
-    import fcntl
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / (LOCK_NAME if node_rank == 0 else f"{LOCK_NAME}.node{node_rank}")
-    f = path.open("a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise RunDirBusy(
-            f"run directory {run_dir} is in use by a running job ({holder}): "
-            "wait for it, or choose another run.dir"
-        ) from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()}\n")
-    f.flush()
-    return f
-
-
-def clear_run_dir(run_dir: Path) -> None:
-    """run.overwrite=true: remove the previous job's files (and nothing else of the directory)."""
-    import shutil
-
-    for name in JOB_FILES:
-        (run_dir / name).unlink(missing_ok=True)
-    for name in JOB_DIRS:
-        shutil.rmtree(run_dir / name, ignore_errors=True)
-
-
 def nproc_per_node(cfg: RunConfig) -> int:
     s = cfg.strategy
     if s.name == "ps":  # servers and trainers are processes of one node, or spread over nodes
-        return -(-(s.num_servers + s.num_trainers) // max(1, _node_count(cfg)))
+        return -(-(s.num_servers + s.num_trainers) // max(1, node_count(cfg)))
     return cfg.hardware.devices_per_node
 
 
-def _node_count(cfg: RunConfig) -> int:
+def node_count(cfg: RunConfig) -> int:
+    """Nodes of the job (an elastic job: its largest count)."""
     return int(cfg.launch.nnodes.split(":")[-1])
-
-
-def gpu_problem(cfg: RunConfig) -> str | None:
-    """A GPU profile on a machine without (enough) GPUs fails fast, before any process starts."""
-    if cfg.hardware.device_type != "cuda":
-        return None
-    found = len(glob.glob("/dev/nvidia[0-9]*"))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        found = min(found, len([d for d in visible.split(",") if d.strip()]))
-    need = nproc_per_node(cfg)
-    if found >= need:
-        return None
-    return (
-        f"hardware={cfg.hardware.name} runs {need} CUDA devices per node, but this machine has {found}. "
-        "Train here with hardware=cpu (validate and plan work for any profile)."
-    )
-
-
-MAX_RANKS_PER_CORE = 8  # the 16-rank 4D mesh trains on 2 cores; far beyond, gloo times out
-RANK_BASE_BYTES = 200 << 20  # a CPU rank before its tensors: interpreter, torch, gloo (RSS)
-
-
-def capacity_problem(cfg: RunConfig, plan: Plan, cores: int | None = None, available: int | None = None):
-    """A CPU job whose ranks this machine cannot hold (4096 ranks on 2 cores; processes whose
-    memory adds up past what is free) is refused before anything is spawned, unless
-    launch.oversubscribe=true. Returns (loc, message, hint) or None."""
-    if cfg.hardware.device_type != "cpu":
-        return None
-    ranks = nproc_per_node(cfg)
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    available = _mem_available() if available is None else available
-    need = ranks * (RANK_BASE_BYTES + int(plan.memory_bytes.get("total", 0)))
-    what = None
-    if ranks > MAX_RANKS_PER_CORE * cores:
-        what = f"{ranks} ranks on this node, but it has {cores} CPU cores (at most {MAX_RANKS_PER_CORE} per core)"
-    elif available is not None and need > available:
-        what = (
-            f"{ranks} ranks need about {need / 2**30:,.1f} GiB here ({RANK_BASE_BYTES >> 20} MiB of "
-            f"start-up per rank + the plan's {plan.memory_bytes.get('total', 0) / 2**30:,.2f} GiB), "
-            f"but {available / 2**30:,.1f} GiB are available"
-        )
-    if what is None:
-        return None
-    return (
-        "hardware.devices_per_node" if cfg.strategy.name != "ps" else "strategy.num_trainers",
-        what,
-        "use fewer ranks, or launch.oversubscribe=true to start them anyway",
-    )
-
-
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def torchrun_command(cfg: RunConfig, run_dir: Path, net: NodeNet | None = None) -> list[str]:
@@ -307,6 +140,16 @@ def rank_malloc_env(environ) -> dict[str, str]:
 def rank_environment(environ) -> dict[str, str]:
     """The environment torchrun and the ranks get: this one without credentials."""
     return {k: v for k, v in environ.items() if not is_secret_name(k)}
+
+
+def per_job(data: dict) -> dict:
+    """A resolved config (as JSON data) without what differs between the nodes of one job: the
+    node's rank and its run directory (by default a timestamp of when that node started)."""
+    out = dict(data)
+    for section, key in (("launch", "node_rank"), ("run", "dir")):
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k != key}
+    return out
 
 
 def rdzv_id(cfg: RunConfig) -> str:
@@ -486,91 +329,3 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-
-
-# Failures that only echo another rank's death (its peers lose the connection or time out).
-SYMPTOMS = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "connectFullMesh")
-
-
-def root_cause(run_dir: Path, returncode: int) -> str:
-    """The first failure of the job: the rank and its exception message (from the error file
-    @record wrote), or its exit code / signal when it died without one (os._exit, SIGKILL, OOM
-    killer). torchrun's "first observed failure" can be a peer's connection error observed before
-    the dead rank was reaped, so failures are ranked by _blame_order."""
-    log = rundir.launcher_log(run_dir)
-    failures = _torchrun_failures(log)
-    if not failures:  # torchrun itself failed (bad arguments, rendezvous): its last words
-        try:
-            lines = log.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            lines = []
-        last = lines[-1].strip() if lines else ""
-        return f"torchrun exited with code {returncode}: {last} (see {log})"
-    described = []
-    for rank, code, error_file in failures:
-        message = _error_file_message(Path(error_file)) if error_file and error_file != "<N/A>" else None
-        described.append((rank, code, message))
-    rank, code, message = min(described, key=_blame_order)  # min is stable: ties keep torchrun's order
-    if message:
-        return f"rank {rank} failed: {message}"
-    if code.lstrip("-").isdigit() and int(code) < 0:
-        try:
-            name = signal.Signals(-int(code)).name
-        except ValueError:
-            name = f"signal {-int(code)}"
-        return f"rank {rank} was killed by {name}"
-    log_name = rundir.rank_log(run_dir, rank).relative_to(run_dir)
-    return f"rank {rank} died with exit code {code} (no Python exception: see {log_name})"
-
-
-def _blame_order(failure: tuple[str, str, str | None]) -> int:
-    """How likely a failure is the cause rather than a consequence: a real exception first, then a
-    rank that died without one (os._exit, SIGKILL), then a peer's connection error or collective
-    timeout, and last a rank torchrun itself stopped with SIGTERM while tearing the group down
-    (a hung rank ends that way; its peer's timeout says more)."""
-    _, code, message = failure
-    if message:
-        return 2 if any(x in message for x in SYMPTOMS) else 0
-    return 3 if code == f"-{signal.SIGTERM.value}" else 1
-
-
-def _torchrun_failures(launcher_log: Path) -> list[tuple[str, str, str]]:
-    """(rank, exitcode, error_file) of every failure in torchrun's last report, root cause first."""
-    try:
-        text = launcher_log.read_text(errors="replace")
-    except OSError:
-        return []
-    marker = text.rfind("Root Cause (first observed failure)")
-    if marker < 0:
-        return []
-    start = text.rfind("Failures:", 0, marker)
-    sections = [text[marker:], text[start:marker] if start >= 0 else ""]
-    out = []
-    for section in sections:
-        entry: dict[str, str] = {}
-        for line in section.splitlines()[1:] + ["[end]:"]:
-            if line.startswith("[") and line.rstrip().endswith("]:"):
-                if "rank" in entry:
-                    out.append(
-                        (
-                            entry["rank"].split()[0],
-                            entry.get("exitcode", "?").split()[0],
-                            entry.get("error_file", ""),
-                        )
-                    )
-                entry = {}
-                continue
-            key, sep, value = line.strip().partition(":")
-            if sep and key.strip() in ("rank", "exitcode", "error_file"):
-                entry.setdefault(key.strip(), value.strip())
-    return out
-
-
-def _error_file_message(path: Path) -> str | None:
-    try:
-        info = json.loads(path.read_text())["message"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    msg = (info.get("message") if isinstance(info, dict) else str(info)) or ""
-    lines = [ln for ln in msg.strip().splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else None

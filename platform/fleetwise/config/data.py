@@ -1,0 +1,31 @@
+"""What a job trains on: the `data` config group (conf/data/: synthetic, bundled, token_file,
+image_folder, image_array).
+
+Which sources a model family reads is the family's (`Family.data_sources`); whether a file exists
+and has the right shape is checked by config/rules/datafiles.py.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from fleetwise.config.base import Section
+
+
+class DataConfig(Section):
+    source: Literal["synthetic", "bundled", "token_file", "image_folder", "image_array"] = Field(
+        "synthetic",
+        description="synthetic (seeded, layout-independent), bundled (real data every installation "
+        "has: the standard library's text as byte tokens for GPT/ERNIE, scikit-learn's 8x8 digits "
+        "for ResNet) or a file reader.",
+    )
+    path: str | None = Field(
+        None, description="token_file: .bin of token ids (+ .json meta); image_*: folder or .npz."
+    )
+    seed: int = Field(1234, description="Seed of the synthetic data and of masking.")
+    num_samples: int = Field(
+        1_000_000, ge=1, description="Synthetic: distinct samples before the stream repeats (an epoch)."
+    )
+    zipf_alpha: float = Field(1.1, gt=1, description="CTR synthetic ids: Zipf exponent of id popularity.")
