@@ -98,7 +98,8 @@ def zero1_host_us(
     (dims dp, sharding, mp: sharding over all ranks); the ranks co-run, like FSDP's probe."""
     import torch.distributed as dist
 
-    from fleetwise.config.run import OptimConfig, TrainConfig
+    from fleetwise.config.optim import OptimConfig
+    from fleetwise.config.run import TrainConfig
     from fleetwise.runtime.optim import Optimizers, Zero1Optimizers
 
     torch.manual_seed(0)
