@@ -1,0 +1,319 @@
+"""The one door to torch's private names and to the differences between torch versions.
+
+fleetwise uses what PyTorch ships, and a few things it needs are private (a leading underscore:
+no promise across releases) or appeared in a recent release only. Every such use is here, and
+nowhere else in the package but the dry run's own patches (fleetwise.dryrun.patches), so that a
+new torch release is checked in two files. Each entry says which torch versions it was checked on
+(read in that version's source and run: `CHECKED` beside it) and what happens on any other: a
+public fallback, or `Unsupported` -- a clear error naming the installed version and the feature,
+never an AttributeError from inside a rank.
+
+tests/unit/test_private_torch.py holds the rule: a private torch name anywhere else in the package
+fails it.
+
+This module imports only torch (and the standard library); it is the bottom of the import order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.distributed.pipelining.stage import PipelineStage, _make_tensor_from_meta, _RecvInfo
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+)
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["FakeTensorMode", "TorchDispatchMode", "is_fake", "tree_flatten"]
+
+log = logging.getLogger(__name__)
+
+VERSION = torch.__version__.split("+")[0]
+MINOR = ".".join(VERSION.split(".")[:2])  # "2.13"
+
+
+class Unsupported(RuntimeError):
+    """A torch feature fleetwise needs is missing, or changed, on the installed torch."""
+
+
+def unsupported(feature: str, checked: tuple[str, ...], instead: str = "") -> Unsupported:
+    """The error for `feature` on a torch where its internals are not what fleetwise was checked on."""
+    fix = instead or f"install torch {checked[-1]} (pip install 'torch=={checked[-1]}.*')"
+    return Unsupported(
+        f"{feature} relies on torch internals checked on torch {', '.join(checked)}; the installed "
+        f"torch {torch.__version__} does not have them: {fix}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Dispatch modes, pytrees, fake tensors (the live-tensor tracker, the dry run's counters).
+# Checked on 2.11 and 2.13: the same names and behaviour.
+DISPATCH_CHECKED = ("2.11", "2.13")
+
+
+def dispatch_modes() -> list:
+    """The dispatch modes active now, outermost first."""
+    return _get_current_dispatch_mode_stack()
+
+
+def modes_disabled():
+    """A context in which no dispatch mode is active (ops run on real tensors, below every mode)."""
+    return _disable_current_modes()
+
+
+def fake_store():
+    """The store of torch's `fake` process-group backend (every collective succeeds at once,
+    moving nothing), from torch's testing package. Checked on 2.11 and 2.13."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensors and storages. Checked on 2.11 and 2.13.
+
+
+def storage_key(storage) -> int:
+    """A key that names one storage while it lives (a tensor's `untyped_storage()` is a new
+    Python object per call; the storage it wraps is not)."""
+    return storage._cdata
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard as it is held (no autograd view, unlike `to_local()`); others as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# Multi-tensor kernels (one launch for a list of tensors): what torch.optim and
+# clip_grad_norm_ use themselves. Checked on 2.11 and 2.13.
+foreach_norm = torch._foreach_norm
+foreach_mul_ = torch._foreach_mul_
+foreach_copy_ = torch._foreach_copy_
+
+# ATen's own operators with a leading underscore: the dispatcher's names, not a Python API.
+# Checked on 2.11 and 2.13 (every one below is present on both).
+_aten = torch.ops.aten
+SCALAR_READ = _aten._local_scalar_dense.default  # `.item()`, `float(t)`, `bool(t)`
+AMP_UNSCALE = _aten._amp_foreach_non_finite_check_and_unscale_.default  # GradScaler's found-inf check
+SDPA_CPU = _aten._scaled_dot_product_flash_attention_for_cpu
+SDPA_CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+SDPA_KERNELS = (  # the attention kernels scaled_dot_product_attention dispatches to
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+)
+# the functional collectives DTensor issues (torch.distributed._functional_collectives)
+FUNCTIONAL_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+FUNCTIONAL_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+
+
+# ------------------------------------------------------------------------------------------------
+# Modules. Checked on 2.11 and 2.13.
+BATCH_NORMS = nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones
+
+
+def checkpoint_wrapper(module: nn.Module, **kwargs) -> nn.Module:
+    """torch.distributed's activation-checkpoint wrapper (the one torchtitan applies per block)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module, **kwargs)
+
+
+def scaler_found_inf(scaler, optimizer) -> list[torch.Tensor]:
+    """GradScaler's found-inf flags of `optimizer` (one per device) after `unscale_`, which torch
+    keeps per optimizer (its ShardedGradScaler reads them the same way). Checked on 2.11 and 2.13."""
+    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+
+
+def compile_counters() -> dict:
+    """torch.compile's counters (`stats`: unique_graphs, `graph_break`: reasons). Checked on 2.11 and 2.13."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def quiet_redistribute_logs() -> None:
+    """Silence DTensor's redistribution notices (one per two-dim gradient-norm reduction: expected
+    here, and they would drown the log). The logger is named after torch's private module."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+# ------------------------------------------------------------------------------------------------
+# Collectives and process groups.
+
+SINGLE_COLLECTIVES_SINCE = "2.13"
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """Reduce-scatter a flat `input` into this rank's `output` slice. `dist.reduce_scatter_single`
+    appeared in torch 2.13 (checked on 2.13); before it, `dist.reduce_scatter_tensor` takes the same
+    arguments and does the same (checked on 2.11). Looked up at the call: the dry run patches it."""
+    if hasattr(dist, "reduce_scatter_single"):
+        dist.reduce_scatter_single(output, input, group=group)
+    else:
+        dist.reduce_scatter_tensor(output, input, group=group)
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """All-gather every rank's `input` into the flat `output`: `dist.all_gather_single` from torch
+    2.13 (checked on 2.13), `dist.all_gather_into_tensor` before it (checked on 2.11)."""
+    if hasattr(dist, "all_gather_single"):
+        dist.all_gather_single(output, input, group=group)
+    else:
+        dist.all_gather_into_tensor(output, input, group=group)
+
+
+def resolve_process_group(name: str):
+    """The process group registered under `name` (how c10d ops name their group). Checked on 2.11 and 2.13."""
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def flatten_mesh(mesh, dims: tuple[str, ...]):
+    """One mesh dimension made of several (`mesh[dims]` flattened, named "a_b"): DeviceMesh has no
+    public way to do it yet. Checked on 2.11 and 2.13 (the same signature)."""
+    return mesh[dims]._flatten("_".join(dims))
+
+
+# ------------------------------------------------------------------------------------------------
+# Distributed checkpoints. Checked on 2.11 and 2.13.
+
+
+def metadata_path(reader, rank: int | None):
+    """The path of a FileSystemReader's `.metadata` file for `rank`."""
+    return reader._get_metadata_path(rank)
+
+
+def load_into_empty(state: dict[str, Any], reader) -> None:
+    """Load a whole checkpoint into the empty dict `state` in this one process (no process group):
+    what torch's own `dcp_to_torch_save` does, with the reader given."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipelining: the receive buffers of a stage (runtime/pipeline_stage.py pools them).
+#
+# torch builds one set of receive buffers per micro-batch when a schedule first runs, in private
+# methods that differ between versions:
+#   2.13: `_setup_forward_recv_info(n, has_backward)` and `_setup_backward_recv_info(n)`;
+#         `_RecvInfo(name, source, buffer, tensor_meta, is_root_arg=)`, `_make_tensor_from_meta(TensorMeta, device)`;
+#         a received activation's requires_grad is set when it is read.
+#   2.11: `_prepare_forward_infra(n, args, kwargs)` (shape inference, then the buffers, then the
+#         send info) and `_prepare_backward_infra(n)`; `_RecvInfo(name, source, buffer)`,
+#         `_make_tensor_from_meta(meta tensor, device)`; buffers are made requires_grad up front.
+# `PooledRecvStage` overrides whichever the installed torch has (found by name and signature, so
+# an unchecked version with one of the two shapes takes it); with neither, `pooled_recv_stage()`
+# says so and the runtime uses torch's own PipelineStage.
+RECV_POOL_CHECKED = ("2.11", "2.13")
+
+
+def _recv_api() -> str | None:
+    if hasattr(PipelineStage, "_setup_forward_recv_info") and hasattr(PipelineStage, "_setup_backward_recv_info"):
+        params = inspect.signature(PipelineStage._setup_forward_recv_info).parameters
+        return "2.13" if list(params)[1:] == ["num_microbatches", "has_backward"] else None
+    if hasattr(PipelineStage, "_prepare_forward_infra") and hasattr(PipelineStage, "_create_grad_recv_info"):
+        params = inspect.signature(PipelineStage._prepare_forward_infra).parameters
+        return "2.11" if list(params)[1:] == ["num_microbatches", "args", "kwargs"] else None
+    return None
+
+
+RECV_API = _recv_api()
+
+
+def pooled_recv_stage() -> bool:
+    """Whether `PooledRecvStage` can make this torch's receive buffers (see above)."""
+    return RECV_API is not None
+
+
+class PooledRecvStage(PipelineStage):
+    """torch's PipelineStage whose receive-buffer sets (`args_recv_info`, `grad_recv_info`: micro-
+    batch -> tuple of receive infos) are dicts the subclass makes, through two hooks:
+
+        pool_activations(first, make) -> dict   first: the one set torch made; make(): a new set
+        pool_gradients(make) -> dict            make(): a new set of gradient buffers
+
+    The first stage (nothing received forward) and the last (nothing backward) keep torch's own."""
+
+    def pool_activations(self, first: tuple, make: Callable[[], tuple]) -> dict:
+        raise NotImplementedError
+
+    def pool_gradients(self, make: Callable[[], tuple]) -> dict:
+        raise NotImplementedError
+
+    def _pool_forward(self, first: tuple) -> None:
+        # what `get_bwd_send_ops` reads (sources, not buffers), so it never takes a set of its own
+        if RECV_API == "2.13":
+            self._recv_template = tuple(
+                _RecvInfo(i.input_name, i.source, None, i.tensor_meta, is_root_arg=i.is_root_arg) for i in first
+            )
+        else:
+            self._recv_template = tuple(_RecvInfo(i.input_name, i.source, None) for i in first)
+        self.args_recv_info = self.pool_activations(first, self._new_activation_set)
+
+    def _new_activation_set(self) -> tuple:
+        if RECV_API == "2.13":
+            return tuple(
+                _RecvInfo(t.input_name, t.source, _make_tensor_from_meta(t.tensor_meta, self.device), t.tensor_meta)
+                for t in self._recv_template
+            )
+        infos = tuple(
+            _RecvInfo(t.input_name, t.source, _make_tensor_from_meta(meta, self.device))
+            for t, meta in zip(self._recv_template, self.inputs_meta, strict=True)
+        )
+        if self.has_backward:  # as torch 2.11 makes its own
+            for info in infos:
+                info.buffer.requires_grad_(True)
+        return infos
+
+    def _pool_backward(self, num_microbatches: int) -> None:
+        self.chunks = num_microbatches  # what torch's own setup records
+        self.grad_recv_info = self.pool_gradients(lambda: self._create_grad_recv_info(self.act_send_info))
+
+    if RECV_API == "2.13":
+
+        def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+            if self.is_first:  # root inputs: nothing is received
+                super()._setup_forward_recv_info(num_microbatches, has_backward)
+                return
+            super()._setup_forward_recv_info(1, has_backward)  # validates; one set, the template
+            self._pool_forward(self.args_recv_info[0])
+
+        def _setup_backward_recv_info(self, num_microbatches: int) -> None:
+            if self.is_last:  # nothing is received: keep torch's (empty) entries
+                super()._setup_backward_recv_info(num_microbatches)
+                return
+            self._pool_backward(num_microbatches)
+
+    elif RECV_API == "2.11":
+
+        def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None):
+            if self.is_first:
+                return super()._prepare_forward_infra(num_microbatches, args, kwargs)
+            out = super()._prepare_forward_infra(1, args, kwargs)  # shape inference; one set
+            self._pool_forward(self.args_recv_info[0])
+            return out
+
+        def _prepare_backward_infra(self, num_microbatches: int) -> None:
+            if self.is_last:
+                super()._prepare_backward_infra(num_microbatches)
+                return
+            self._pool_backward(num_microbatches)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        if self.grad_send_info is None and not self.is_first and self.has_backward:
+            self.grad_send_info = self._create_grad_send_info(self._recv_template)
+        return super().get_bwd_send_ops(bwd_chunk_id)
