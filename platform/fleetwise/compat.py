@@ -16,6 +16,7 @@ This module imports only torch (and the standard library); it is the bottom of t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -25,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-from torch.distributed.pipelining.stage import PipelineStage, _make_tensor_from_meta, _RecvInfo
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
@@ -68,14 +68,6 @@ def dispatch_modes() -> list:
 def modes_disabled():
     """A context in which no dispatch mode is active (ops run on real tensors, below every mode)."""
     return _disable_current_modes()
-
-
-def fake_store():
-    """The store of torch's `fake` process-group backend (every collective succeeds at once,
-    moving nothing), from torch's testing package. Checked on 2.11 and 2.13."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    return FakeStore()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,6 +129,12 @@ def scaler_found_inf(scaler, optimizer) -> list[torch.Tensor]:
     return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
 
 
+def set_last_lr(scheduler, lrs: list[float]) -> None:
+    """What an LR scheduler's `get_last_lr()` returns, set after moving it by hand (a resume): torch
+    keeps it in a private field it writes in `step()`. Checked on 2.11 and 2.13."""
+    scheduler._last_lr = lrs
+
+
 def compile_counters() -> dict:
     """torch.compile's counters (`stats`: unique_graphs, `graph_break`: reasons). Checked on 2.11 and 2.13."""
     from torch._dynamo.utils import counters
@@ -187,6 +185,31 @@ def flatten_mesh(mesh, dims: tuple[str, ...]):
 
 
 # ------------------------------------------------------------------------------------------------
+# torchrun's elastic agent (launcher/agent.py, a process that imports torch anyway). Checked on 2.11 and 2.13.
+
+
+def after_each_rendezvous(hook: Callable[[Any], None]) -> None:
+    """Call `hook(worker_group)` after the elastic agent's every rendezvous, before its workers
+    start (`SimpleElasticAgent._rendezvous(self, worker_group)`), in this process."""
+    from torch.distributed.elastic.agent.server import api
+
+    rendezvous = api.SimpleElasticAgent._rendezvous
+
+    def _rendezvous(self, worker_group):
+        rendezvous(self, worker_group)
+        hook(worker_group)
+
+    api.SimpleElasticAgent._rendezvous = _rendezvous
+
+
+def rendezvous_round(worker_group) -> int:
+    """The round of the rendezvous `worker_group` was formed in (the dynamic rendezvous handler's
+    state), 0 where the handler keeps none."""
+    state = getattr(getattr(worker_group.spec.rdzv_handler, "_state_holder", None), "state", None)
+    return int(getattr(state, "round", 0))
+
+
+# ------------------------------------------------------------------------------------------------
 # Distributed checkpoints. Checked on 2.11 and 2.13.
 
 
@@ -215,105 +238,125 @@ def load_into_empty(state: dict[str, Any], reader) -> None:
 #   2.11: `_prepare_forward_infra(n, args, kwargs)` (shape inference, then the buffers, then the
 #         send info) and `_prepare_backward_infra(n)`; `_RecvInfo(name, source, buffer)`,
 #         `_make_tensor_from_meta(meta tensor, device)`; buffers are made requires_grad up front.
+#         Its P2P warm-up (`_get_init_p2p_neighbors_ops`) also links a stage to a neighbour on the
+#         same rank, which gloo refuses: PooledRecvStage drops those ops (ZBV zero bubble).
 # `PooledRecvStage` overrides whichever the installed torch has (found by name and signature, so
 # an unchecked version with one of the two shapes takes it); with neither, `pooled_recv_stage()`
-# says so and the runtime uses torch's own PipelineStage.
+# is None and the runtime uses torch's own PipelineStage (runtime/pipeline_stage.py, with a note).
 RECV_POOL_CHECKED = ("2.11", "2.13")
 
 
-def _recv_api() -> str | None:
+def recv_api() -> str | None:
+    """Which of the two shapes above the installed torch has ("2.13" or "2.11"), or None."""
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    def params(name: str) -> list[str]:
+        return list(inspect.signature(getattr(PipelineStage, name)).parameters)[1:]
+
     if hasattr(PipelineStage, "_setup_forward_recv_info") and hasattr(PipelineStage, "_setup_backward_recv_info"):
-        params = inspect.signature(PipelineStage._setup_forward_recv_info).parameters
-        return "2.13" if list(params)[1:] == ["num_microbatches", "has_backward"] else None
+        return "2.13" if params("_setup_forward_recv_info") == ["num_microbatches", "has_backward"] else None
     if hasattr(PipelineStage, "_prepare_forward_infra") and hasattr(PipelineStage, "_create_grad_recv_info"):
-        params = inspect.signature(PipelineStage._prepare_forward_infra).parameters
-        return "2.11" if list(params)[1:] == ["num_microbatches", "args", "kwargs"] else None
+        return "2.11" if params("_prepare_forward_infra") == ["num_microbatches", "args", "kwargs"] else None
     return None
 
 
-RECV_API = _recv_api()
+@functools.cache
+def pooled_recv_stage() -> type | None:
+    """`PooledRecvStage` for the installed torch, or None where torch has neither shape above. Made
+    on first use: importing torch.distributed.pipelining takes seconds, and only pipelines need it.
 
-
-def pooled_recv_stage() -> bool:
-    """Whether `PooledRecvStage` can make this torch's receive buffers (see above)."""
-    return RECV_API is not None
-
-
-class PooledRecvStage(PipelineStage):
-    """torch's PipelineStage whose receive-buffer sets (`args_recv_info`, `grad_recv_info`: micro-
-    batch -> tuple of receive infos) are dicts the subclass makes, through two hooks:
+    PooledRecvStage is torch's PipelineStage whose receive-buffer sets (`args_recv_info`,
+    `grad_recv_info`: micro-batch -> tuple of receive infos) are dicts the subclass makes, through
+    two hooks:
 
         pool_activations(first, make) -> dict   first: the one set torch made; make(): a new set
         pool_gradients(make) -> dict            make(): a new set of gradient buffers
 
     The first stage (nothing received forward) and the last (nothing backward) keep torch's own."""
+    api = recv_api()
+    if api is None:
+        return None
+    from torch.distributed.pipelining.stage import PipelineStage, _make_tensor_from_meta, _RecvInfo
 
-    def pool_activations(self, first: tuple, make: Callable[[], tuple]) -> dict:
-        raise NotImplementedError
+    class PooledRecvStage(PipelineStage):
+        def pool_activations(self, first: tuple, make: Callable[[], tuple]) -> dict:
+            raise NotImplementedError
 
-    def pool_gradients(self, make: Callable[[], tuple]) -> dict:
-        raise NotImplementedError
+        def pool_gradients(self, make: Callable[[], tuple]) -> dict:
+            raise NotImplementedError
 
-    def _pool_forward(self, first: tuple) -> None:
-        # what `get_bwd_send_ops` reads (sources, not buffers), so it never takes a set of its own
-        if RECV_API == "2.13":
-            self._recv_template = tuple(
-                _RecvInfo(i.input_name, i.source, None, i.tensor_meta, is_root_arg=i.is_root_arg) for i in first
+        def _pool_forward(self, first: tuple) -> None:
+            # what `get_bwd_send_ops` reads (sources, not buffers), so it never takes a set of its own
+            if api == "2.13":
+                self._recv_template = tuple(
+                    _RecvInfo(i.input_name, i.source, None, i.tensor_meta, is_root_arg=i.is_root_arg)
+                    for i in first
+                )
+            else:
+                self._recv_template = tuple(_RecvInfo(i.input_name, i.source, None) for i in first)
+            self.args_recv_info = self.pool_activations(first, self._new_activation_set)
+
+        def _new_activation_set(self) -> tuple:
+            if api == "2.13":
+                return tuple(
+                    _RecvInfo(
+                        t.input_name, t.source, _make_tensor_from_meta(t.tensor_meta, self.device), t.tensor_meta
+                    )
+                    for t in self._recv_template
+                )
+            infos = tuple(
+                _RecvInfo(t.input_name, t.source, _make_tensor_from_meta(meta, self.device))
+                for t, meta in zip(self._recv_template, self.inputs_meta, strict=True)
             )
+            if self.has_backward:  # as torch 2.11 makes its own
+                for info in infos:
+                    info.buffer.requires_grad_(True)
+            return infos
+
+        def _pool_backward(self, num_microbatches: int) -> None:
+            self.chunks = num_microbatches  # what torch's own setup records
+            self.grad_recv_info = self.pool_gradients(lambda: self._create_grad_recv_info(self.act_send_info))
+
+        if api == "2.13":
+
+            def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
+                if self.is_first:  # root inputs: nothing is received
+                    super()._setup_forward_recv_info(num_microbatches, has_backward)
+                    return
+                super()._setup_forward_recv_info(1, has_backward)  # validates; one set, the template
+                self._pool_forward(self.args_recv_info[0])
+
+            def _setup_backward_recv_info(self, num_microbatches: int) -> None:
+                if self.is_last:  # nothing is received: keep torch's (empty) entries
+                    super()._setup_backward_recv_info(num_microbatches)
+                    return
+                self._pool_backward(num_microbatches)
+
         else:
-            self._recv_template = tuple(_RecvInfo(i.input_name, i.source, None) for i in first)
-        self.args_recv_info = self.pool_activations(first, self._new_activation_set)
 
-    def _new_activation_set(self) -> tuple:
-        if RECV_API == "2.13":
-            return tuple(
-                _RecvInfo(t.input_name, t.source, _make_tensor_from_meta(t.tensor_meta, self.device), t.tensor_meta)
-                for t in self._recv_template
-            )
-        infos = tuple(
-            _RecvInfo(t.input_name, t.source, _make_tensor_from_meta(meta, self.device))
-            for t, meta in zip(self._recv_template, self.inputs_meta, strict=True)
-        )
-        if self.has_backward:  # as torch 2.11 makes its own
-            for info in infos:
-                info.buffer.requires_grad_(True)
-        return infos
+            def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None):
+                if self.is_first:
+                    return super()._prepare_forward_infra(num_microbatches, args, kwargs)
+                out = super()._prepare_forward_infra(1, args, kwargs)  # shape inference; one set
+                self._pool_forward(self.args_recv_info[0])
+                return out
 
-    def _pool_backward(self, num_microbatches: int) -> None:
-        self.chunks = num_microbatches  # what torch's own setup records
-        self.grad_recv_info = self.pool_gradients(lambda: self._create_grad_recv_info(self.act_send_info))
+            def _prepare_backward_infra(self, num_microbatches: int) -> None:
+                if self.is_last:
+                    super()._prepare_backward_infra(num_microbatches)
+                    return
+                self._pool_backward(num_microbatches)
 
-    if RECV_API == "2.13":
+            def _get_init_p2p_neighbors_ops(self) -> list:
+                # torch 2.11 warms up the link to a neighbour stage on this same rank too (the V
+                # schedules: stages 1 and 2 of pp 2), and gloo cannot send to itself ("Pair is not
+                # connected"); same-rank stages pass tensors by function call, and torch 2.13 no
+                # longer makes these ops. Dropped here, in pairs (a send and its receive).
+                return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
-        def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
-            if self.is_first:  # root inputs: nothing is received
-                super()._setup_forward_recv_info(num_microbatches, has_backward)
-                return
-            super()._setup_forward_recv_info(1, has_backward)  # validates; one set, the template
-            self._pool_forward(self.args_recv_info[0])
+        def get_bwd_send_ops(self, bwd_chunk_id: int):
+            if self.grad_send_info is None and not self.is_first and self.has_backward:
+                self.grad_send_info = self._create_grad_send_info(self._recv_template)
+            return super().get_bwd_send_ops(bwd_chunk_id)
 
-        def _setup_backward_recv_info(self, num_microbatches: int) -> None:
-            if self.is_last:  # nothing is received: keep torch's (empty) entries
-                super()._setup_backward_recv_info(num_microbatches)
-                return
-            self._pool_backward(num_microbatches)
-
-    elif RECV_API == "2.11":
-
-        def _prepare_forward_infra(self, num_microbatches: int, args, kwargs=None):
-            if self.is_first:
-                return super()._prepare_forward_infra(num_microbatches, args, kwargs)
-            out = super()._prepare_forward_infra(1, args, kwargs)  # shape inference; one set
-            self._pool_forward(self.args_recv_info[0])
-            return out
-
-        def _prepare_backward_infra(self, num_microbatches: int) -> None:
-            if self.is_last:
-                super()._prepare_backward_infra(num_microbatches)
-                return
-            self._pool_backward(num_microbatches)
-
-    def get_bwd_send_ops(self, bwd_chunk_id: int):
-        if self.grad_send_info is None and not self.is_first and self.has_backward:
-            self.grad_send_info = self._create_grad_send_info(self._recv_template)
-        return super().get_bwd_send_ops(bwd_chunk_id)
+    return PooledRecvStage

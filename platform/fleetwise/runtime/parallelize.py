@@ -88,7 +88,7 @@ def parallelize(
 ) -> ParallelModel:
     """allocate(part): turns a meta-built part into real tensors -- by default `materialize` (this
     rank's shards on `device`, with the layout-invariant initial values); the dry run passes one
-    that allocates fake tensors (fleetwise.runtime.simulate)."""
+    that allocates fake tensors (fleetwise.dryrun.fake)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     layout = Layout.of(cfg)

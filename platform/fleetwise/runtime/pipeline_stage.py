@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from torch.distributed.pipelining.stage import PipelineStage
 
-from fleetwise.compat import RECV_POOL_CHECKED, VERSION, PooledRecvStage, pooled_recv_stage
+from fleetwise.compat import RECV_POOL_CHECKED, VERSION, pooled_recv_stage
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +60,11 @@ class RecvSlots(dict):
         return [*self.values(), *self.free]
 
 
-class ReusingStage(PooledRecvStage):
+class ReusingStage(pooled_recv_stage() or PipelineStage):
     """`PipelineStage` with pooled receive buffers (see the module's docstring). torch makes the
-    buffers in private methods that differ between versions: `compat.PooledRecvStage` adapts them
-    (checked on torch 2.11 and 2.13) and hands the sets to the two hooks below."""
+    buffers in private methods that differ between versions: `compat.pooled_recv_stage()` adapts
+    them (checked on torch 2.11 and 2.13) and hands the sets to the two hooks below. Where it cannot
+    (None: another shape), `make_stage` runs torch's own stage instead."""
 
     def pool_activations(self, first: tuple, make: Callable[[], tuple]) -> RecvSlots:
         slots = RecvSlots(make)
@@ -120,7 +121,7 @@ class ReusingStage(PooledRecvStage):
 
 class PlainStage(PipelineStage):
     """torch's own PipelineStage: a buffer set per micro-batch, kept for the stage's life. Used on
-    a torch whose receive-buffer internals `compat.PooledRecvStage` does not know."""
+    a torch whose receive-buffer internals `compat.pooled_recv_stage()` does not know."""
 
     noted = False  # one note per process
 
