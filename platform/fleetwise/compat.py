@@ -3,10 +3,10 @@
 fleetwise uses what PyTorch ships, and a few things it needs are private (a leading underscore:
 no promise across releases) or appeared in a recent release only. Every such use is here, and
 nowhere else in the package but the dry run's own patches (fleetwise.dryrun.patches), so that a
-new torch release is checked in two files. Each entry says which torch versions it was checked on
-(read in that version's source and run: `CHECKED` beside it) and what happens on any other: a
-public fallback, or `Unsupported` -- a clear error naming the installed version and the feature,
-never an AttributeError from inside a rank.
+new torch release is checked in two files. `CHECKED` at the end says, for each entry, the torch
+versions it was checked on (read in that version's source, and run); on any other version an entry
+takes a public fallback where one exists, or raises `Unsupported` when used -- a clear error naming
+the installed version and the feature, never an AttributeError from inside a rank.
 
 tests/unit/test_private_torch.py holds the rule: a private torch name anywhere else in the package
 fails it.
@@ -41,11 +41,14 @@ VERSION = torch.__version__.split("+")[0]
 MINOR = ".".join(VERSION.split(".")[:2])  # "2.13"
 
 
+TESTED = ("2.11", "2.13")  # the versions every entry without a note of its own was checked on
+
+
 class Unsupported(RuntimeError):
     """A torch feature fleetwise needs is missing, or changed, on the installed torch."""
 
 
-def unsupported(feature: str, checked: tuple[str, ...], instead: str = "") -> Unsupported:
+def unsupported(feature: str, checked: tuple[str, ...] = TESTED, instead: str = "") -> Unsupported:
     """The error for `feature` on a torch where its internals are not what fleetwise was checked on."""
     fix = instead or f"install torch {checked[-1]} (pip install 'torch=={checked[-1]}.*')"
     return Unsupported(
@@ -54,10 +57,33 @@ def unsupported(feature: str, checked: tuple[str, ...], instead: str = "") -> Un
     )
 
 
+class _Missing:
+    """Stands for a torch internal the installed torch lacks: calling it, or reading from it,
+    raises Unsupported (importing this module does not: a job that never uses it runs)."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __call__(self, *args, **kwargs):
+        raise unsupported(self.what)
+
+    def __getattr__(self, name: str):
+        raise unsupported(self.what)
+
+
+def _find(owner, path: str):
+    """`owner.<path>`, or a `_Missing` standing for it."""
+    found = owner
+    for part in path.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return _Missing(f"{getattr(owner, '__name__', owner)}.{path}")
+    return found
+
+
 # ------------------------------------------------------------------------------------------------
-# Dispatch modes, pytrees, fake tensors (the live-tensor tracker, the dry run's counters).
-# Checked on 2.11 and 2.13: the same names and behaviour.
-DISPATCH_CHECKED = ("2.11", "2.13")
+# Dispatch modes, pytrees, fake tensors (the live-tensor tracker, the dry run's counters), imported
+# above: the same names and behaviour on 2.11 and 2.13 (present since 2.0).
 
 
 def dispatch_modes() -> list:
@@ -89,31 +115,42 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 # Multi-tensor kernels (one launch for a list of tensors): what torch.optim and
 # clip_grad_norm_ use themselves. Checked on 2.11 and 2.13.
-foreach_norm = torch._foreach_norm
-foreach_mul_ = torch._foreach_mul_
-foreach_copy_ = torch._foreach_copy_
+foreach_norm = _find(torch, "_foreach_norm")
+foreach_mul_ = _find(torch, "_foreach_mul_")
+foreach_copy_ = _find(torch, "_foreach_copy_")
 
 # ATen's own operators with a leading underscore: the dispatcher's names, not a Python API.
-# Checked on 2.11 and 2.13 (every one below is present on both).
+# Checked on 2.11 and 2.13 (every one below is present on both). Compared by identity: where one
+# is missing, nothing matches it (the attention kernels: the ones present are saved).
 _aten = torch.ops.aten
-SCALAR_READ = _aten._local_scalar_dense.default  # `.item()`, `float(t)`, `bool(t)`
-AMP_UNSCALE = _aten._amp_foreach_non_finite_check_and_unscale_.default  # GradScaler's found-inf check
-SDPA_CPU = _aten._scaled_dot_product_flash_attention_for_cpu
-SDPA_CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward
-SDPA_KERNELS = (  # the attention kernels scaled_dot_product_attention dispatches to
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
+SCALAR_READ = _find(_aten, "_local_scalar_dense.default")  # `.item()`, `float(t)`, `bool(t)`
+AMP_UNSCALE = _find(_aten, "_amp_foreach_non_finite_check_and_unscale_.default")  # GradScaler's check
+SDPA_CPU = _find(_aten, "_scaled_dot_product_flash_attention_for_cpu")
+SDPA_CPU_BACKWARD = _find(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+SDPA_KERNELS = tuple(  # the attention kernels scaled_dot_product_attention dispatches to
+    op
+    for op in (
+        _find(_aten, "_scaled_dot_product_flash_attention.default"),
+        _find(_aten, "_scaled_dot_product_flash_attention_for_cpu.default"),
+        _find(_aten, "_scaled_dot_product_efficient_attention.default"),
+        _find(_aten, "_scaled_dot_product_cudnn_attention.default"),
+    )
+    if not isinstance(op, _Missing)
 )
 # the functional collectives DTensor issues (torch.distributed._functional_collectives)
-FUNCTIONAL_REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
-FUNCTIONAL_ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+FUNCTIONAL_REDUCE_SCATTER = _find(torch.ops, "_c10d_functional.reduce_scatter_tensor.default")
+FUNCTIONAL_ALL_REDUCE = _find(torch.ops, "_c10d_functional.all_reduce.default")
 
 
 # ------------------------------------------------------------------------------------------------
 # Modules. Checked on 2.11 and 2.13.
-BATCH_NORMS = nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones
+# BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones (fallback: the four public classes)
+BATCH_NORMS = getattr(nn.modules.batchnorm, "_BatchNorm", None) or (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+)
 
 
 def checkpoint_wrapper(module: nn.Module, **kwargs) -> nn.Module:
@@ -151,7 +188,6 @@ def quiet_redistribute_logs() -> None:
 # ------------------------------------------------------------------------------------------------
 # Collectives and process groups.
 
-SINGLE_COLLECTIVES_SINCE = "2.13"
 
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
@@ -360,3 +396,27 @@ def pooled_recv_stage() -> type | None:
             return super().get_bwd_send_ops(bwd_chunk_id)
 
     return PooledRecvStage
+
+
+# ------------------------------------------------------------------------------------------------
+# Each entry above and the torch versions it was checked on (read in that version's source, and
+# run: the unit tests and a 2-rank job of each engine and pipeline schedule). 2.12 and 2.14 are
+# not yet checked; the pipeline receive-buffer adapter is chosen by shape, not by version.
+CHECKED: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        (
+            "TorchDispatchMode", "dispatch_modes", "modes_disabled", "tree_flatten", "FakeTensorMode",
+            "is_fake", "storage_key", "local_tensor", "foreach_norm", "foreach_mul_", "foreach_copy_",
+            "SCALAR_READ", "AMP_UNSCALE", "SDPA_CPU", "SDPA_CPU_BACKWARD", "SDPA_KERNELS",
+            "FUNCTIONAL_REDUCE_SCATTER", "FUNCTIONAL_ALL_REDUCE", "BATCH_NORMS", "checkpoint_wrapper",
+            "scaler_found_inf", "set_last_lr", "compile_counters", "quiet_redistribute_logs",
+            "resolve_process_group", "flatten_mesh", "after_each_rendezvous", "rendezvous_round",
+            "metadata_path", "load_into_empty",
+        ),
+        TESTED,
+    ),
+    # torch's own from 2.13; the public reduce_scatter_tensor / all_gather_into_tensor before it
+    "reduce_scatter_single": TESTED,
+    "all_gather_single": TESTED,
+    "pooled_recv_stage": RECV_POOL_CHECKED,
+}  # fmt: skip
