@@ -52,8 +52,8 @@ def unsupported(feature: str, checked: tuple[str, ...] = TESTED, instead: str = 
     """The error for `feature` on a torch where its internals are not what fleetwise was checked on."""
     fix = instead or f"install torch {checked[-1]} (pip install 'torch=={checked[-1]}.*')"
     return Unsupported(
-        f"{feature} relies on torch internals checked on torch {', '.join(checked)}; the installed "
-        f"torch {torch.__version__} does not have them: {fix}"
+        f"{feature}: fleetwise uses torch internals here that were checked on torch {', '.join(checked)}, "
+        f"and the installed torch is {torch.__version__}: {fix}"
     )
 
 

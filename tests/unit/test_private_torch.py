@@ -254,3 +254,21 @@ def test_a_missing_feature_is_refused_with_the_version_named():
     err = compat.unsupported("the thing", ("2.11", "2.13"))
     assert isinstance(err, RuntimeError) and not isinstance(err, AttributeError)
     assert "2.11, 2.13" in str(err) and compat.VERSION.split(".")[0] in str(err) and "the thing" in str(err)
+
+
+def test_compat_is_the_bottom_and_the_dry_run_sits_above_the_runtime():
+    """compat imports nothing of fleetwise (it is the bottom of the import order); nothing the
+    runtime, tracking, models, data, plan or config hold imports the dry run (it runs the runtime,
+    not the other way round)."""
+    compat = ast.parse((PACKAGE / "compat.py").read_text())
+    assert not [
+        n for n in ast.walk(compat) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fleetwise")
+    ]
+    below = [p for sub in ("runtime", "tracking", "models", "data", "plan", "config") for p in (PACKAGE / sub).rglob("*.py")]
+    wrong = [
+        str(p.relative_to(PACKAGE))
+        for p in below
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fleetwise.dryrun")
+    ]
+    assert not wrong, wrong
