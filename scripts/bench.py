@@ -525,7 +525,7 @@ class Bench:
         memory per rank by category, the planner's beside it, headroom against usable memory."""
         from fleetwise.config.layout import Layout
         from fleetwise.config.validate import load_config
-        from fleetwise.launcher.dryrun import rank_of
+        from fleetwise.dryrun.parent import rank_of
         from fleetwise.plan import make_plan
 
         rows, refused = [], {}

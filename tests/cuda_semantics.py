@@ -10,14 +10,17 @@ Why this shape (torch 2.13, CPU build):
 - The job's device is `meta`, not a fake `cuda`: fake CUDA tensors can be created on a CPU build,
   but any op on them aborts the process in C++ (no CUDA device guard). Meta tensors run forward,
   backward, DTensor, FSDP2 and the pipeline schedules; like GPU memory they are not host memory.
+- The fake world is the dry run's own harness (fleetwise/dryrun/fake.py): the fake process group
+  (`join_fake_world`), the answers to host reads of device scalars (`HostReads`: `.item()` reads
+  1.0 -- finite, one -- integers 0 -- the pipeline's warm-up vote -- and GradScaler's found_inf 0),
+  and the pipeline's metadata messages (pickled objects between stages) through files
+  (`MetaRelay`), because fake collectives carry no data: simulated ranks of one pipeline must
+  run at the same time.
 - What the stand-in device lacks is supplied here, and only that: a device module (`torch.meta`:
-  current_device, streams, events), answers to host reads of device scalars (`.item()`: 1 --
-  finite, one; GradScaler's found_inf and the pipeline's warm-up vote: 0), device-to-host copies
-  (ones), FSDP2's host copy of offloaded meta shards (which it skips for meta parameters), DDP
-  with a Python all-reduce hook (its C++ hook needs a result the fake backend does not produce)
-  and without its data-dependent start-up checks and bucket rebuild, and the pipeline's metadata
-  messages (pickled objects between stages) through files, because fake collectives carry no
-  data: simulated ranks of one pipeline must run at the same time.
+  current_device, streams, events), device-to-host copies (ones), FSDP2's host copy of offloaded
+  meta shards (which it skips for meta parameters), DDP with a Python all-reduce hook (its C++
+  hook needs a result the fake backend does not produce) and without its data-dependent start-up
+  checks and bucket rebuild. The count of host-device synchronizations is this test's own.
 - Not covered: checkpoints (DCP writes tensor data, which the device does not hold), and code
   behind `device.type == "cuda"` tests (pinned offload, DDP device_ids, CUDA memory statistics).
 - autocast has no meta kernels: 16-bit runs use it as a no-op; the trainer's precision logic, the
@@ -32,10 +35,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import sys
 import tempfile
-import time
 import traceback
 import types
 from pathlib import Path
@@ -43,12 +44,11 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from fleetwise.compat import SCALAR_READ, TorchDispatchMode
+from fleetwise.dryrun.fake import HostReads, MetaRelay, join_fake_world
 
 DEVICE = torch.device("meta")
-# reads that mean "how many overflows" (GradScaler) and "static pipeline metadata?" (the warm-up
-# vote): answered 0
-ZERO_READERS = ("_maybe_opt_step", "_warmup_p2p")
 
 
 # host-device synchronizations so far: host reads of device data and device synchronize calls
@@ -58,20 +58,22 @@ COLLECTIVES = {"count": 0}
 
 
 class DeviceReads(TorchDispatchMode):
-    """Host reads of device data: a scalar read (`.item()`, `float()`) and a device-to-host copy.
-    Each one is a host-device synchronization on a GPU, and is counted in SYNCS. Collectives are
-    counted in COLLECTIVES."""
+    """Host reads of device data: a scalar read (`.item()`, `float()`, answered by the dry run's
+    HostReads) and a device-to-host copy. Each one is a host-device synchronization on a GPU, and
+    is counted in SYNCS. Collectives are counted in COLLECTIVES."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = HostReads()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "c10d":
             COLLECTIVES["count"] += 1
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+        if func is SCALAR_READ and args[0].is_meta:
             SYNCS["count"] += 1
-            stack = traceback.extract_stack(limit=10)
-            if any(f.name in ZERO_READERS for f in stack):
-                return 0
-            return 1.0 if args[0].dtype.is_floating_point else 1
+            return self.reads.answer(args[0])
+        self.reads.note(func, args)
         if func is torch.ops.aten._to_copy.default and args[0].is_meta and str(kwargs.get("device")) == "cpu":
             SYNCS["count"] += 1
             return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
@@ -180,48 +182,22 @@ def _offload_host_copy(original):
     return init
 
 
-def _messages(directory: Path, rank: int):
-    """Pipeline metadata between stages, through files (fake collectives carry no data)."""
-    sent: dict[int, int] = {}
-    received: dict[int, int] = {}
-
-    def send(self, meta, dst_stage):
-        dst = self._resolve_peer_global_rank(dst_stage)
-        n = sent[dst] = sent.get(dst, 0) + 1
-        tmp = directory / f"{rank}-{dst}-{n}.tmp"
-        tmp.write_bytes(pickle.dumps(meta))
-        tmp.rename(directory / f"{rank}-{dst}-{n}.pkl")
-
-    def recv(self, src_stage):
-        src = self._resolve_peer_global_rank(src_stage)
-        n = received[src] = received.get(src, 0) + 1
-        path = directory / f"{src}-{rank}-{n}.pkl"
-        deadline = time.monotonic() + 300
-        while not path.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no pipeline metadata from rank {src} ({path.name})")
-            time.sleep(0.02)
-        return pickle.loads(path.read_bytes())
-
-    return send, recv
-
-
 @contextlib.contextmanager
 def cuda_semantics(cfg, rank: int, messages: Path):
     """The fake process group and the stand-ins above, for one simulated rank. The group has the
-    backends the product asks for, with the job's device in place of cuda."""
+    backends the product asks for, with the job's device in place of cuda; the pipeline's metadata
+    goes through files in `messages`."""
     from torch.distributed.fsdp._fully_shard import _fsdp_init
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.distributed.pipelining.stage import PipelineStage
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fleetwise.runtime.mesh import process_group_backend
 
     backend = process_group_backend(cfg)
     fake = {"nccl": "meta:fake", "cpu:gloo,cuda:nccl": "cpu:fake,meta:fake"}[backend]
     world = cfg.hardware.world_size
-    dist.init_process_group(fake, store=FakeStore(), rank=rank, world_size=world)
+    join_fake_world(rank, world, fake)
+    MetaRelay(messages, timeout_s=300).install()
     real_autocast = torch.autocast
 
     def autocast(device_type, *args, **kwargs):
@@ -229,7 +205,6 @@ def cuda_semantics(cfg, rank: int, messages: Path):
             contextlib.nullcontext() if device_type == "meta" else real_autocast(device_type, *args, **kwargs)
         )
 
-    send, recv = _messages(messages, rank)
     patches = [
         mock.patch.object(torch, "meta", _device_module(world), create=True),
         mock.patch("torch.autocast", autocast),
@@ -244,8 +219,6 @@ def cuda_semantics(cfg, rank: int, messages: Path):
         mock.patch.object(
             FSDPParam, "_init_sharded_param", _offload_host_copy(FSDPParam._init_sharded_param)
         ),
-        mock.patch.object(PipelineStage, "_send_meta", send),
-        mock.patch.object(PipelineStage, "_recv_meta", recv),
     ]
     with contextlib.ExitStack() as stack:
         for p in patches:

@@ -312,7 +312,7 @@ def cmd_train(args, points: list[list[str]]) -> int:
 
 def cmd_dryrun(argv: list[str]) -> int:
     """Validate like `train` (exit 2, nothing started), then run the selected ranks' real runtime
-    on fake tensors and the fake process group (fleetwise.launcher.dryrun); planner figures beside them."""
+    on fake tensors and the fake process group (fleetwise.dryrun); planner figures beside them."""
     p = _parser("dryrun", cmd_dryrun.__doc__)
     p.add_argument(
         "--ranks", default="roles", help="'roles' (one per distinct role), 'all', or e.g. 0,7,8-11"
@@ -334,7 +334,7 @@ def cmd_dryrun(argv: list[str]) -> int:
         return print_help("dryrun")
     if args.cfg:
         return _print_cfg(args.overrides, args.cfg, args.resolve)
-    from fleetwise.launcher import dryrun
+    from fleetwise.dryrun import parent as dryrun
 
     # a dry run is how one checks a job that may not fit: the memory rule only warns here; what it
     # cannot simulate (strategy=ps, train.compile) is refused by config/rules/dryrun.py

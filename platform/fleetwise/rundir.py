@@ -43,8 +43,8 @@ LOGS_DIR = "logs"
 LAUNCHER_LOG = "launcher.log"
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_DIR = "model"  # the final weights as DCP shards, when no checkpoint holds them
-# `fleetwise dryrun`'s pipeline metadata relay (runtime/simulate.py MetaRelay), in its temporary run
-# directory: the stages' metadata files, and which stages run (launcher/dryrun.py stand_ins)
+# `fleetwise dryrun`'s pipeline metadata relay (dryrun/fake.py MetaRelay), in its temporary run
+# directory: the stages' metadata files, and which stages run (dryrun/parent.py stand_ins)
 PIPELINE_META_DIR = "pipeline_meta"
 STAND_INS_FILE = "stand_ins.json"
 # What a run's MLflow record carries as artifacts, besides the logs.

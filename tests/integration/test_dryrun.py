@@ -68,19 +68,19 @@ def test_a_bad_config_or_rank_spec_exits_2_before_anything_starts(tmp_path):
 
 
 # Two chunks per rank: torch's multi-stage schedules keep every send's Work (and so the tensor
-# sent) until the end of the step; the dry run holds them as gloo does (simulate._Works).
+# sent) until the end of the step; the dry run holds them as gloo does (dryrun/patches.py `works_hold_their_tensors`).
 LAYOUTS["pp2_interleaved_1F1B"] = (
     ("strategy=pp", "strategy.schedule=interleaved_1F1B", "strategy.virtual_stages=2"),
     2,
 )
 # DDP (strategy=dp): torch's C++ reducer itself -- 4 micro-batches accumulated under no_sync into
-# its buckets, the buckets rebuilt at step 2 (runtime/simulate.py); ResNet's BatchNorm buffers are
+# its buckets, the buckets rebuilt at step 2 (dryrun/patches.py); ResNet's BatchNorm buffers are
 # broadcast from rank 0 before every forward. Both equal to the byte when added.
 LAYOUTS["dp2_ddp"] = (("strategy=dp",), 2)
 LAYOUTS["resnet_dp2_ddp"] = (("recipe=resnet/tiny", "strategy=dp"), 2)
 # ZeRO-2 x mp 2, bf16, vocabulary 16k: the peak is FSDP's reduce-scatter of the root's 4.2 MB
-# fp32 gradients, where gloo reduces a copy of the whole input (runtime/simulate.py
-# `_reduce_scatter_copies_its_input`; without it the dry run was 20% low). Equal to the byte.
+# fp32 gradients, where gloo reduces a copy of the whole input (dryrun/patches.py
+# `reduce_scatter_copies_its_input`; without it the dry run was 20% low). Equal to the byte.
 LAYOUTS["sh2_mp2_bf16_vocab16k"] = (SH2_MP2_BF16_VOCAB16K, 4)
 
 
@@ -126,11 +126,11 @@ def test_dryrun_peak_matches_the_real_run(tmp_path, name):
 
 def test_alike_middle_stages_that_do_not_run_change_nothing(tmp_path):
     """pp 6, one layer a stage: with the shortcut, pipeline rank 3 does not run (its neighbours'
-    metadata come from stages 1 and 4, launcher/dryrun.py `stand_ins`) and ranks 0 and 2 report
+    metadata come from stages 1 and 4, dryrun/parent.py `stand_ins`) and ranks 0 and 2 report
     exactly what they report with every stage running."""
     from conftest import compose
 
-    from fleetwise.launcher import dryrun
+    from fleetwise.dryrun import parent as dryrun
     from fleetwise.plan import make_plan
 
     cfg, problems = compose(*GPT, "strategy=pp", "strategy.pp_degree=6", "model.num_layers=6",
@@ -165,14 +165,14 @@ def test_alike_middle_stages_that_do_not_run_change_nothing(tmp_path):
     ],
 )  # fmt: skip
 def test_sampled_blocks_report_what_every_block_reports(name, overrides, blocks, ranks):
-    """5 blocks a chunk, simulated at two smaller counts and scaled (runtime/simulate.py, layer
+    """5 blocks a chunk, simulated at two smaller counts and scaled (dryrun/sampling.py, layer
     sampling, with micro-batch sampling on top): the same memory by category, FLOPs and collective
     bytes and calls, to the byte, as simulating every block and every micro-batch (--exact) for two
     steps (the second one holds the optimizer state through its forward and backward, as the
     sampled steps do)."""
     from conftest import compose
 
-    from fleetwise.launcher import dryrun
+    from fleetwise.dryrun import parent as dryrun
     from fleetwise.plan import make_plan
 
     cfg, problems = compose(*GPT, *overrides)

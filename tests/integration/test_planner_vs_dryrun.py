@@ -74,7 +74,7 @@ LAYOUTS = {
     ),
     # ZeRO-3 with CPU offload on a GPU profile: the sharded fp32 params, their gradients, AdamW's
     # state and its step live in host RAM, not on the device. The dry run runs on the cpu device,
-    # where FSDP's host<->device copies are no-ops; it counts that state apart (runtime/simulate.py
+    # where FSDP's host<->device copies are no-ops; it counts that state apart (dryrun/rank.py
     # "Offload"), and its host peak is held against the planner's `host` (was: all of it counted as
     # device memory, GPT-3 1.3B on h100 -66.1%)
     "sharding3_offload_bf16": (
@@ -188,7 +188,7 @@ LAYOUTS = {
     # -5.1%; GPT-3 13B zero bubble v 2 + SP + full recompute -3.4%). 16 micro-batches, sampled
     # and checked against --exact: sampled from the first counts that reach the job's in-flight
     # counts (4 and 6), the last stage read 4,908,860 B instead of 3,614,160 (its peak there lacks
-    # the fp32 accumulators later rounds hold; runtime/simulate.py sampled_counts)
+    # the fp32 accumulators later rounds hold; dryrun/sampling.py sampled_counts)
     "pp2_dp2_zero_bubble_bf16": (
         "strategy=hybrid",
         "strategy.pp_degree=2",
@@ -205,7 +205,7 @@ LAYOUTS = {
     # 1 and 2, scaled as one, it read 323,840 B low (GPT-3 13B zero bubble v 2: 105,101,568 B):
     # the peak moves from a step on the first chunk to the last chunk's weight step at 3 blocks,
     # which grows one boundary activation less from 1 to 2 blocks than from 2 on
-    # (runtime/simulate.py ZERO_BUBBLE_LAYER_SAMPLES)
+    # (dryrun/sampling.py ZERO_BUBBLE_LAYER_SAMPLES)
     "pp2_dp2_zero_bubble_bf16_full_28_layers": (
         "strategy=hybrid",
         "strategy.pp_degree=2",
@@ -327,7 +327,7 @@ LAYOUTS = {
     # the second set of gradients that zeroing them to None allocated: runtime/optim.py)
     "dp2_ddp": ("strategy=dp", "hardware.devices_per_node=2"),
     # DDP under fp16 autocast with torch's GradScaler, 2 micro-batches: fp32 buckets; the scaler's
-    # found-inf flags read "no overflow" (runtime/simulate.py Counters), so the optimizer steps and
+    # found-inf flags read "no overflow" (dryrun/fake.py HostReads), so the optimizer steps and
     # holds its state (measured +0.31%; read as overflow, AdamW's state was missing)
     "dp4_ddp_fp16": ("strategy=dp", "hardware=a100", "hardware.devices_per_node=4", "train.precision=fp16"),
 }

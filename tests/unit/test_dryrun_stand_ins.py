@@ -1,4 +1,4 @@
-"""The dry run's pipeline shortcut (launcher/dryrun.py `stand_ins`, runtime/simulate.py `MetaRelay`):
+"""The dry run's pipeline shortcut (dryrun/parent.py `stand_ins`, dryrun/fake.py `MetaRelay`):
 which stages must run, and how the relay answers for the alike middle stages that do not.
 The shortcut against every stage running is in tests/integration/test_dryrun.py."""
 
@@ -11,7 +11,7 @@ from conftest import compose
 
 from fleetwise import rundir
 from fleetwise.config.layout import Layout
-from fleetwise.launcher.dryrun import default_ranks, stand_ins, with_pipelines
+from fleetwise.dryrun.parent import default_ranks, stand_ins, with_pipelines
 
 PP6 = ("recipe=gpt/tiny", "strategy=pp", "strategy.pp_degree=6", "hardware.devices_per_node=6")
 
@@ -54,7 +54,7 @@ def test_only_the_ends_and_their_neighbours_run_when_the_middle_chunks_are_alike
 
 
 def test_the_relay_answers_a_stage_that_does_not_run_from_an_alike_one_that_does(tmp_path):
-    from fleetwise.runtime.simulate import MetaRelay, NotAlike
+    from fleetwise.dryrun.fake import MetaRelay, NotAlike
 
     def relay(folder, running, sends):
         folder.mkdir()

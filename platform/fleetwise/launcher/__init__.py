@@ -11,9 +11,9 @@
     agent.py          torchrun for one node, its rendezvous stores on loopback
     hostnet.py        a node's address, interface and rendezvous role from the route to node 0
     auto.py           strategy=auto: the layout search's outcome as overrides
-    dryrun.py         `fleetwise dryrun`: one fake-tensor process per simulated rank, planner beside it
 
 Imports point one way, no cycle: sweeps → job → torchrun → failure, beside them preflight,
-run_dir_guard and job_tracking. Code that runs inside a rank lives in fleetwise.runtime; what crosses the
-boundary is fleetwise.rundir; `fleetwise calibrate` is fleetwise.calibrate.
+run_dir_guard and job_tracking. Code that runs inside a rank lives in fleetwise.runtime; what crosses
+the boundary is fleetwise.rundir. `fleetwise dryrun` is fleetwise.dryrun, `fleetwise calibrate`
+fleetwise.calibrate.
 """

@@ -65,18 +65,13 @@ def install() -> None:
 
 def export_round() -> None:
     """Before each group starts, its rendezvous round into the environment the ranks inherit."""
-    from torch.distributed.elastic.agent.server import api
-
+    from fleetwise.compat import after_each_rendezvous, rendezvous_round
     from fleetwise.runtime.mesh import ROUND_VAR
 
-    rendezvous = api.SimpleElasticAgent._rendezvous
+    def export(worker_group) -> None:
+        os.environ[ROUND_VAR] = str(rendezvous_round(worker_group))
 
-    def _rendezvous(self, worker_group):
-        rendezvous(self, worker_group)
-        state = getattr(getattr(worker_group.spec.rdzv_handler, "_state_holder", None), "state", None)
-        os.environ[ROUND_VAR] = str(getattr(state, "round", 0))
-
-    api.SimpleElasticAgent._rendezvous = _rendezvous
+    after_each_rendezvous(export)
 
 
 if __name__ == "__main__":

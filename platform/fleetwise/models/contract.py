@@ -222,7 +222,7 @@ def _named_submodules_problems(
     from torch import nn
 
     cls = type(model).__name__
-    children = [c for c in model._modules if c != "layers"]
+    children = [c for c, _ in model.named_children() if c != "layers"]
     for n in names:
         if n == "layers":
             yield Problem(
@@ -251,10 +251,11 @@ def _unsplit_state_problems(model: nn.Module, name: str) -> Iterator[Problem]:
     copy of them and train it apart from the others'."""
     listed = [*_names(model, "first_modules"), *_names(model, "last_modules")]
     # a misspelt name already has its problem (with "Did you mean"): not the module it meant too
-    meant = {c for n in listed if n not in model._modules for c in _close(n, model._modules)}
+    modules = dict(model.named_children())
+    meant = {c for n in listed if n not in modules for c in _close(n, modules)}
     split = {"layers", *listed, *meant}
-    for child, module in model._modules.items():
-        if child in split or module is None:
+    for child, module in modules.items():
+        if child in split:
             continue
         if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
             yield Problem(
@@ -264,7 +265,8 @@ def _unsplit_state_problems(model: nn.Module, name: str) -> Iterator[Problem]:
                 f"add {child!r} to first_modules if the first stage runs it, to last_modules if the last "
                 "stage does, or make it a block of `layers`",
             )
-    for p in [*model._parameters, *model._buffers]:
+    own = [*model.named_parameters(recurse=False), *model.named_buffers(recurse=False)]
+    for p, _ in own:
         yield Problem(
             f"{name}.{p}",
             "is a tensor of the root module: every pipeline stage would keep a copy of it",

@@ -17,8 +17,7 @@ from types import MethodType
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -27,8 +26,10 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from fleetwise.compat import local_rows, tensor_parallel_style
 
-class VocabParallelEmbedding(RowwiseParallel):
+
+class VocabParallelEmbedding(tensor_parallel_style()):
     """A vocabulary-parallel nn.Embedding whose backward makes only this rank's rows of the gradient.
 
     The weight is sharded like RowwiseParallel's (Shard(0): each mp rank holds v/mp rows) and the
@@ -39,10 +40,7 @@ class VocabParallelEmbedding(RowwiseParallel):
     (GPT-3 175B: 2.5 GB fp32 per stage-0 rank). Here autograd differentiates the local lookup: a
     (v/mp, h) gradient, Shard(0) like the weight."""
 
-    def __init__(self) -> None:
-        super().__init__(input_layouts=Replicate(), output_layouts=Replicate())
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if (
             not isinstance(module, nn.Embedding)
             or module.padding_idx is not None
@@ -51,17 +49,22 @@ class VocabParallelEmbedding(RowwiseParallel):
             raise NotImplementedError(
                 "VocabParallelEmbedding: a plain nn.Embedding (no padding_idx, max_norm)"
             )
-        distribute_module(module, device_mesh, self._partition_embedding_fn)
+        distribute_module(module, device_mesh, _rows_sharded)
         module.forward = MethodType(_vocab_parallel_lookup, module)
         return module
+
+
+def _rows_sharded(_name: str, module: nn.Module, device_mesh) -> None:
+    """The weight as a Shard(0) DTensor (RowwiseParallel's layout of an embedding)."""
+    for name, param in module.named_parameters(recurse=False):
+        sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=0)
+        module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 def _vocab_parallel_lookup(module: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
     """tokens [b, s] (the same on every mp rank) -> replicated embeddings [b, s, h]."""
     weight = module.weight  # Shard(0) over the mp mesh (FSDP2 hands the TP DTensor to forward)
-    (rows, _), (start, _) = compute_local_shape_and_global_offset(
-        weight.shape, weight.device_mesh, weight.placements
-    )
+    rows, start = local_rows(weight)
     outside = (tokens < start) | (tokens >= start + rows)
     local = F.embedding((tokens - start).masked_fill(outside, 0), weight.to_local())
     local = local.masked_fill(outside.unsqueeze(-1), 0)  # its gradient rows: zero there too

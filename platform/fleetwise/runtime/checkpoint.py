@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fleetwise import rundir
+from fleetwise.compat import load_into_empty, metadata_path
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.models.init import model_name
@@ -283,7 +284,7 @@ class VerifiedReader(FileSystemReader):
         super().__init__(path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        metadata = read_metadata(Path(metadata_path(self, kwargs.get("rank"))))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -293,13 +294,8 @@ class VerifiedReader(FileSystemReader):
 def export(checkpoint: Path, out: Path) -> Path:
     """Consolidate the model of a sharded checkpoint into one file: {parameter name: tensor}, the
     plain state dict of the fleetwise model (load it with `model.load_state_dict`)."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     full: dict[str, Any] = {}  # what dcp_to_torch_save does, through the verified reader
-    _load_state_dict(
-        full, storage_reader=VerifiedReader(checkpoint), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-    )
+    load_into_empty(full, VerifiedReader(checkpoint))
     model = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")}
     torch.save(model, out)
     return out

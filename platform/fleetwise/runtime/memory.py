@@ -10,9 +10,16 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_flatten
+
+from fleetwise.compat import (
+    FakeTensorMode,
+    TorchDispatchMode,
+    dispatch_modes,
+    is_fake,
+    local_tensor,
+    storage_key,
+    tree_flatten,
+)
 
 
 def rss_peak_bytes() -> int:
@@ -42,7 +49,7 @@ class LiveTensorBytes(TorchDispatchMode):
     inputs (those of more than one element that it tracks) are all in host storages -- where a
     GPU runs that op (the optimizer step on offloaded shards, the gradient norm): a tensor's device
     follows its inputs'. The dry run moves the rest across itself (`to_host`, `on_device`:
-    runtime/simulate.py `_offload_on_the_host`), where FSDP's host<->device copies are no-ops on
+    dryrun/rank.py `_offload_on_the_host`), where FSDP's host<->device copies are no-ops on
     a cpu device. Without host tensors (every real run, and dry runs of CPU jobs, whose offloaded
     state is in the same RAM) everything counts in `peak`, as before."""
 
@@ -50,7 +57,7 @@ class LiveTensorBytes(TorchDispatchMode):
         super().__init__()
         self.live: dict[int, int] = {}
         # the dry run counts fake tensors (they are its whole model); a real run holds none
-        self.fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+        self.fake = any(isinstance(m, FakeTensorMode) for m in dispatch_modes())
         self.current = 0
         self.peak = 0
         self.host: set[int] = set()  # keys of the storages in host memory
@@ -58,7 +65,7 @@ class LiveTensorBytes(TorchDispatchMode):
         self.host_peak = 0
         self.separate_host = bool(host)
         self._device_scope = 0
-        # the dry run names the moment the step is in (runtime/simulate.py: the pipeline action
+        # the dry run names the moment the step is in (dryrun/rank.py: the pipeline action
         # running) and keeps the peak reached in each; None: not followed
         self.moment: str | None = None
         self.moment_peaks: dict[str, int] = {}
@@ -70,10 +77,7 @@ class LiveTensorBytes(TorchDispatchMode):
     @staticmethod
     def _storage(t: torch.Tensor):
         """The storage of this rank's part of `t` that the tracker counts, or None."""
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(t, DTensor):
-            t = t._local_tensor
+        t = local_tensor(t)
         if t.device.type != "cpu" or t.is_meta:
             return None
         try:
@@ -82,14 +86,12 @@ class LiveTensorBytes(TorchDispatchMode):
             return None
 
     def _track(self, t: torch.Tensor, host: bool = False) -> None:
-        from torch.distributed.tensor import DTensor
-
-        if not self.fake and is_fake(t._local_tensor if isinstance(t, DTensor) else t):
+        if not self.fake and is_fake(local_tensor(t)):
             return  # torch.compile's tracing tensors, not this rank's memory
         storage = self._storage(t)
         if storage is None:
             return
-        key = storage._cdata
+        key = storage_key(storage)
         if key in self.live:
             return
         nbytes = storage.nbytes()
@@ -116,7 +118,7 @@ class LiveTensorBytes(TorchDispatchMode):
     def _resized(self, storage, nbytes: int) -> None:
         """A storage resized in place: FSDP2 frees a resharded parameter with `resize_(0)` and
         re-allocates it for the next all-gather, on the same storage object and outside dispatch."""
-        key = storage._cdata
+        key = storage_key(storage)
         if key not in self.live:
             return
         delta, self.live[key] = nbytes - self.live[key], nbytes
@@ -131,7 +133,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def in_host(self, t: torch.Tensor) -> bool:
         storage = self._storage(t)
-        return storage is not None and storage._cdata in self.host
+        return storage is not None and storage_key(storage) in self.host
 
     def to_host(self, t: torch.Tensor) -> None:
         """`t`'s storage is in host memory from now on (a GPU would hold a host copy of it and
@@ -139,7 +141,7 @@ class LiveTensorBytes(TorchDispatchMode):
         storage = self._storage(t)
         if storage is None:
             return
-        key = storage._cdata
+        key = storage_key(storage)
         if key not in self.live:
             self._track(t, host=True)
         elif key not in self.host:
@@ -168,8 +170,8 @@ class LiveTensorBytes(TorchDispatchMode):
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor) and t.numel() > 1:
                 storage = self._storage(t)
-                if storage is not None and storage._cdata in self.live:
-                    keys.append(storage._cdata)
+                if storage is not None and storage_key(storage) in self.live:
+                    keys.append(storage_key(storage))
         return bool(keys) and all(k in self.host for k in keys)
 
     @classmethod

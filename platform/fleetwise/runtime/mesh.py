@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fleetwise.compat import flatten_mesh
 from fleetwise.config.run import RunConfig
 
 # The rendezvous round of this worker group, exported by fleetwise's torchrun agent: 0 for the
@@ -121,5 +122,10 @@ def process_group(mesh: DeviceMesh, dims: tuple[str, ...]) -> dist.ProcessGroup:
     if len(dims) == 1:
         return mesh[dims[0]].get_group()
     if dims not in _GROUPS:
-        _GROUPS[dims] = mesh[dims]._flatten("_".join(dims)).get_group()
+        _GROUPS[dims] = flatten_mesh(mesh, dims).get_group()
     return _GROUPS[dims]
+
+
+def flattened_groups() -> dict[tuple[str, ...], dist.ProcessGroup]:
+    """The process groups of flattened mesh dims made so far, by their dims (the dry run names them)."""
+    return dict(_GROUPS)

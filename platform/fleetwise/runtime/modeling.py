@@ -50,7 +50,7 @@ def materialize(part: nn.Module, device: torch.device, seed: int, *, params_on_h
     if params_on_host and device.type != "cpu":
         for module in part.modules():
             for name, buf in module.named_buffers(recurse=False):
-                module._buffers[name] = buf.to(device)
+                setattr(module, name, buf.to(device))  # the buffer, replaced in place
 
 
 def build_model(cfg: RunConfig) -> nn.Module:

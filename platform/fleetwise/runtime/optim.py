@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from fleetwise.compat import foreach_mul_, set_last_lr
 from fleetwise.config.optim import OptimConfig
 from fleetwise.config.run import TrainConfig
 from fleetwise.models.init import model_name
@@ -143,7 +144,7 @@ class Optimizers:
             sched.last_epoch = done
             for group, base in zip(opt.param_groups, sched.base_lrs, strict=True):
                 group["lr"] = base * sched.lr_lambdas[0](done)
-            sched._last_lr = [g["lr"] for g in opt.param_groups]
+            set_last_lr(sched, [g["lr"] for g in opt.param_groups])
 
     def zero_grad(self) -> None:
         # DDP (gradient_as_bucket_view): after its first synchronizing backward the gradients are
@@ -348,4 +349,4 @@ def clip_(params: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> N
             mesh = g.device_mesh if isinstance(g, DTensor) else None
             groups[(mesh, g.device, g.dtype)].append(g)
     for (_, device, dtype), grads in groups.items():
-        torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
+        foreach_mul_(grads, coef.to(device=device, dtype=dtype))

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+from fleetwise.compat import BATCH_NORMS
 from fleetwise.config.engine import dp_engine, reshard_after_forward
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
@@ -87,7 +88,7 @@ def parallelize(
 ) -> ParallelModel:
     """allocate(part): turns a meta-built part into real tensors -- by default `materialize` (this
     rank's shards on `device`, with the layout-invariant initial values); the dry run passes one
-    that allocates fake tensors (fleetwise.runtime.simulate)."""
+    that allocates fake tensors (fleetwise.dryrun.fake)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
     layout = Layout.of(cfg)
@@ -217,7 +218,7 @@ def _data_parallel(
         # but not its buffers, and batch_norm wants weight and running statistics in one dtype
         # (fp32 with a 16-bit input is what autocast runs too; cf. torchtitan#674)
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=False)
-        for bn in [m for m in part.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+        for bn in [m for m in part.modules() if isinstance(m, BATCH_NORMS)]:
             fully_shard(bn, reshard_after_forward=reshard, **{**kwargs, "mp_policy": fp32})
     for block in part.layers.values():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
@@ -230,12 +231,12 @@ def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device:
 
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
-    from fleetwise.runtime.pipeline_stage import ReusingStage
+    from fleetwise.runtime.pipeline_stage import make_stage
 
     group = mesh["pp"].get_group()
     # receive buffers for the micro-batches in flight only, reused (torch's stage: one per micro-batch)
     pm.stages = [
-        ReusingStage(part, c, pm.num_chunks, device, group=group)
+        make_stage(part, c, pm.num_chunks, device, group=group)
         for part, c in zip(pm.parts, pm.chunk_ids, strict=True)
     ]
     classes = {

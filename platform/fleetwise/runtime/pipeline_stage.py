@@ -17,13 +17,19 @@ sets is the most micro-batches a schedule has between a receive and the end of t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
-from torch.distributed.pipelining.stage import PipelineStage, _make_tensor_from_meta, _RecvInfo
+from torch.distributed.pipelining.stage import PipelineStage
+
+from fleetwise.compat import RECV_POOL_CHECKED, VERSION, pooled_recv_stage
+
+log = logging.getLogger(__name__)
 
 
 class RecvSlots(dict):
-    """micro-batch -> its tuple of `_RecvInfo` (receive buffers), handed out lazily from a pool."""
+    """micro-batch -> its tuple of receive infos (torch's, each with a `buffer`), handed out lazily
+    from a pool."""
 
     def __init__(self, make: Callable[[], tuple]):
         super().__init__()
@@ -54,46 +60,23 @@ class RecvSlots(dict):
         return [*self.values(), *self.free]
 
 
-class ReusingStage(PipelineStage):
-    """`PipelineStage` with pooled receive buffers (see the module's docstring)."""
+class ReusingStage(pooled_recv_stage() or PipelineStage):
+    """`PipelineStage` with pooled receive buffers (see the module's docstring). torch makes the
+    buffers in private methods that differ between versions: `compat.pooled_recv_stage()` adapts
+    them (checked on torch 2.11 and 2.13) and hands the sets to the two hooks below. Where it cannot
+    (None: another shape), `make_stage` runs torch's own stage instead."""
 
-    def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
-        super()._setup_forward_recv_info(1, has_backward)  # validates; one set, used as the template
-        if self.is_first:  # root inputs: nothing is received
-            super()._setup_forward_recv_info(num_microbatches, has_backward)
-            return
-        first = self.args_recv_info[0]
-        # what `get_bwd_send_ops` reads (sources, not buffers), so it never takes a set of its own
-        self._recv_template = tuple(
-            _RecvInfo(i.input_name, i.source, None, i.tensor_meta, is_root_arg=i.is_root_arg) for i in first
-        )
-        slots = RecvSlots(self._new_act_infos)
+    def pool_activations(self, first: tuple, make: Callable[[], tuple]) -> RecvSlots:
+        slots = RecvSlots(make)
         slots.free.append(first)
         slots.allocated = 1
-        self.args_recv_info = slots
+        return slots
 
-    def _new_act_infos(self) -> tuple:
-        return tuple(
-            _RecvInfo(
-                t.input_name, t.source, _make_tensor_from_meta(t.tensor_meta, self.device), t.tensor_meta
-            )
-            for t in self._recv_template
-        )
-
-    def _setup_backward_recv_info(self, num_microbatches: int) -> None:
-        self.chunks = num_microbatches
-        if self.is_last:  # nothing is received: keep torch's (empty) entries
-            super()._setup_backward_recv_info(num_microbatches)
-            return
-        slots = RecvSlots(lambda: self._create_grad_recv_info(self.act_send_info))
+    def pool_gradients(self, make: Callable[[], tuple]) -> RecvSlots:
+        slots = RecvSlots(make)
         slots[0]  # made now, where torch makes them: the metadata is checked before the first step
         slots.release(0)
-        self.grad_recv_info = slots
-
-    def get_bwd_send_ops(self, bwd_chunk_id: int):
-        if self.grad_send_info is None and not self.is_first and self.has_backward:
-            self.grad_send_info = self._create_grad_send_info(self._recv_template)
-        return super().get_bwd_send_ops(bwd_chunk_id)
+        return slots
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
@@ -134,3 +117,29 @@ class ReusingStage(PipelineStage):
             name: infos.allocated if isinstance(infos, RecvSlots) else 0
             for name, infos in (("activations", self.args_recv_info), ("gradients", self.grad_recv_info))
         }
+
+
+class PlainStage(PipelineStage):
+    """torch's own PipelineStage: a buffer set per micro-batch, kept for the stage's life. Used on
+    a torch whose receive-buffer internals `compat.pooled_recv_stage()` does not know."""
+
+    noted = False  # one note per process
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not PlainStage.noted:
+            PlainStage.noted = True
+            log.warning(
+                "pipeline receive buffers are not pooled on torch %s (checked on %s): one set per "
+                "micro-batch is held for the whole step, more than the plan counts",
+                VERSION,
+                ", ".join(RECV_POOL_CHECKED),
+            )
+
+    def buffer_sets(self) -> dict[str, int]:
+        return {"activations": len(self.args_recv_info), "gradients": len(self.grad_recv_info)}
+
+
+def make_stage(*args, **kwargs) -> PipelineStage:
+    """The stage fleetwise runs: ReusingStage where this torch's buffers can be pooled, else torch's."""
+    return (ReusingStage if pooled_recv_stage() else PlainStage)(*args, **kwargs)

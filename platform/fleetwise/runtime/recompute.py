@@ -19,8 +19,14 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from fleetwise.compat import (
+    FUNCTIONAL_ALL_REDUCE,
+    FUNCTIONAL_REDUCE_SCATTER,
+    SDPA_KERNELS,
+    checkpoint_wrapper,
+)
 
 _aten = torch.ops.aten
 SAVE_OPS = {
@@ -28,17 +34,14 @@ SAVE_OPS = {
     _aten.addmm.default,
     _aten.bmm.default,
     _aten.convolution.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
+    *SDPA_KERNELS,
 }
 
 
 # the reductions that finish a row-parallel matmul (functional collectives, as DTensor issues them)
 REDUCED_OPS = {
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_reduce.default,
+    FUNCTIONAL_REDUCE_SCATTER,
+    FUNCTIONAL_ALL_REDUCE,
 }
 
 

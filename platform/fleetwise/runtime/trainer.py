@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fleetwise.compat import compile_counters, scaler_found_inf
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.data.loader import StepBatches
@@ -253,11 +254,7 @@ class Trainer:
         if self.env.world_size == 1:
             return
         # torch keeps found_inf per optimizer and device here (its ShardedGradScaler reads it too)
-        found = [
-            v
-            for opt in self.optimizers.optimizers
-            for v in self.scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
-        ]
+        found = [v for opt in self.optimizers.optimizers for v in scaler_found_inf(self.scaler, opt)]
         flag = torch.zeros(1, device=self.env.device)
         for v in found:
             flag += v.to(self.env.device).reshape(1)
@@ -464,8 +461,7 @@ class Trainer:
                     "; ".join(f"chunk {st.stage_index}: {st.buffer_sets()}" for st in self.model.stages),
                 )
             if step == 1 and self.cfg.train.compile:
-                from torch._dynamo.utils import counters
-
+                counters = compile_counters()
                 # a test reads this line: compiled graphs > 0 proves the blocks did not run eagerly
                 log.info(
                     "torch.compile: %d graph(s) compiled for the blocks, %d graph break(s)",

@@ -43,9 +43,6 @@ def redirect_output(log_file: Path) -> None:
         return record
 
     logging.setLogRecordFactory(factory)
-    # DTensor warns on every gradient-norm reduction over two mesh dims (2 small all-reduces instead
-    # of 1); it is expected here and would drown the training log.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,12 +61,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from fleetwise.compat import quiet_redistribute_logs
     from fleetwise.runtime.checkpoint_files import find_resume
     from fleetwise.runtime.hostmalloc import STEADY_MMAP_THRESHOLD, steady_malloc
     from fleetwise.runtime.mesh import init_distributed
     from fleetwise.runtime.trainer import Trainer
 
     imported = time.perf_counter()
+    # DTensor warns on every gradient-norm reduction over two mesh dims (2 small all-reduces instead
+    # of 1); it is expected here and would drown the training log.
+    quiet_redistribute_logs()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != cfg.hardware.world_size:  # an elastic job started with fewer (or more) nodes
         from fleetwise.config.validate import elastic_config

@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fleetwise import compat
 from fleetwise.config.engine import ZERO1_BUCKET_ELEMENTS as BUCKET_ELEMENTS
 from fleetwise.config.optim import OptimConfig
 from fleetwise.models.init import model_name
@@ -134,7 +135,7 @@ class _Bucket:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return compat.local_tensor(t)
 
 
 class Zero1:
@@ -223,17 +224,17 @@ class Zero1:
         keep = {
             id(p)
             for m in self.part.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            if isinstance(m, compat.BATCH_NORMS)
             for p in m.parameters()
         }
         for module in self.part.modules():
-            for key, p in list(module._parameters.items()):
-                if p is None or not p.requires_grad or id(p) in keep:
+            for key, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+                if not p.requires_grad or id(p) in keep:
                     continue
                 new = replaced.get(id(p))
                 if new is None:
                     new = replaced[id(p)] = nn.Parameter(p.detach().to(self.working_dtype))
-                module._parameters[key] = new
+                setattr(module, key, new)  # registers the new parameter under the same name
         for s in self.all_slots():
             s.param = replaced.get(id(s.param), s.param)
 
@@ -262,7 +263,7 @@ class Zero1:
         if isinstance(g, DTensor):
             if g.placements != p.placements:  # e.g. a Partial gradient of a replicated weight
                 g = g.redistribute(p.device_mesh, p.placements)
-            g = g._local_tensor
+            g = compat.local_tensor(g)
         s = self.slots[id(p)]
         if s.into is not None:
             s.into.add_(g.reshape(s.into.shape))
@@ -288,7 +289,7 @@ class Zero1:
             if self.d > 1 and self.all_reduce:  # every row reduced; this rank keeps its own
                 dist.all_reduce(bucket.grad, group=self.group)
             elif self.d > 1:
-                dist.reduce_scatter_single(out, bucket.grad, group=self.group)
+                compat.reduce_scatter_single(out, bucket.grad, group=self.group)
             if self.dp_group is not None:
                 dist.all_reduce(out, group=self.dp_group)
             out.div_(self.grad_divisor)
@@ -311,7 +312,7 @@ class Zero1:
             ]
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
             if grads:
-                sq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
+                sq = torch.stack([n.float() ** 2 for n in compat.foreach_norm(grads)]).sum()
             out.append(sq)
         return torch.stack(out)
 
@@ -340,13 +341,13 @@ class Zero1:
             mine = rows[self.rank]
             slots = [s for s in bucket.slots if s.master.numel()]
             if slots:
-                torch._foreach_copy_(
+                compat.foreach_copy_(
                     [s.region(mine, self.rank) for s in slots], [s.master.detach() for s in slots]
                 )
             if gathering and self.all_reduce:
                 dist.all_reduce(out, group=self.group)
             elif gathering:
-                dist.all_gather_single(out, mine, group=self.group)
+                compat.all_gather_single(out, mine, group=self.group)
             dst, src = [], []
             for s in bucket.slots:
                 local = _local(s.param).detach()
@@ -358,7 +359,7 @@ class Zero1:
                         dst.append(s.piece(local, r))
                         src.append(s.region(rows[r], r))
             if dst:
-                torch._foreach_copy_(dst, src)
+                compat.foreach_copy_(dst, src)
             del out
 
     def zero_grad(self) -> None:

@@ -78,11 +78,13 @@ def _shard_collectives(world: int, rank: int, device, sync, reps: int = 10) -> d
     into BANDWIDTH_BYTES, the collectives of ZeRO-1 and FSDP, keyed "reduce_scatter" / "all_gather"."""
     import torch.distributed as dist
 
+    from fleetwise.compat import all_gather_single, reduce_scatter_single
+
     whole = torch.ones(BANDWIDTH_BYTES // 4, device=device)
     piece = torch.ones(BANDWIDTH_BYTES // 4 // world, device=device)
     ops = {
-        "reduce_scatter": lambda: dist.reduce_scatter_single(piece, whole),
-        "all_gather": lambda: dist.all_gather_single(whole, piece),
+        "reduce_scatter": lambda: reduce_scatter_single(piece, whole),
+        "all_gather": lambda: all_gather_single(whole, piece),
     }
     out = {}
     for name, op in ops.items():

@@ -19,14 +19,12 @@ def zero_bubble_split_cost(overhead_us: float, reps: int = 15) -> tuple[float, f
     block's weights on top, taken from the same block at width 256 less its per-op part. A 6-layer
     d=512 GPT on 2 CPU ranks measured ~4 ms per block and micro-batch more under interleaved zero
     bubble than under 1F1B; one such block alone, 2.4-4.2 ms (d=256: 2.1, d=768: 6.2)."""
-    from torch.distributed.pipelining._backward import (
-        stage_backward,
-        stage_backward_input,
-        stage_backward_weight,
-    )
     from torch.utils.checkpoint import GraphExecGroup
 
+    from fleetwise.compat import stage_backward_split
     from fleetwise.models.transformer import PreLNBlock
+
+    stage_backward, stage_backward_input, stage_backward_weight = stage_backward_split()
 
     def extra(blocks: int, width: int, tokens: int) -> tuple[float, int, int]:
         """Seconds the split adds, forward ops, parameters."""

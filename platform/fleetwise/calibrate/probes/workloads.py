@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from fleetwise.compat import TorchDispatchMode
+
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "convolution", "linear", "matmul"})
 
 
-class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+class OpCounter(TorchDispatchMode):
     """Counts the aten ops a region dispatches: all of them (`count`), the matmul-like ones
     (`gemms`: linear, conv, attention; `convs` of them convolutions) and the elements the other
     non-view ops write (`elements`): the planner's per-unit fwd_ops, fwd_gemms, fwd_convs and
@@ -24,7 +26,7 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.count += 1
-        name = func._schema.name.split("::")[-1]
+        name = func.overloadpacket.__name__  # "mm", "convolution", …
         if name in GEMM_OPS or name.startswith("_scaled_dot_product"):
             self.gemms += 1
             self.convs += name == "convolution"

@@ -1,10 +1,11 @@
-"""`fleetwise dryrun`: the real per-rank runtime of a job of any size, on fake tensors.
+"""`fleetwise dryrun`'s parent side: the real per-rank runtime of a job of any size, on fake tensors.
 
-The config is validated exactly as `train` validates it (exit 2, nothing started). Then one
-process per selected rank runs `python -m fleetwise.runtime.simulate`: the same mesh, parallelize,
-optimizer and train step that `train` runs, under FakeTensorMode and the fake process group (see
-runtime/simulate.py). Each reports its peak live-tensor bytes, FLOPs and collective bytes per step;
-this module puts the planner's figures beside them.
+The config is validated exactly as `train` validates it (exit 2, nothing started). Then this
+module picks the ranks to simulate and starts one process per rank, each running
+`fleetwise.dryrun.rank.main`: the same mesh, parallelize, optimizer and train step that `train`
+runs, under FakeTensorMode and the fake process group (see dryrun/rank.py). Each reports its peak
+live-tensor bytes, FLOPs and collective bytes per step; this module puts the planner's figures
+beside them. It imports no torch (the rank processes do).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fleetwise import rundir
 from fleetwise.config.layout import MESH_DIMS, Layout
 from fleetwise.plan.planner import Plan
 
-NOT_ALIKE = "pipeline stages are not alike"  # runtime.simulate.MetaRelay's message when a check fails
+NOT_ALIKE = "pipeline stages are not alike"  # dryrun.fake.MetaRelay's message when a check fails
 DIMS = ("dp", "sharding", "mp", "pp")
 
 
@@ -46,7 +47,7 @@ def default_ranks(layout: Layout, alike: dict[str, Any] | None = None) -> list[i
 
 def with_pipelines(layout: Layout, ranks: list[int], stages: list[int] | None = None) -> list[int]:
     """The ranks plus the other pipeline ranks their stages learn their metadata from: a stage
-    learns its input shapes from its neighbours before the first step (runtime.simulate.MetaRelay).
+    learns its input shapes from its neighbours before the first step (dryrun/fake.py MetaRelay).
     stages: the pipeline ranks that must run (`stand_ins`); by default all of them."""
     out = set()
     for r in ranks:
@@ -66,7 +67,7 @@ def stand_ins(cfg) -> dict[str, Any] | None:
     every middle chunk's input and output are that same metadata (f(M) = M, by induction along the
     pipeline), and a chunk that does not run is answered with chunk 1's real output. Backward, the
     same with chunk S-2 and the gradients it receives from chunk S-1. The relay checks both
-    equalities when it answers (runtime.simulate.MetaRelay); if one fails the dry run runs again
+    equalities when it answers (dryrun/fake.py MetaRelay); if one fails the dry run runs again
     with every chunk. "Alike" is decided on the planner's units (runtime and planner split layers
     with the same `split_layers`): every middle chunk the same list of units, names aside."""
     from dataclasses import replace
@@ -97,24 +98,23 @@ def stand_ins(cfg) -> dict[str, Any] | None:
 # they are forked instead from one server process that imported them once (multiprocessing's
 # forkserver: a clean process, no threads, nothing of the launcher's state).
 PRELOAD = [
-    "fleetwise.launcher.dryrun",
-    "fleetwise.runtime.simulate",
+    "fleetwise.dryrun.parent",
+    "fleetwise.dryrun.rank",  # with fleetwise.compat: torch's fake process-group backend
     "fleetwise.runtime.trainer",
-    "torch.testing._internal.distributed.fake_pg",
     "torch.distributed.pipelining",
     "torch.utils.flop_counter",
 ]
 
 
 def _rank_process(argv: list[str], log: str) -> None:
-    """A rank process (forked from the server): `python -m fleetwise.runtime.simulate ARGV`, with
+    """A rank process (forked from the server): `python -m fleetwise.dryrun.rank ARGV`, with
     its standard output and error in `log`."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    from fleetwise.dryrun.rank import main
     from fleetwise.runtime.mesh import exit_finished
-    from fleetwise.runtime.simulate import main
 
     exit_finished(main(argv))
 
@@ -154,8 +154,8 @@ def simulate(
 ) -> list[dict[str, Any]]:
     """Run the selected ranks, `workers` processes at a time; returns their reports by rank. The
     other stages of a selected rank's pipeline run as helpers: they build their stage and send its
-    metadata to their neighbours, then stop (runtime.simulate.MetaRelay).
-    exact: simulate every micro-batch of a step instead of two small counts scaled (simulate.py).
+    metadata to their neighbours, then stop (dryrun/fake.py MetaRelay).
+    exact: simulate every micro-batch of a step instead of two small counts scaled (dryrun/sampling.py).
     alike: run only the pipeline ranks `stand_ins` names when the middle chunks are alike (False:
     every pipeline rank, as the shortcut is checked against)."""
     from fleetwise.rundir import write_run_dir

@@ -1,0 +1,275 @@
+"""Every change the dry run makes to torch, and every private torch name it reads, in one module.
+
+The dry run (and the CUDA-semantics tests, through dryrun/fake.py) runs torch's own code on the
+fake process-group backend and fake tensors; where that differs from a real job in what it holds
+or needs, a function below patches torch in the simulating process only (never in a real rank).
+Each says why, what it measured, and the torch versions it was checked on: all of them on torch
+2.13 (`CHECKED`). On another version the dry run refuses to start (`require_checked_torch`) --
+torch 2.11's pipelining, for one, exchanges stage metadata without the `_send_meta`/`_recv_meta`
+pair that `route_stage_metadata` replaces -- and a patch whose target is missing raises
+`compat.Unsupported` naming it, never an AttributeError.
+
+Private torch names live here and in fleetwise.compat only (tests/unit/test_private_torch.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fleetwise import compat
+
+CHECKED = ("2.13",)
+
+
+def require_checked_torch() -> None:
+    """Refuse a torch the patches below were not checked on (see the module's docstring)."""
+    if compat.MINOR not in CHECKED:
+        raise compat.unsupported(
+            "the dry run (fake process group, fake tensors)",
+            CHECKED,
+            f"run `fleetwise dryrun` where torch {CHECKED[-1]} is installed; `fleetwise plan` works with any",
+        )
+
+
+def _original(owner, name: str, feature: str):
+    """`owner.name`, the torch function a patch wraps, or `compat.Unsupported` naming `feature`."""
+    found = getattr(owner, name, None)
+    if found is None:
+        raise compat.unsupported(f"{feature} ({getattr(owner, '__name__', owner)}.{name})", CHECKED)
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# The fake backend, given a real backend's memory behaviour (dryrun/fake.py `init_fake_world`).
+
+
+def fake_store() -> FakeStore:
+    """The store of torch's `fake` process-group backend (every collective succeeds at once, moving
+    nothing), from torch's testing package (imported with this module: the rank processes' fork
+    server preloads it). Checked on 2.11 and 2.13."""
+    return FakeStore()
+
+
+def reduce_scatter_copies_its_input(gloo: bool) -> None:
+    """Give the fake backend's reduce-scatter gloo's working copy of its input. gloo reduces a
+    copy of the whole input tensor and keeps it until the call returns; NCCL reduces in place.
+    Measured with torch 2.13 (2 gloo ranks, `dist.reduce_scatter_single` under LiveTensorBytes):
+    the peak is the input and output plus exactly the input's bytes again, fp32 and bf16, 4 KB to
+    4 MB. FSDP's reduce-scatter of a vocabulary-wide root (gpt/tiny, vocab 16k, ZeRO-2 x mp 2, bf16:
+    its 4.2 MB fp32 gradients) peaks there: the dry run was 4,203,008 B (20%) below the real run.
+    FSDP and ZeRO-1 call it synchronously (runtime/zero1.py), so the copy lives for the call.
+    Patched where they look it up (`torch.distributed` and `distributed_c10d`), in this simulation
+    process only; `gloo` is the simulated job's (a later job in the process sets it again)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    reduce_scatter_copies_its_input.gloo = gloo
+    original = _original(c10d, "reduce_scatter_single", "the dry run's reduce-scatter copy")
+    if hasattr(original, "original"):  # installed already
+        return
+
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        # gloo's copy: allocated under the fake mode, so the live-tensor tracker counts it
+        copy = torch.empty_like(input) if reduce_scatter_copies_its_input.gloo else None
+        try:
+            return original(output, input, *args, **kwargs)
+        finally:
+            del copy
+
+    reduce_scatter_single.original = original
+    c10d.reduce_scatter_single = dist.reduce_scatter_single = reduce_scatter_single
+
+
+class _Works(list):
+    """A list of point-to-point Works that, like gloo's and NCCL's, keeps the tensors they send
+    or receive alive for as long as the Works themselves are kept."""
+
+    tensors: list[torch.Tensor]
+
+
+def works_hold_their_tensors() -> None:
+    """Give the fake backend's point-to-point Works the lifetime of real ones. A gloo (or NCCL)
+    send Work holds the tensor it sends until the Work object is dropped; the fake backend's Work
+    holds nothing. torch's multi-stage schedules keep every send's Work until the end of the step
+    ("wait for them at the end"), so without this every sent activation and gradient would be
+    freed early: measured on gpt/tiny, interleaved 1F1B pp2 v2, the dry run was 262,144 B (7%)
+    below the real run -- exactly its 16 sends of 16 KiB. Patched where the schedules look it up
+    (`schedules._batch_p2p`), in this simulation process only."""
+    from torch.distributed.pipelining import schedules
+
+    original = _original(schedules, "_batch_p2p", "the dry run's point-to-point Works")
+    if hasattr(original, "original"):  # installed already
+        return
+
+    def batch_p2p(p2p_ops, desc=None):
+        works = _Works(original(p2p_ops, desc=desc))
+        works.tensors = [op.tensor for op in p2p_ops]
+        return works
+
+    batch_p2p.original = original
+    schedules._batch_p2p = batch_p2p
+
+
+def allreduce_with_result(out):
+    """A c10d op's (tensors..., Work) with a Work whose future holds the op's tensors, as gloo's
+    and NCCL's do (an in-place all-reduce: its input, reduced). The fake backend's Work completes
+    with None, and DDP's C++ reducer reads the reduced bucket from that future at the end of every
+    synchronizing backward (`parseCppCommHookResult`: "expected the hook result is either a Tensor
+    or a TensorList found None", torch 2.13). Applied to `c10d.allreduce_` only, the one op whose
+    future's value the runtime reads: a Work holding its tensors keeps them alive as long as it is
+    kept, and the other ops' Works are left as they are (their peaks are checked against real runs)."""
+    if not (isinstance(out, tuple) and out and isinstance(out[-1], torch.ScriptObject)):
+        return out
+    future = torch.futures.Future()
+    future.set_result([t for t in compat.tree_flatten(out[:-1])[0] if isinstance(t, torch.Tensor)])
+    return (*out[:-1], torch._C._distributed_c10d._create_work_from_future(future).boxed())
+
+
+class _HostInts(compat.TorchDispatchMode):
+    """Ops on int32 tensors only (and int32 factories) run on real tensors, below every other
+    mode; everything else goes on to the fake world. For `ddp_bucket_indices_on_the_host`."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in compat.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if all(t.dtype == torch.int32 for t in tensors) and (tensors or kwargs.get("dtype") == torch.int32):
+            with compat.modes_disabled():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def ddp_bucket_indices_on_the_host() -> None:
+    """Let DDP rebuild its buckets in the fake world. At the first forward after the first
+    backward, DDP's C++ reducer regroups its gradient buckets in the order the gradients arrived
+    (`Reducer::rebuild_buckets`) and agrees on the grouping with rank 0 (`sync_bucket_indices`):
+    int32 host tensors it writes and reads through accessors, broadcast in between. Under
+    FakeTensorMode those tensors have no data ("The tensor has a non-zero number of elements, but
+    its data is not allocated yet", torch 2.13), so during the rebuild int32 tensors are real (a
+    few bytes per parameter tensor; the fake broadcast leaves this rank's own grouping, which is
+    rank 0's: every rank's is the same), while the new buckets themselves are fake. The reducer's
+    own code runs unchanged. Patched in this simulation process only."""
+    reducer = dist.Reducer
+    original = _original(reducer, "_rebuild_buckets", "the dry run's DDP bucket rebuild")
+    if hasattr(original, "original"):  # installed already
+        return
+
+    def rebuild_buckets(self) -> bool:
+        with _HostInts():
+            return original(self)
+
+    rebuild_buckets.original = original
+    reducer._rebuild_buckets = rebuild_buckets
+
+
+# ------------------------------------------------------------------------------------------------
+# Pipelining (torch.distributed.pipelining), checked on 2.13.
+
+
+def route_stage_metadata(send: Callable, recv: Callable) -> None:
+    """Route PipelineStage's metadata exchange (the pickled shapes a stage sends its neighbour with
+    send_object_list before the first step; torch 2.13's `_send_meta(stage, meta, dst_stage)` and
+    `_recv_meta(stage, src_stage)`) through `send` and `recv`, in this process: the fake backend
+    moves no data (dryrun/fake.py MetaRelay)."""
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    for name in ("_send_meta", "_recv_meta"):
+        _original(PipelineStage, name, "pipeline stage metadata between simulated ranks")
+    PipelineStage._send_meta = send
+    PipelineStage._recv_meta = recv
+
+
+def wrap_stage_initialization(schedule, wrap: Callable[[Callable], Callable]) -> None:
+    """Replace `schedule`'s one-time stage initialization (the P2P warm-up vote, a metadata forward
+    and backward, messages to the neighbours: torch 2.13's `_initialize_pp_stages`) by
+    `wrap(original)`, on this schedule object only."""
+    original = _original(schedule, "_initialize_pp_stages", "the dry run's pipeline initialization hook")
+    schedule._initialize_pp_stages = wrap(original)
+
+
+def microbatch_count(schedule) -> int:
+    """The micro-batches a schedule runs per step."""
+    return schedule._n_microbatches
+
+
+def reschedule(schedule, n: int):
+    """A schedule of the same class over the same stages, for `n` micro-batches, that knows its
+    stages are initialized already (checked on 2.13: single-stage schedules keep `_stage` and
+    `_stage_*_initialized`, multi-stage ones `_stages` and `_stages_*_initialized`)."""
+    stages = schedule._stages if hasattr(schedule, "_stages") else schedule._stage
+    new = type(schedule)(
+        stages, n_microbatches=n, loss_fn=schedule._loss_fn, scale_grads=schedule.scale_grads
+    )
+    for flag in (
+        "_stage_forward_initialized",
+        "_stage_backward_initialized",
+        "_stages_forward_initialized",
+        "_stages_backward_initialized",
+    ):
+        if hasattr(schedule, flag):
+            setattr(new, flag, getattr(schedule, flag))
+    return new
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP with CPU offload (dryrun/rank.py "Offload"), checked on 2.13.
+
+
+def offloaded_fsdp_params(parts) -> list:
+    """FSDP's parameters in the modules of `parts` that live on the host (FSDPParam with
+    offload_to_cpu)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                for group in m._get_fsdp_state()._fsdp_param_groups:
+                    out.extend(fp for fp in group.fsdp_params if fp.offload_to_cpu)
+    return out
+
+
+def sharded_data(fsdp_param) -> torch.Tensor:
+    """The flat, padded host storage of an FSDPParam's shard."""
+    return fsdp_param._sharded_param_data
+
+
+def fsdp_copies_cross_to_the_host(live_tracker: Callable[[], Any]) -> None:
+    """FSDP's two copies across the host link, as a GPU makes them (this process only):
+    - a shard's all-gather input (`FSDPParam.all_gather_inputs`: `.to(device)`, then the cast to
+      the compute dtype) is a device copy, not the host shard itself;
+    - the reduce-scatter's output becomes the host gradient (`foreach_reduce`: `.to("cpu")`; the
+      device output dies with the call on a GPU): its storage moves to the host.
+    (Under mixed precision a GPU first copies the fp32 shard over, then casts: one transient fp32
+    shard of one parameter that this does not make.)"""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    if hasattr(_fsdp_param_group.foreach_reduce, "original"):  # installed already
+        return
+    reduce, inputs = _fsdp_param_group.foreach_reduce, FSDPParam.all_gather_inputs
+
+    def foreach_reduce(fsdp_params, *args, **kwargs):
+        out = reduce(fsdp_params, *args, **kwargs)
+        tracker = live_tracker()
+        if tracker is not None:
+            for fp in fsdp_params:
+                if fp.offload_to_cpu and fp.sharded_param.grad is not None:
+                    tracker.to_host(fp.sharded_param.grad)
+        return out
+
+    def all_gather_inputs(self):
+        tracker = live_tracker()
+        if tracker is None or not self.offload_to_cpu:
+            return inputs.fget(self)
+        with tracker.on_device():
+            return [t.clone() if tracker.in_host(t) else t for t in inputs.fget(self)]
+
+    foreach_reduce.original = reduce
+    _fsdp_param_group.foreach_reduce = foreach_reduce
+    FSDPParam.all_gather_inputs = property(all_gather_inputs)
+
+
