@@ -18,7 +18,7 @@ from typing import Any
 
 from fleetwise import rundir
 from fleetwise.config.layout import MESH_DIMS, Layout
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.records import Plan
 
 NOT_ALIKE = "pipeline stages are not alike"  # runtime.simulate.MetaRelay's message when a check fails
 DIMS = ("dp", "sharding", "mp", "pp")

@@ -21,7 +21,7 @@ from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
 from fleetwise.launcher.auto import AutoOutcome
 from fleetwise.launcher.preflight import preflight
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.records import Plan
 from fleetwise.rundir import Metric, Summary
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2

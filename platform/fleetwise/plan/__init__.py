@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fleetwise.plan.planner import Plan, make_plan
+    from fleetwise.plan.planner import make_plan
+    from fleetwise.plan.records import Plan
 
 __all__ = ["Plan", "make_plan"]
 
@@ -13,8 +14,12 @@ __all__ = ["Plan", "make_plan"]
 def __getattr__(name: str):
     # Lazy (PEP 562): the model families build their units from `plan.units` while the planner
     # imports the config, which imports the families; importing this package must not pull in the planner.
-    if name in __all__:
-        from fleetwise.plan import planner
+    if name == "Plan":
+        from fleetwise.plan.records import Plan
 
-        return getattr(planner, name)
+        return Plan
+    if name == "make_plan":
+        from fleetwise.plan.planner import make_plan
+
+        return make_plan
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

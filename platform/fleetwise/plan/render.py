@@ -8,7 +8,7 @@ from rich.table import Table
 
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
-from fleetwise.plan.planner import COMPUTE_PARTS, Plan, step_parts
+from fleetwise.plan.records import COMPUTE_PARTS, Plan, step_parts
 from fleetwise.plan.remedies import Remedy
 
 GIB = 1024**3

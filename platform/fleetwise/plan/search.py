@@ -31,7 +31,8 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import INTERLEAVED_SCHEDULES, HybridStrategy, Schedule
 from fleetwise.config.validate import check, resolve
 from fleetwise.families import family_of
-from fleetwise.plan.planner import Plan, make_plan, rank_memory, step_parts, worst_of
+from fleetwise.plan.planner import make_plan, rank_memory, worst_of
+from fleetwise.plan.records import Plan, step_parts
 
 GIB = 1024**3
 SCHEDULES: tuple[str, ...] = Schedule.__args__  # every schedule the config accepts

@@ -19,7 +19,7 @@ from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.data.loader import StepBatches
 from fleetwise.families import family_of
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.records import Plan
 from fleetwise.rundir import Metric, append_record
 from fleetwise.runtime import checkpoint
 from fleetwise.runtime.faults import inject_fault
