@@ -71,8 +71,8 @@ def stand_ins(cfg) -> dict[str, Any] | None:
     with the same `split_layers`): every middle chunk the same list of units, names aside."""
     from dataclasses import replace
 
+    from fleetwise.plan.chunks import assign_units
     from fleetwise.plan.pipeline import chunk_ranks
-    from fleetwise.plan.planner import assign_units
 
     layout = Layout.of(cfg)
     if layout.pp <= 1:

@@ -11,7 +11,7 @@ global batch stays the recipe's) and recompute. Keys the user set on the command
 (`strategy.pp_degree=4`, `train.micro_batch_size=2`) stay fixed.
 
 Speed (a 1,024-GPU search must answer in seconds): the model's units are built once
-(planner._units); each subtree of degrees × stage × offload is first planned at its least memory
+(chunks.units_of); each subtree of degrees × stage × offload is first planned at its least memory
 (full recompute, micro-batch 1; 1F1B, else each other schedule) and dropped whole when even that
 does not fit; inside it the micro-batch size grows only while memory still fits (memory grows with
 it), a layout's pipeline ranks are worked out only until one is too big, and only fitting layouts
@@ -31,7 +31,8 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import INTERLEAVED_SCHEDULES, HybridStrategy, Schedule
 from fleetwise.config.validate import check, resolve
 from fleetwise.families import family_of
-from fleetwise.plan.planner import make_plan, rank_memory, worst_of
+from fleetwise.plan.memory.ranks import rank_memory, worst_of
+from fleetwise.plan.planner import make_plan
 from fleetwise.plan.records import Plan, step_parts
 
 GIB = 1024**3
