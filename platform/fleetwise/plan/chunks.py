@@ -172,7 +172,7 @@ def block_recomputes(schedule: str, pp: int, chunks: list[list[Unit]]) -> dict[i
     recomputed in each (runtime/pipeline_stage.py runs each micro-batch's weight-gradient calls
     under one GraphExecGroup, or it would be once per parameter group). The first chunk is the
     exception: its input needs no gradient, so torch runs one full backward there."""
-    twice = PipelineSchedule(schedule).zero_bubble and pp > 1
+    twice = pp > 1 and PipelineSchedule(schedule).zero_bubble
     held = PLAN_CACHE.recomputes.get(chunks, twice)  # a search asks it of every candidate (read-only)
     if held is not None:
         return held

@@ -34,7 +34,7 @@ from fleetwise.plan.units import Unit
 DIMS = ("dp", "sharding", "mp", "pp")
 
 
-@dataclass
+@dataclass(slots=True)
 class Comm:
     """One device's traffic per step, per mesh dimension (the worst pipeline rank's)."""
 
@@ -189,7 +189,7 @@ def mp_traffic(
     return Traffic(n * tally.bytes, int(n * tally.calls))
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tally:
     bytes: float = 0.0
     calls: float = 0.0

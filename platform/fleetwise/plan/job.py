@@ -14,13 +14,16 @@ from fleetwise.plan.pipeline import PipelineSchedule, chunk_ranks
 from fleetwise.plan.units import Unit
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Job:
     cfg: RunConfig
+    strategy: CollectiveStrategy
     layout: Layout
     n: int  # micro-batches per step (per pipeline: its number of micro-batches)
+    b: int  # the micro-batch size
     chunks: list[list[Unit]]  # the units of each pipeline chunk
     ranks: list[int]  # the pipeline rank of each chunk
+    virtual: int  # chunks per pipeline rank (1 without pipelining)
     engine: Engine
     schedule: PipelineSchedule
 
@@ -32,26 +35,13 @@ class Job:
         v = s.virtual_stages if layout.pp > 1 else 1
         return cls(
             cfg=cfg,
+            strategy=s,
             layout=layout,
             n=cfg.train.accumulate_steps or 1,
+            b=cfg.train.micro_batch_size,
             chunks=assign_units(cfg, layout),
             ranks=chunk_ranks(s.schedule, layout.pp, v) if layout.pp > 1 else [0],
+            virtual=v,
             engine=dp_engine(layout, s.sharding_stage),
             schedule=PipelineSchedule(s.schedule),
         )
-
-    @property
-    def strategy(self) -> CollectiveStrategy:
-        s = self.cfg.strategy
-        assert isinstance(s, CollectiveStrategy)
-        return s
-
-    @property
-    def b(self) -> int:
-        """The micro-batch size."""
-        return self.cfg.train.micro_batch_size
-
-    @property
-    def virtual(self) -> int:
-        """Chunks per pipeline rank (1 without pipelining)."""
-        return self.strategy.virtual_stages if self.layout.pp > 1 else 1

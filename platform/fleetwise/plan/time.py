@@ -68,7 +68,7 @@ def device_flops_per_sample(u: Unit, recompute: str, mp: int = 1, recomputes: in
 # What each kind of host work costs on this layout's ranks
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Sharing:
     """How ranks sharing a node's cores run the micro-batches. Ranks sharing a CPU node's cores
     (shared_compute) time-share them and slow each other down, but a pipeline rank waiting in its
@@ -88,7 +88,7 @@ class Sharing:
         return cls(per_core, hw.co_run_factor_at(1 - bubble), per_core / hw.ranks_per_core)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class OpCosts:
     """Seconds per op, element and recomputed op of a micro-batch's forward and backward."""
 
@@ -112,7 +112,7 @@ class OpCosts:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineCosts:
     """The data-parallel engine's own host work, and the step's per-element passes it makes."""
 
@@ -169,7 +169,7 @@ class EngineCosts:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PipelineCosts:
     """torch.distributed.pipelining's own host work."""
 
@@ -211,7 +211,7 @@ class PipelineCosts:
 # One pipeline rank's work
 
 
-@dataclass
+@dataclass(slots=True)
 class RankWork:
     """What one pipeline rank computes: per step its GEMM seconds and device FLOPs; per
     micro-batch its ops, elements written, convolutions, parameter tensors, local chunks, and the
@@ -234,7 +234,7 @@ class RankWork:
         return self.forward_ops + self.redo_ops
 
 
-@dataclass
+@dataclass(slots=True)
 class ComputeModel:
     """What the ranks' work is worked out from, for one plan."""
 
@@ -242,31 +242,46 @@ class ComputeModel:
     peak: float  # FLOP/s of one device at the training precision
     split: bool  # zero bubble splits the backward
     again: dict[int, int]  # block_recomputes
+    recompute: str  # strategy.recompute
+    recompute_extra: float  # forward passes full recompute adds to a block's backward, per re-run
     gemm_fractions: dict[Hashable, float] = field(default_factory=dict)  # per class of equal units
+
+    @classmethod
+    def of(cls, job: Job, split: bool) -> ComputeModel:
+        cfg, recompute = job.cfg, job.strategy.recompute
+        return cls(
+            job=job,
+            peak=cfg.hardware.peak_flops(cfg.train.precision),
+            split=split,
+            again=block_recomputes(job.schedule, job.layout.pp, job.chunks),
+            recompute=recompute,
+            recompute_extra={"none": 0.0, "selective": 0.0, "full": 1.0}[recompute],
+        )
 
     def gemm_fraction(self, u: Unit, flops: float) -> float:
         """The fraction of peak the unit's GEMMs run at (their average size), once per class."""
         key = PLAN_CACHE.class_of(u)
         fraction = self.gemm_fractions.get(key)
         if fraction is None:
-            fraction = self.gemm_fractions[key] = self.job.cfg.hardware.gemm_fraction(
-                flops / max(1, u.fwd_gemms)
-            )
+            fraction = self.job.cfg.hardware.gemm_fraction(flops / max(1, u.fwd_gemms))
+            self.gemm_fractions[key] = fraction
         return fraction
 
 
 def rank_work(model: ComputeModel, r: int) -> RankWork:
     """The work of pipeline rank `r` (equal units once: `again` is per chunk)."""
     job, work = model.job, RankWork()
-    s = job.strategy
+    mp, b = job.layout.mp, job.b
     for c in (c for c, rr in enumerate(job.ranks) if rr == r):
         work.local_chunks += 1
         for u, count in unit_groups(job.chunks[c]):
             # both recompute modes re-run every op of a block in backward (selective reads
             # saved matmul results back, but still dispatches the ops); zero bubble: twice
-            rerun = model.again[id(u)] if s.recompute != "none" and u.kind == "block" else 0
-            _count_ops(work, u, count, rerun, model.split and c > 0, job.layout.mp)
-            _add_gemms(work, model, u, count)
+            rerun = model.again[id(u)] if model.recompute != "none" and u.kind == "block" else 0
+            _count_ops(work, u, count, rerun, model.split and c > 0, mp)
+            flops = b * u.fwd_flops / mp  # one micro-batch's forward on this rank
+            if flops:
+                _add_gemms(work, model, u, count, flops)
     return work
 
 
@@ -281,19 +296,15 @@ def _count_ops(work: RankWork, u: Unit, count: int, rerun: int, split: bool, mp:
         work.split_params += count * u.params_on_rank(mp)
 
 
-def _add_gemms(work: RankWork, model: ComputeModel, u: Unit, count: int) -> None:
+def _add_gemms(work: RankWork, model: ComputeModel, u: Unit, count: int, flops: float) -> None:
     """The unit's GEMM seconds and device FLOPs, all micro-batches: forward, backward (2 ×
-    forward) and full recompute's re-run forwards."""
-    job = model.job
-    s, mp, n, b = job.strategy, job.layout.mp, job.n, job.b
-    flops = b * u.fwd_flops / mp  # one micro-batch's forward on this rank
-    if not flops:
-        return
-    recompute_extra = {"none": 0.0, "selective": 0.0, "full": 1.0}[s.recompute]
-    passes = 3 + (recompute_extra * model.again[id(u)] if u.kind == "block" else 0.0)
+    forward) and full recompute's re-run forwards. `flops`: one micro-batch's forward on this rank."""
+    mp, n, b = model.job.layout.mp, model.job.n, model.job.b
+    again = model.again[id(u)]
+    passes = 3 + (model.recompute_extra * again if u.kind == "block" else 0.0)
     fraction = model.gemm_fraction(u, flops)
     work.gemm_s += count * n * passes * flops / (model.peak * fraction)
-    per_sample = device_flops_per_sample(u, s.recompute, mp, model.again[id(u)])
+    per_sample = device_flops_per_sample(u, model.recompute, mp, again)
     work.device_flops += count * n * b * per_sample / mp
 
 
@@ -301,7 +312,7 @@ def _add_gemms(work: RankWork, model: ComputeModel, u: Unit, count: int) -> None
 # Each stage's time
 
 
-@dataclass
+@dataclass(slots=True)
 class StageTime:
     """One pipeline stage's time per step."""
 
@@ -314,7 +325,7 @@ class StageTime:
     device_flops: float  # this device's FLOPs per step, recompute included
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class HostCosts:
     sharing: Sharing
     ops: OpCosts
@@ -423,45 +434,28 @@ def offload_seconds(cfg: RunConfig, engine: Engine, p: float, sharding: int, n: 
     return link + shard * hw.offload_update_ns_per_param * 1e-9
 
 
-@dataclass
+@dataclass(slots=True)
 class StepTime:
     """A step's time, term by term (the plan's `time_s`)."""
 
     bubble_fraction: float
     stages: list[StageTime]  # per pipeline rank
-    comm: dict[str, float]  # per mesh dimension (plan/comm.py)
+    slowest: StageTime  # the stage whose compute is the step's (the first of equal ones)
+    pipelined_compute: float  # the slowest stage's compute stretched by the bubble
+    comm: dict[str, float]  # seconds per mesh dimension (plan/comm.py)
     comm_bytes: dict[str, float]
     hidden: float  # dp and sharding communication hidden behind compute
     update: float
     offload: float
-
-    @property
-    def slowest(self) -> StageTime:
-        """The stage whose compute is the step's (the first of equal ones)."""
-        return max(self.stages, key=lambda st: st.compute)
-
-    @property
-    def compute(self) -> float:
-        return self.slowest.compute
-
-    @property
-    def pipelined_compute(self) -> float:
-        """The slowest stage's compute stretched by the bubble."""
-        bubble = self.bubble_fraction
-        return self.compute / (1 - bubble) if bubble < 1 else self.compute
-
-    @property
-    def step(self) -> float:
-        exposed = self.comm["mp"] + self.comm["pp"] + (self.comm["dp"] + self.comm["sharding"]) - self.hidden
-        return self.pipelined_compute + exposed + self.update + self.offload
+    step: float
 
     def time_s(self) -> dict[str, float]:
-        slowest, compute = self.slowest, self.compute
+        compute = self.slowest.compute
         return {
             "compute": compute,
-            "host_ops": slowest.host_ops,
-            "elementwise": slowest.elementwise,
-            "grad_accumulate": slowest.grad_accumulate,
+            "host_ops": self.slowest.host_ops,
+            "elementwise": self.slowest.elementwise,
+            "grad_accumulate": self.slowest.grad_accumulate,
             "bubble": self.pipelined_compute - compute,
             **{f"comm_{k}": v for k, v in self.comm.items()},
             "comm_hidden": self.hidden,
@@ -475,24 +469,12 @@ def step_time(job: Job, roles: list[RankRole], rank_params: list[float], worst: 
     work: counted once), the communication of the rank with the most memory (`worst`), the step."""
     cfg, layout, n = job.cfg, job.layout, job.n
     bubble = bubble_fraction(job.schedule, layout.pp, job.virtual, n)
-    sharing = Sharing.of(cfg, bubble)
-    costs = HostCosts(
-        sharing,
-        OpCosts.of(cfg, layout, sharing),
-        EngineCosts.of(job, sharing),
-        PipelineCosts.of(job, sharing),
-    )
-    again = block_recomputes(job.schedule, layout.pp, job.chunks)
-    model = ComputeModel(job, cfg.hardware.peak_flops(cfg.train.precision), costs.pipeline.split, again)
-    work_of: dict[RankRole, RankWork] = {}
-    stages = []
-    for r in range(layout.pp):
-        if roles[r] not in work_of:
-            work_of[roles[r]] = rank_work(model, r)
-        stages.append(stage_time(job, costs, work_of[roles[r]], rank_params[r]))
+    stages = stage_times(job, roles, rank_params, bubble)
     scale = update_scale(cfg)
     update = max(st.update * scale + st.engine_step for st in stages)
-    compute = max(st.compute for st in stages)
+    slowest = max(stages, key=lambda st: st.compute)
+    compute = slowest.compute
+    pipelined_compute = compute / (1 - bubble) if bubble < 1 else compute
     comm = collective_comm(cfg, layout, job.chunks, job.ranks, rank_params[worst], n, job.engine)
     seconds = comm_seconds(cfg, layout, comm)
     # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with compute on GPUs (NCCL runs
@@ -501,5 +483,28 @@ def step_time(job: Job, roles: list[RankRole], rank_params: list[float], worst: 
     overlappable = seconds["dp"] + seconds["sharding"]
     window = overlap_window(job.engine, layout, n, compute)
     hidden = min(overlappable, window) if cfg.hardware.device_type == "cuda" else 0.0
+    exposed = seconds["mp"] + seconds["pp"] + overlappable - hidden
     offload = offload_seconds(cfg, job.engine, rank_params[worst], layout.sharding, n)
-    return StepTime(bubble, stages, seconds, comm.bytes, hidden, update, offload)
+    step = pipelined_compute + exposed + update + offload
+    return StepTime(
+        bubble, stages, slowest, pipelined_compute, seconds, comm.bytes, hidden, update, offload, step
+    )
+
+
+def stage_times(job: Job, roles: list[RankRole], rank_params: list[float], bubble: float) -> list[StageTime]:
+    """Each pipeline stage's time; ranks in the same role do the same work (worked out once)."""
+    sharing = Sharing.of(job.cfg, bubble)
+    ops, engine, pipeline = (
+        OpCosts.of(job.cfg, job.layout, sharing),
+        EngineCosts.of(job, sharing),
+        PipelineCosts.of(job, sharing),
+    )
+    costs = HostCosts(sharing, ops, engine, pipeline)
+    model = ComputeModel.of(job, pipeline.split)
+    work_of: dict[RankRole, RankWork] = {}
+    stages = []
+    for r in range(job.layout.pp):
+        if roles[r] not in work_of:
+            work_of[roles[r]] = rank_work(model, r)
+        stages.append(stage_time(job, costs, work_of[roles[r]], rank_params[r]))
+    return stages

@@ -21,7 +21,7 @@ from fleetwise.plan.pipeline import PipelineSchedule
 from fleetwise.plan.units import Unit
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class UnitActivations:
     """One unit's activation bytes, for one micro-batch of this rank."""
 
@@ -53,7 +53,7 @@ def unit_activations(ctx: RankContext, u: Unit) -> UnitActivations:
     return UnitActivations(per_sample, peak)
 
 
-@dataclass
+@dataclass(slots=True)
 class Activations:
     """One rank's activation bytes, summed over its local chunks' units."""
 
@@ -83,25 +83,27 @@ def rank_activations(ctx: RankContext) -> Activations:
             known = memo.get(key)
             if known is None:
                 known = memo[key] = unit_activations(ctx, u)
-            _add_saved(out, ctx, i, u, count, known)
-            _add_weight_steps(out, ctx, i, c, u, count)
+            out.saved += count * ctx.flight.get(i, 1) * ctx.b * known.per_sample
+            if ctx.cool is not None:
+                _add_cool_down(out, ctx, i, u, count, known)
+            if ctx.waiting:
+                _add_weight_steps(out, ctx, i, c, u, count)
             _add_peaks(out, ctx, u, count, known)
     _add_late_peaks(out, ctx)
     return out
 
 
-def _add_saved(
+def _add_cool_down(
     out: Activations, ctx: RankContext, i: int, u: Unit, count: int, known: UnitActivations
 ) -> None:
-    b = ctx.b
-    out.saved += count * ctx.flight.get(i, 1) * b * known.per_sample
-    if ctx.cool is not None:
-        out.chunk_saved[i] += count * b * known.per_sample
-        out.chunk_kept[i] += count * b * ctx.saved_bytes(u.weight_grad_outputs)
+    """ZB-V's cool-down: one micro-batch's saved activations, and the output gradients it keeps."""
+    out.chunk_saved[i] += count * ctx.b * known.per_sample
+    out.chunk_kept[i] += count * ctx.b * ctx.saved_bytes(u.weight_grad_outputs)
 
 
 def _add_weight_steps(out: Activations, ctx: RankContext, i: int, c: int, u: Unit, count: int) -> None:
-    """Interleaved zero bubble's peak, a weight step on the last local chunk (pipeline.weight_steps_waiting)."""
+    """Interleaved zero bubble's peak, a weight step on the last local chunk, with micro-batches
+    waiting for theirs (pipeline.weight_steps_waiting)."""
     s, b, mp = ctx.strategy, ctx.b, ctx.mp
     wait = min(ctx.waiting.get(i, 0), ctx.flight.get(i, 1))
     if wait:
@@ -109,7 +111,7 @@ def _add_weight_steps(out: Activations, ctx: RankContext, i: int, c: int, u: Uni
         # input-gradient step, which freed the log-softmax output
         freed = u.saved(s.recompute).fp32 / mp * FP32
         out.weight_wait += count * wait * b * (ctx.saved_bytes(u.weight_grad_outputs) - freed)
-    if ctx.waiting and c == ctx.local[-1]:
+    if c == ctx.local[-1]:
         # the weight step of one of them: torch runs its parameter groups from the chunk's
         # input up, each freeing its output gradients once its weight gradients exist; it
         # peaks in the first, with the first block re-run under recompute (once for all of

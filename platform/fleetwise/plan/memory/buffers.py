@@ -68,12 +68,28 @@ class BufferElements(NamedTuple):
     pooled: float  # elements of the pooled receive sets (all that is left at the optimizer step)
 
 
-def pipeline_buffers(
-    ctx: RankContext,
-    waiting: dict[int, int] | None,
-    now: dict[int, int] | None = None,
-    to_come: dict[int, int] | None = None,
-) -> BufferElements:
+@dataclass(slots=True)
+class Moment:
+    """When in the step a rank's buffers are counted: its peak, or ZB-V's cool-down."""
+
+    waiting: dict[int, int] | None = None  # at the peak: those waiting for a zero-bubble weight step
+    now: dict[int, int] | None = None  # later: micro-batches in flight then, per local chunk
+    to_come: dict[int, int] | None = None  # ... and of a chunk's input gradients, those not sent yet
+
+
+class _Local(NamedTuple):
+    """One local chunk at the moment counted."""
+
+    i: int  # its index among the rank's chunks
+    c: int  # its index in the pipeline
+    held: int  # micro-batches in flight
+    sets: ReceiveSets  # receive sets it made
+    sent: SendsMade | None  # ZB-V's first moment: the sends made by then
+    previous_here: bool  # the previous chunk is on this rank
+    next_here: bool  # the next chunk is on this rank
+
+
+def pipeline_buffers(ctx: RankContext, moment: Moment) -> BufferElements:
     """Elements a pipeline rank holds beyond its units' saved activations, during the step and at
     the optimizer step.
 
@@ -89,77 +105,71 @@ def pipeline_buffers(
     another rank stays until the step ends. The rank's peak comes late in the step (measured in the
     dry run on gpt/tiny, pp 2, v 2: the gap grew by exactly one boundary tensor per send per
     micro-batch), so all n are counted -- but the input gradients of micro-batches whose
-    input-gradient step is still to come, where `waiting` names the peak's zero-bubble weight step
+    input-gradient step is still to come, where `moment.waiting` names the peak's zero-bubble weight step
     (pipeline.weight_steps_waiting). ZB-V's first moment (n >= 2pp) is mid-step: there only the
     sends made by then are counted.
 
     At the optimizer step only the pooled receive sets remain, every one of them (the stage keeps
     them for its life).
 
-    `now`, `to_come`: a later moment (ZB-V's cool-down, pipeline.zbv_cool_down), with `now`
-    micro-batches in flight per local chunk (the pools made for `flight` stay) and `to_come` of a
-    chunk's input gradients not sent yet."""
+    `moment`: the peak (`waiting`), or a later moment (ZB-V's cool-down, pipeline.zbv_cool_down),
+    with `now` micro-batches in flight per local chunk (the pools made for `flight` stay) and
+    `to_come` of a chunk's input gradients not sent yet."""
     chunks, local, n, b = ctx.chunks, ctx.local, ctx.n, ctx.b
     mine = set(local)
+    pp = len(chunks) // len(local)
+    # ZB-V's first moment is mid-step: only the sends made by then are held
+    first_moment = ctx.schedule == PipelineSchedule.ZBV_ZERO_BUBBLE and moment.now is None and n >= 2 * pp
+    sent = zbv_sends_made(pp, n, ctx.rank) if first_moment else None
     in_step = pooled = 0.0
     for i, c in enumerate(local):
         held = min(n, ctx.flight.get(i, 1))
         handed = (c - 1 in mine, c + 1 in mine)  # a neighbour on this rank (ZB-V's rank pp-1)
-        pp = len(chunks) // len(local)
-        # ZB-V's first moment is mid-step: only the sends made by then are held
-        first_moment = ctx.schedule == PipelineSchedule.ZBV_ZERO_BUBBLE and now is None and n >= 2 * pp
-        sent = zbv_sends_made(pp, n, ctx.rank) if first_moment else None
         sets = recv_buffer_sets(ctx.schedule, n, held, ctx.rank, i, len(local), handed, pp)
-        if now is not None:
-            held = min(n, now.get(i, 0))
+        if moment.now is not None:
+            held = min(n, moment.now.get(i, 0))
+        chunk = _Local(i, c, held, sets, sent, *handed)
         if c > 0:
             boundary = b * chunks[c - 1][-1].boundary_elements
             pooled += sets.activations * boundary
-            in_step += _received(ctx, i, c, held, sets, sent, waiting, to_come) * boundary
+            in_step += _received(ctx, moment, chunk) * boundary
         if c < len(chunks) - 1:  # outputs: sent to the next chunk's rank, or kept for the backward
             boundary = b * chunks[c][-1].boundary_elements
             pooled += sets.gradients * boundary
-            in_step += (sets.gradients + _outputs(ctx, i, c, held, sent)) * boundary
+            in_step += (sets.gradients + _outputs(ctx, chunk)) * boundary
     return BufferElements(in_step, pooled)
 
 
-def _received(
-    ctx: RankContext,
-    i: int,
-    c: int,
-    held: int,
-    sets: ReceiveSets,
-    sent: SendsMade | None,
-    waiting: dict[int, int] | None,
-    to_come: dict[int, int] | None,
-) -> int:
-    """Boundary tensors local chunk `i` (chunk `c`) holds on its input side: received activations
-    beyond those in flight, and the input gradients it sent back, while their sends are held."""
-    n, mine = ctx.n, set(ctx.local)
-    received = max(0, sets.activations - held)
+def _received(ctx: RankContext, moment: Moment, chunk: _Local) -> int:
+    """Boundary tensors a local chunk holds on its input side: received activations beyond those
+    in flight, and the input gradients it sent back, while their sends are held."""
+    n, i, held = ctx.n, chunk.i, chunk.held
+    received = max(0, chunk.sets.activations - held)
     # input gradients sent back; looped BFS peaks at the end of its all-forward phase, before any
     held_sends = ctx.schedule.multi_stage
-    if held_sends and c - 1 not in mine and ctx.schedule != PipelineSchedule.LOOPED_BFS:
-        if to_come is not None:
-            received += n - to_come.get(i, 0)
-        elif sent is not None:
-            received += sent.input_gradients[i]
+    if held_sends and not chunk.previous_here and ctx.schedule != PipelineSchedule.LOOPED_BFS:
+        if moment.to_come is not None:
+            received += n - moment.to_come.get(i, 0)
+        elif chunk.sent is not None:
+            received += chunk.sent.input_gradients[i]
+        elif moment.waiting is None:
+            received += n
         else:
-            received += n if waiting is None else n - held + min(waiting.get(i, 0), held)
+            received += n - held + min(moment.waiting.get(i, 0), held)
     return received
 
 
-def _outputs(ctx: RankContext, i: int, c: int, held: int, sent: SendsMade | None) -> int:
-    """Outputs local chunk `i` (chunk `c`) holds: sent on and held (multi-stage schedules), or kept
-    for the backward; handed to a chunk on this rank, they are that chunk's activation receive sets."""
-    n, mine = ctx.n, set(ctx.local)
-    outputs = n if ctx.schedule.multi_stage and c + 1 not in mine else 0 if c + 1 in mine else held
-    if sent is not None and c + 1 not in mine:
-        outputs = sent.outputs[i]
-    return outputs
+def _outputs(ctx: RankContext, chunk: _Local) -> int:
+    """Outputs a local chunk holds: sent on and held (multi-stage schedules), or kept for the
+    backward; handed to a chunk on this rank, they are that chunk's activation receive sets."""
+    if chunk.sent is not None and not chunk.next_here:
+        return chunk.sent.outputs[chunk.i]
+    if ctx.schedule.multi_stage and not chunk.next_here:
+        return ctx.n
+    return 0 if chunk.next_here else chunk.held
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PipelineMemory:
     """Bytes of one rank's pipeline buffers at each moment of the step (0 without a pipeline)."""
 
@@ -173,7 +183,7 @@ def pipeline_memory(ctx: RankContext, acts: Activations) -> PipelineMemory:
     if not ctx.pipelined:
         return PipelineMemory()
     whole_bytes, shard = ctx.act.residual, ctx.seq_shard
-    in_step, pooled = pipeline_buffers(ctx, ctx.waiting or None)
+    in_step, pooled = pipeline_buffers(ctx, Moment(waiting=ctx.waiting or None))
     during = in_step * whole_bytes / shard
     last = len(ctx.chunks) - 1
     if last in ctx.local:  # the last stage's outputs (the logits), from each forward to its backward
@@ -202,7 +212,7 @@ def _cool_down(ctx: RankContext, acts: Activations) -> tuple[float, float]:
     assert ctx.cool is not None
     now, waits, to_come = ctx.cool
     local, b = ctx.local, ctx.b
-    in_step = pipeline_buffers(ctx, None, now=now, to_come={0: to_come}).in_step
+    in_step = pipeline_buffers(ctx, Moment(now=now, to_come={0: to_come})).in_step
     out = [b * ctx.chunks[c][-1].boundary_elements * ctx.act.residual / ctx.seq_shard for c in local]
     cool_acts = sum(now[i] * acts.chunk_saved[i] for i in range(len(local)))
     cool_acts += sum(waits[i] * (acts.chunk_kept[i] - out[i]) for i in range(len(local))) + out[0]

@@ -23,13 +23,17 @@ from fleetwise.plan.pipeline import (
 from fleetwise.plan.units import Acts, Unit
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RankContext:
     cfg: RunConfig
+    strategy: CollectiveStrategy
     layout: Layout
     chunks: list[list[Unit]]  # every chunk of the pipeline
     rank: int  # this pipeline rank
     n: int  # micro-batches per step
+    b: int  # micro-batch size
+    mp: int
+    sh: int
     engine: Engine
     schedule: PipelineSchedule
     local: list[int]  # the chunks this rank holds
@@ -37,67 +41,24 @@ class RankContext:
     p: float  # parameters on this rank (after the mp split, before sharding)
     block_params: float  # of which the blocks' (the rest is the root's: embedding, head, norm)
     k: int  # optimizer state tensors per parameter
+    mixed: bool  # bf16 or fp16
+    pipelined: bool
+    accumulating: bool  # gradients accumulate over micro-batches: several of them, or a pipeline
     offloaded: bool  # FSDP's CPUOffloadPolicy on a GPU
+    gather_bytes: int  # FSDP MixedPrecisionPolicy gathers in the compute dtype
+    # Bytes per element of a parameter's fresh gradient before autograd adds it into .grad: while
+    # gradients accumulate (DDP's no_sync, no data parallelism, and FSDP under a pipeline
+    # schedule, which reduces once after the last micro-batch); ZeRO-1's hook adds it into its
+    # fp32 buffer, in every micro-batch; FSDP without a pipeline reduce-scatters each unit's
+    # gradients instead (its buffers are in the working parameters)
+    fresh: float
     act: ActivationBytes
+    seq_shard: int  # under sequence parallelism a stage sends, receives and holds its sequence shard
     flight: dict[int, int]  # micro-batches in flight per local chunk, at the peak
     # interleaved zero bubble: per local chunk, those waiting for their weight step at the peak
     # (pipeline.weight_steps_waiting); empty for every other schedule
     waiting: dict[int, int]
     cool: CoolDown | None  # ZB-V's cool-down moment (pipeline.zbv_cool_down)
-
-    @property
-    def strategy(self) -> CollectiveStrategy:
-        s = self.cfg.strategy
-        assert isinstance(s, CollectiveStrategy)
-        return s
-
-    @property
-    def mp(self) -> int:
-        return self.layout.mp
-
-    @property
-    def sh(self) -> int:
-        return self.layout.sharding
-
-    @property
-    def b(self) -> int:
-        return self.cfg.train.micro_batch_size
-
-    @property
-    def mixed(self) -> bool:
-        return self.cfg.train.precision != "fp32"
-
-    @property
-    def pipelined(self) -> bool:
-        return self.layout.pp > 1
-
-    @property
-    def accumulating(self) -> bool:
-        """Gradients accumulate over micro-batches: several of them, or a pipeline schedule."""
-        return self.n > 1 or self.pipelined
-
-    @property
-    def gather_bytes(self) -> int:
-        """FSDP MixedPrecisionPolicy gathers in the compute dtype."""
-        return compute_bytes(self.cfg.train.precision)
-
-    @property
-    def fresh(self) -> float:
-        """Bytes per element of a parameter's fresh gradient before autograd adds it into .grad:
-        while gradients accumulate (DDP's no_sync, no data parallelism, and FSDP under a pipeline
-        schedule, which reduces once after the last micro-batch); ZeRO-1's hook adds it into its
-        fp32 buffer, in every micro-batch; FSDP without a pipeline reduce-scatters each unit's
-        gradients instead (its buffers are in the working parameters)."""
-        if self.engine == Engine.ZERO1:
-            return FP32 if not self.mixed else 2
-        if self.engine == Engine.FSDP:
-            return self.gather_bytes if self.pipelined else 0.0
-        return FP32 if self.accumulating else 0.0
-
-    @property
-    def seq_shard(self) -> int:
-        """Under sequence parallelism a stage sends, receives and holds its sequence shard."""
-        return self.mp if self.strategy.sequence_parallel else 1
 
     def saved_bytes(self, a: Acts) -> float:
         """Bytes per sample, on this rank, of activations `a`."""
@@ -118,18 +79,30 @@ def rank_context(
 ) -> RankContext:
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
-    mp, pipelined = layout.mp, layout.pp > 1
+    mp, pipelined, mixed = layout.mp, layout.pp > 1, cfg.train.precision != "fp32"
     engine = dp_engine(layout, s.sharding_stage)
     local = [c for c, r in enumerate(ranks) if r == rank]
     # equal units once, with their count (a 96-layer chunk is a few classes: a search plans thousands)
     units = [g for c in local for g in unit_groups(chunks[c])]
     schedule = PipelineSchedule(s.schedule)
+    accumulating = n > 1 or pipelined
+    gather_bytes = compute_bytes(cfg.train.precision)
+    if engine == Engine.ZERO1:
+        fresh = FP32 if not mixed else 2
+    elif engine == Engine.FSDP:
+        fresh = gather_bytes if pipelined else 0.0
+    else:
+        fresh = FP32 if accumulating else 0.0
     return RankContext(
         cfg=cfg,
+        strategy=s,
         layout=layout,
         chunks=chunks,
         rank=rank,
         n=n,
+        b=cfg.train.micro_batch_size,
+        mp=mp,
+        sh=layout.sharding,
         engine=engine,
         schedule=schedule,
         local=local,
@@ -137,8 +110,14 @@ def rank_context(
         p=sum(count * u.params_on_rank(mp) for u, count in units),
         block_params=sum(count * u.params_on_rank(mp) for u, count in units if u.kind == "block"),
         k=optimizer_state_factor(cfg.optim.name, cfg.optim.momentum),
+        mixed=mixed,
+        pipelined=pipelined,
+        accumulating=accumulating,
         offloaded=s.offload and cfg.hardware.device_type == "cuda" and engine == Engine.FSDP,
+        gather_bytes=gather_bytes,
+        fresh=fresh,
         act=activation_bytes(cfg.train.precision, engine, family_of(cfg.model).convolutional),
+        seq_shard=mp if s.sequence_parallel else 1,
         flight=chunks_in_flight(s.schedule, layout.pp, s.virtual_stages if pipelined else 1, n, rank),
         # Interleaved zero bubble: every rank peaks in a weight step on its last local chunk
         # (pipeline.weight_steps_waiting), with micro-batches waiting for theirs (rank 0 too: its

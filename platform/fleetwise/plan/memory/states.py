@@ -17,7 +17,7 @@ from fleetwise.plan.dtypes import FP32
 from fleetwise.plan.memory.context import RankContext
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ModelStates:
     """Bytes of model states during the forward and backward."""
 
@@ -88,7 +88,7 @@ def _replicated_states(ctx: RankContext) -> ModelStates:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class OptimizerStep:
     """Model states at the optimizer step, its temporaries, and the host memory offload takes."""
 
