@@ -371,12 +371,12 @@ def test_a_search_on_several_processes_finds_what_one_process_finds(monkeypatch,
 def _lean_layouts(job, degree_tuple):
     """Every legal layout of one degree tuple at its least memory per schedule (full recompute,
     sequence parallel where legal, the smallest micro-batch)."""
-    from fleetwise.plan.search import _pipeline_options
+    from fleetwise.plan.search import pipeline_options
 
     dp, sh, mp, pp = degree_tuple
     for stage in [1, 2, 3] if sh > 1 else [None]:
         for sp in (True, False):
-            for sched, v in _pipeline_options(job.base, pp, {}):
+            for sched, v in pipeline_options(job.base, pp, {}):
                 cfg = job.legal(
                     {
                         "dp_degree": dp,

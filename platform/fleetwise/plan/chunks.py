@@ -4,8 +4,9 @@ and what makes two ranks alike (their roles).
 The model is a chain of units (plan/units.py: embedding, blocks, head). Without pipelining it is
 one chunk; with pp stages and v virtual stages it is pp·v chunks of consecutive blocks, the first
 chunk taking the embedding and the last the head (`split_layers`, the same split the runtime
-makes), and chunk c runs on the rank plan/pipeline.py `chunk_ranks` names. Everything here is
-cached in plan/cache.py (`PLAN_CACHE`): a layout search asks it of every candidate.
+makes), and chunk c runs on the rank plan/pipeline.py `chunk_ranks` names. What a layout search
+asks of every candidate (the units, the chunks, their groups and roles) is kept in plan/cache.py
+(`PLAN_CACHE`).
 """
 
 from __future__ import annotations

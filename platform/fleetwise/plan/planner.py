@@ -56,6 +56,8 @@ def make_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage: bool 
 
 
 def collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage: bool = True) -> Plan:
+    """A collective layout's plan: the pipeline ranks' memory (plan/memory/), the worst of them,
+    every stage's time and the step (plan/time.py, plan/comm.py), then the record."""
     job = Job.of(cfg)
     roles = rank_roles(job.chunks, job.ranks, job.layout.pp)
     # without the stages, only the ranks that can hold the most memory are planned (the worst is
@@ -73,7 +75,8 @@ def collective_plan(cfg: RunConfig, memory: RankMemory | None = None, per_stage:
     worst = max(sorted(memory), key=lambda r: memory[r].memory.total)
     timing = step_time(job, roles, rank_params, worst)
     stages = _stages(job, roles, memory, rank_params, timing) if per_stage else []
-    return _plan(job, memory[worst].memory, timing, stages, _notes(job, memory[worst].memory, timing))
+    peak = memory[worst].memory  # the worst device's
+    return _plan(job, peak, timing, stages, _notes(job, peak, timing))
 
 
 def _rank_params(job: Job, memory: RankMemory) -> list[float]:

@@ -171,7 +171,9 @@ def _choices(name: str, options: list[Any], fixed: dict[str, Any]) -> list[Any]:
 DOMINATED = {"GPipe": "1F1B", "looped_BFS": "interleaved_1F1B"}
 
 
-def _pipeline_options(cfg: RunConfig, pp: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+def pipeline_options(cfg: RunConfig, pp: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+    """The (schedule, virtual stages) pairs the search tries at pipeline degree `pp` (the fixed
+    ones where the user set them; no dominated schedule unless fixed)."""
     if pp == 1:
         return [(fixed.get("schedule", "1F1B"), fixed.get("virtual_stages", 1))]
     layers = getattr(cfg.model, "num_layers", pp)
@@ -294,7 +296,7 @@ class _Subtrees:
                 sps = [True, False] if mp > 1 else [False]
                 for sp in _choices("sequence_parallel", sps, fixed):
                     fitted = False
-                    for sched, v in _pipeline_options(base, pp, fixed):
+                    for sched, v in pipeline_options(base, pp, fixed):
                         probe = {**lean, "sequence_parallel": sp, "schedule": sched, "virtual_stages": v}
                         if _held(self.checked(probe, min(mbs_all))[1], PIPELINE_KEYS):
                             continue  # e.g. ZBV with virtual_stages != 2, at every micro-batch size
@@ -316,7 +318,7 @@ class _Subtrees:
         out.saw(mem, lean, mb)
         if mem <= self.budget:
             return True
-        for sched, v in _pipeline_options(self.base, lean["pp_degree"], self.fixed):
+        for sched, v in pipeline_options(self.base, lean["pp_degree"], self.fixed):
             if (sched, v) == (lean["schedule"], lean["virtual_stages"]):
                 continue
             other = {**lean, "schedule": sched, "virtual_stages": v}

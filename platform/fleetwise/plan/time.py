@@ -130,41 +130,44 @@ class EngineCosts:
     def of(cls, job: Job, sharing: Sharing) -> EngineCosts:
         hw, layout, engine, n, per_core = job.cfg.hardware, job.layout, job.engine, job.n, sharing.per_core
         fsdp, zero1 = engine == Engine.FSDP, engine == Engine.ZERO1
-        # FSDP's host work (its hooks, the copies into and out of the flat collective buffers) runs
-        # for every unit in every micro-batch's forward and backward, whatever the ZeRO stage;
-        # measured on co-running ranks like DTensor's. A stage-3 re-gather adds only its
-        # collective's latency. ... and its copies into and out of the flat collective buffers (the
-        # all-gather's copy-in of the shard and copy-out into the unsharded parameters, the
-        # reduce-scatter's concatenation of the gradients and copy-out of the shard): memory-bound
-        # passes over the unit's parameters at each of its all-gathers and reduce-scatters, which
-        # the per-tensor probe (width 16) cannot see. On a 6-layer d=512 GPT (19M parameters, 2
-        # CPU ranks) ZeRO-2 ran ~300 ms a step behind DDP where the plan had ~120 ms; calibrate's
-        # probe (units of 8.4M parameters) reads 2.3-3.5 ns per element and collective on that
-        # machine, ~110 ms a micro-batch there.
         gathers, scatters = (
             fsdp_collectives(job.strategy, layout, n) if fsdp and layout.sharding > 1 else (0, 0)
         )
-        # ZeRO-1's own host work (runtime/zero1.py), measured on co-running ranks like FSDP's: a
-        # Python gradient hook per parameter tensor in every micro-batch's backward, and per tensor
-        # once a step the reduce's bookkeeping, the squared norms of its pieces and the all-gather's
-        # copies. Gradient accumulation: each micro-batch's gradient is added into the step's, a
-        # memory-bound pass over the rank's gradients (every micro-batch into ZeRO-1's fp32 buffer,
-        # whose hook also takes the first; under DDP autograd adds micro-batches 2..n into .grad;
-        # FSDP without a pipeline reduce-scatters each micro-batch's and adds the shard, with one
-        # it accumulates them whole). ZeRO-1's gather is memory-bound work over the whole bucket
-        # once a step, charged per element like an accumulation pass: this rank's masters copied
-        # into its row and the other rows copied out into the working weights (a pass in all), and
-        # on gloo first the zeroing of the buffer it all-reduces (runtime/zero1.py); those
-        # per-step passes run at the optimizer step, every rank busy.
         return cls(
+            # FSDP's host work (its hooks, the copies into and out of the flat collective buffers)
+            # runs for every unit in every micro-batch's forward and backward, whatever the ZeRO
+            # stage; measured on co-running ranks like DTensor's. A stage-3 re-gather adds only its
+            # collective's latency.
             fsdp_s=hw.fsdp_us_per_tensor * 1e-6 * per_core if fsdp else 0.0,
+            # ... and its copies into and out of the flat collective buffers (the all-gather's
+            # copy-in of the shard and copy-out into the unsharded parameters, the reduce-scatter's
+            # concatenation of the gradients and copy-out of the shard): memory-bound passes over
+            # the unit's parameters at each of its all-gathers and reduce-scatters, which the
+            # per-tensor probe (width 16) cannot see. On a 6-layer d=512 GPT (19M parameters, 2 CPU
+            # ranks) ZeRO-2 ran ~300 ms a step behind DDP where the plan had ~120 ms; calibrate's
+            # probe (units of 8.4M parameters) reads 2.3-3.5 ns per element and collective on that
+            # machine, ~110 ms a micro-batch there.
             fsdp_copy_s=(gathers + scatters) * hw.fsdp_ns_per_param * 1e-9 * per_core,
+            # ZeRO-1's own host work (runtime/zero1.py), measured on co-running ranks like FSDP's: a
+            # Python gradient hook per parameter tensor in every micro-batch's backward, and per
+            # tensor once a step the reduce's bookkeeping, the squared norms of its pieces and the
+            # all-gather's copies
             zero1_s=hw.zero1_us_per_tensor * 1e-6 * per_core if zero1 else 0.0,
             zero1_step_s=hw.zero1_step_us_per_tensor * 1e-6 * hw.ranks_per_core if zero1 else 0.0,
+            # gradient accumulation: each micro-batch's gradient is added into the step's, a
+            # memory-bound pass over the rank's gradients (every micro-batch into ZeRO-1's fp32
+            # buffer, whose hook also takes the first; under DDP autograd adds micro-batches 2..n
+            # into .grad; FSDP without a pipeline reduce-scatters each micro-batch's and adds the
+            # shard, with one it accumulates them whole)
             adds=n if zero1 else n - 1,
             accumulated_share=1 / layout.sharding if (fsdp and layout.pp == 1) else 1.0,
             accumulate_s=sharing.slow * hw.grad_accumulate_ns * 1e-9 * per_core,
+            # (ZeRO-1's per-step passes below run at the optimizer step, every rank busy)
             step_pass_s=hw.co_run_factor * hw.grad_accumulate_ns * 1e-9 * hw.ranks_per_core,
+            # ZeRO-1's gather is memory-bound work over the whole bucket once a step, charged per
+            # element like an accumulation pass: this rank's masters copied into its row and the
+            # other rows copied out into the working weights (a pass in all), and on gloo first the
+            # zeroing of the buffer it all-reduces (runtime/zero1.py)
             gather_passes=(2.0 if hw.backend == "gloo" else 1.0) if zero1 else 0.0,
         )
 
@@ -183,28 +186,45 @@ class PipelineCosts:
     @classmethod
     def of(cls, job: Job, sharing: Sharing) -> PipelineCosts:
         hw, per_core, slow, pipelined = job.cfg.hardware, sharing.per_core, sharing.slow, job.layout.pp > 1
-        # a micro-batch's pass through one local stage with its send/receive: forward and backward,
-        # and zero-bubble schedules split the backward into input- and weight-gradient actions.
-        # Measured on co-running stages, like DTensor's. torch's multi-stage schedules
-        # (PipelineScheduleMulti: the interleaved and zero-bubble ones) pay more per action that
-        # sends and receives (a forward, a backward or input-gradient pass) than the single-stage
-        # 1F1B that `pipeline_action_us` is measured on (calibrate's interleaved probe; gpt/tiny pp
-        # 2, interleaved 1F1B v 2, measured 1.73x its plan where 1F1B and ZB-V ran 1.46-1.50x).
-        # ... and the zero-bubble split itself: torch's input-gradient pass keeps the graph for the
-        # weight-gradient pass, which walks it again (host time per forward op) and makes a
-        # memory-bound pass over the chunk's weights, in every chunk but the first (which torch
-        # runs as one full backward). Measured by calibrate on fleetwise's own block; a 6-layer
-        # d=512 GPT on 2 CPU ranks ran ~4 ms per block and micro-batch longer under interleaved
-        # zero bubble than 1F1B.
         multi = job.schedule.multi_stage and pipelined
         return cls(
+            # a micro-batch's pass through one local stage with its send/receive: forward and
+            # backward, and zero-bubble schedules split the backward into input- and
+            # weight-gradient actions. Measured on co-running stages, like DTensor's.
             actions=(3 if job.schedule.zero_bubble else 2) if pipelined else 0,
             action_s=hw.pipeline_action_us * 1e-6 * per_core,
+            # torch's multi-stage schedules (PipelineScheduleMulti: the interleaved and zero-bubble
+            # ones) pay more per action that sends and receives (a forward, a backward or
+            # input-gradient pass) than the single-stage 1F1B that `pipeline_action_us` is measured
+            # on (calibrate's interleaved probe; gpt/tiny pp 2, interleaved 1F1B v 2, measured 1.73x
+            # its plan where 1F1B and ZB-V ran 1.46-1.50x)
             multi_s=hw.pipeline_multi_action_us * 1e-6 * per_core if multi else 0.0,
+            # ... and the zero-bubble split itself: torch's input-gradient pass keeps the graph for
+            # the weight-gradient pass, which walks it again (host time per forward op) and makes a
+            # memory-bound pass over the chunk's weights, in every chunk but the first (which torch
+            # runs as one full backward). Measured by calibrate on fleetwise's own block; a 6-layer
+            # d=512 GPT on 2 CPU ranks ran ~4 ms per block and micro-batch longer under interleaved
+            # zero bubble than 1F1B.
             split=job.schedule.zero_bubble and pipelined,
             split_op_s=slow * hw.zero_bubble_split_op_us * 1e-6 * per_core,
             split_param_s=slow * hw.zero_bubble_split_ns_per_param * 1e-9 * per_core,
         )
+
+
+@dataclass(slots=True)
+class HostCosts:
+    """What each kind of host work costs on this layout's ranks (one plan)."""
+
+    sharing: Sharing
+    ops: OpCosts
+    engine: EngineCosts
+    pipeline: PipelineCosts
+
+    @classmethod
+    def of(cls, job: Job, bubble: float) -> HostCosts:
+        sharing = Sharing.of(job.cfg, bubble)
+        ops = OpCosts.of(job.cfg, job.layout, sharing)
+        return cls(sharing, ops, EngineCosts.of(job, sharing), PipelineCosts.of(job, sharing))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,14 +345,6 @@ class StageTime:
     device_flops: float  # this device's FLOPs per step, recompute included
 
 
-@dataclass(slots=True)
-class HostCosts:
-    sharing: Sharing
-    ops: OpCosts
-    engine: EngineCosts
-    pipeline: PipelineCosts
-
-
 def host_ops_seconds(cfg: RunConfig, costs: HostCosts, work: RankWork, n: int, params: float) -> float:
     """Host time per step: each op, convolution and parameter tensor in every micro-batch, the
     schedule's actions, zero bubble's split backward; FSDP's buffer copies per parameter."""
@@ -421,15 +433,16 @@ def overlap_window(engine: Engine, layout: Layout, n: int, compute: float) -> fl
     return compute
 
 
-def offload_seconds(cfg: RunConfig, engine: Engine, p: float, sharding: int, n: int) -> float:
-    """Offloaded FSDP (CPUOffloadPolicy): each rank's parameter shard crosses to the device for every
-    all-gather and its gradient shard back after every reduce-scatter (fp32, over the host link),
-    and the optimizer step runs on the host. Not overlapped: FSDP2 copies on the compute stream."""
-    s, hw = cfg.strategy, cfg.hardware
-    if not (s.offload and engine == Engine.FSDP and hw.device_type == "cuda"):
+def offload_seconds(job: Job, p: float) -> float:
+    """Offloaded FSDP (CPUOffloadPolicy): each rank's parameter shard (of its `p` parameters)
+    crosses to the device for every all-gather and its gradient shard back after every
+    reduce-scatter (fp32, over the host link), and the optimizer step runs on the host. Not
+    overlapped: FSDP2 copies on the compute stream."""
+    s, hw = job.strategy, job.cfg.hardware
+    if not (s.offload and job.engine == Engine.FSDP and hw.device_type == "cuda"):
         return 0.0
-    shard = p / sharding
-    gathers, scatters = fsdp_collectives(s, Layout.of(cfg), n)
+    shard = p / job.layout.sharding
+    gathers, scatters = fsdp_collectives(s, job.layout, job.n)
     link = (FP32 * shard * (gathers + scatters)) / (hw.host_link_gbps * 1e9) if hw.host_link_gbps else 0.0
     return link + shard * hw.offload_update_ns_per_param * 1e-9
 
@@ -484,7 +497,7 @@ def step_time(job: Job, roles: list[RankRole], rank_params: list[float], worst: 
     window = overlap_window(job.engine, layout, n, compute)
     hidden = min(overlappable, window) if cfg.hardware.device_type == "cuda" else 0.0
     exposed = seconds["mp"] + seconds["pp"] + overlappable - hidden
-    offload = offload_seconds(cfg, job.engine, rank_params[worst], layout.sharding, n)
+    offload = offload_seconds(job, rank_params[worst])
     step = pipelined_compute + exposed + update + offload
     return StepTime(
         bubble, stages, slowest, pipelined_compute, seconds, comm.bytes, hidden, update, offload, step
@@ -493,14 +506,8 @@ def step_time(job: Job, roles: list[RankRole], rank_params: list[float], worst: 
 
 def stage_times(job: Job, roles: list[RankRole], rank_params: list[float], bubble: float) -> list[StageTime]:
     """Each pipeline stage's time; ranks in the same role do the same work (worked out once)."""
-    sharing = Sharing.of(job.cfg, bubble)
-    ops, engine, pipeline = (
-        OpCosts.of(job.cfg, job.layout, sharing),
-        EngineCosts.of(job, sharing),
-        PipelineCosts.of(job, sharing),
-    )
-    costs = HostCosts(sharing, ops, engine, pipeline)
-    model = ComputeModel.of(job, pipeline.split)
+    costs = HostCosts.of(job, bubble)
+    model = ComputeModel.of(job, costs.pipeline.split)
     work_of: dict[RankRole, RankWork] = {}
     stages = []
     for r in range(job.layout.pp):
