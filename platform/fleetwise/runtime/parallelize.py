@@ -25,7 +25,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
 from fleetwise.families import ModelSpec, family_of
 from fleetwise.models import pipeline_chunk
-from fleetwise.plan.pipeline import PipelineSchedule, chunk_ranks, split_layers
+from fleetwise.plan.pipeline import chunk_ranks, split_layers
 from fleetwise.runtime.mesh import process_group
 from fleetwise.runtime.modeling import build_meta_model, materialize, model_spec
 from fleetwise.runtime.recompute import apply_recompute
@@ -251,5 +251,5 @@ def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device:
     # scale_grads divides by the micro-batch count, so gradients are the mean over micro-batches
     # (the same objective as one process averaging the same micro-batches).
     # (ZeRO-1 accumulates gradients in its own buffers, out of the schedule's sight: it divides there)
-    stage = pm.stages if PipelineSchedule(s.schedule).multi_stage else pm.stages[0]
+    stage = pm.stages if s.schedule not in ("GPipe", "1F1B") else pm.stages[0]
     pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.pipeline_loss, scale_grads=pm.engine != Engine.ZERO1)
