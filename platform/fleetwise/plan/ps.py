@@ -38,6 +38,7 @@ from fleetwise.config.strategy import PSStrategy
 from fleetwise.families import family_of, model_units
 from fleetwise.plan.dtypes import FP32
 from fleetwise.plan.records import Memory, Plan
+from fleetwise.plan.units import Unit
 
 
 def stable_hash(text: str) -> int:
@@ -280,10 +281,13 @@ class TrainerMemory:
         return self.dense * 2 + self.pulled * 2 + self.activations + self.inputs
 
 
-def trainer_memory(cfg: RunConfig, dense_params: float, sparse: SparseRows) -> TrainerMemory:
+def trainer_memory(
+    cfg: RunConfig, units: list[Unit], dense_params: float, sparse: SparseRows
+) -> TrainerMemory:
+    """A trainer's bytes, for the model's `units` (no recompute: it runs whole micro-batches)."""
     m, t = cfg.model, cfg.train
     n, b = t.accumulate_steps or 1, t.micro_batch_size
-    acts = sum(u.saved("none").total for u in model_units(m)) * b * FP32
+    acts = sum(u.saved("none").total for u in units) * b * FP32
     inputs = n * b * family_of(m).input_bytes(m)  # a trainer loads all its micro-batches of the step
     return TrainerMemory(FP32 * dense_params, FP32 * sparse.pulled * sparse.width, acts, inputs)
 
@@ -312,6 +316,8 @@ def ps_memory(trainer: TrainerMemory, server_bytes: int) -> Memory:
 
 
 def ps_plan(cfg: RunConfig) -> Plan:
+    """The plan of a `strategy=ps` job: its worst device (a server or a trainer), a trainer's
+    traffic and step, and the servers' shards (`plan.ps`)."""
     s, t, hw = cfg.strategy, cfg.train, cfg.hardware
     assert isinstance(s, PSStrategy)
     n, b = t.accumulate_steps or 1, t.micro_batch_size
@@ -321,7 +327,7 @@ def ps_plan(cfg: RunConfig) -> Plan:
     dense_params = params - sparse.params
     per_server = bytes_per_server(cfg, dense_params, sparse.params)
     server_bytes = max(per_server)
-    trainer = trainer_memory(cfg, dense_params, sparse)
+    trainer = trainer_memory(cfg, units, dense_params, sparse)
     mem = ps_memory(trainer, server_bytes)
     flops_per_step = t.global_batch_size * 3 * sum(u.fwd_flops for u in units)
     peak = hw.peak_flops(t.precision)
