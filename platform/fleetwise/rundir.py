@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from fleetwise.config.run import RunConfig
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.records import Plan
 
 CONFIG_FILE = "config.yaml"
 PLAN_FILE = "plan.json"

@@ -133,7 +133,7 @@ LAYOUTS = {
     ),
     # the demo's layout (`make demo`): FSDP under a pipeline accumulates through autograd, so the
     # peak is at a block's fc2 backward (its input's gradient and a fresh weight gradient beside
-    # everything saved) (measured -4.9% before: planner.Unit.backward_transient); the
+    # everything saved) (measured -4.9% before: units.Unit.backward_transient); the
     # vocabulary-parallel embedding's gradient is its own rows (models/tp_plan.py; it was whole on
     # every mp rank with DTensor's embedding backward, and the planner counted that)
     "pp2_sh2_mp2_demo": (
@@ -169,7 +169,7 @@ LAYOUTS = {
     ),
     # zero bubble + full recompute: a block recomputed in the input- and again in the
     # weight-gradient pass (once for all of a micro-batch's weight-gradient calls, see
-    # runtime/pipeline_stage.py), the first chunk once (planner.block_recomputes); FLOPs were
+    # runtime/pipeline_stage.py), the first chunk once (chunks.block_recomputes); FLOPs were
     # -43% / -57%, mp bytes -52%, with torch's one recompute per parameter group. The last stage
     # peaks in a weight step on its last chunk (planner: pipeline.weight_steps_waiting): two
     # micro-batches wait for theirs with the output gradients torch captured at their
@@ -180,7 +180,7 @@ LAYOUTS = {
     # the same with 4 blocks a chunk, last stage: the waiting micro-batches' output gradients grow
     # with the blocks (rank 2 was -15.3%). Rank 0 peaks the same way, in a weight step on its last
     # local chunk (was -7.0% without it), with the receive buffers torch's lowered action list
-    # takes (planner.recv_buffer_sets: 2 + 1 and 1 sets, where the bound said 4 + 2 and 2)
+    # takes (memory/buffers.recv_buffer_sets: 2 + 1 and 1 sets, where the bound said 4 + 2 and 2)
     "pp2_mp2_zero_bubble_full_16_layers": (*ZERO_BUBBLE_FULL, "model.num_layers=16", "--ranks", "0,2"),
     # zero bubble under FSDP's mixed precision (dp 2 replicates): a chunk's weight-gradient pass
     # leaves 16-bit gradients that FSDP adds into its fp32 accumulators only at the chunk's next
@@ -246,7 +246,7 @@ LAYOUTS = {
         "hardware.devices_per_node=2",
         "train.micro_batch_size=1",
     ),
-    # two chunks per rank: every send is held to the end of the step (planner._pipeline_buffers;
+    # two chunks per rank: every send is held to the end of the step (memory/buffers.pipeline_buffers;
     # rank 0 was +3.61%, KNOWN, until the per-block attention-context copy, a view of SDPA's
     # output, was no longer counted: +1.96%)
     "pp2_interleaved_1F1B_32mb": (

@@ -12,7 +12,8 @@ from conftest import compose
 from fleetwise.config.validate import check, resolve
 from fleetwise.launcher.auto import resolve_auto
 from fleetwise.plan import make_plan
-from fleetwise.plan.planner import step_parts, worst_memory
+from fleetwise.plan.memory.ranks import worst_memory
+from fleetwise.plan.records import step_parts
 from fleetwise.plan.search import PART_NAMES, RECOMPUTE, SCHEDULES
 
 TINY4 = ["recipe=gpt/tiny", "hardware.devices_per_node=4"]
@@ -235,14 +236,15 @@ def test_an_impossible_fixed_key_is_a_config_problem(capsys):
 
 def test_memory_ranks_keep_the_ends_and_the_inner_rank_with_most_in_flight():
     from fleetwise.config.layout import Layout
+    from fleetwise.plan.chunks import assign_units
+    from fleetwise.plan.memory.ranks import memory_ranks
     from fleetwise.plan.pipeline import chunk_ranks
-    from fleetwise.plan.planner import _memory_ranks, assign_units
 
     cfg = compose("recipe=gpt/tiny", "hardware.devices_per_node=4", "strategy=pp", "strategy.pp_degree=4")[0]
     layout = Layout.of(cfg)
     chunks = assign_units(cfg, layout)
     # 1F1B: rank r keeps min(n, 4 - r) micro-batches; rank 1 holds more than rank 2 (same units)
-    kept = _memory_ranks(cfg.strategy, layout, chunks, chunk_ranks("1F1B", 4, 1), cfg.train.accumulate_steps)
+    kept = memory_ranks(cfg.strategy, layout, chunks, chunk_ranks("1F1B", 4, 1), cfg.train.accumulate_steps)
     assert sorted(kept) == [0, 1, 3]
 
 
@@ -278,8 +280,9 @@ def test_the_searchs_plan_is_the_full_plan_less_its_stages_and_roles_share_no_wr
     without the per-stage detail, and the planner works out pipeline ranks of one role once: the
     plan is the full one less `stages`, and every stage's memory is its own rank's."""
     from fleetwise.config.layout import Layout
+    from fleetwise.plan.chunks import assign_units
+    from fleetwise.plan.memory.ranks import pipeline_rank_memory, rank_memory
     from fleetwise.plan.pipeline import chunk_ranks
-    from fleetwise.plan.planner import _rank_memory, assign_units, rank_memory
 
     base = compose("recipe=gpt/tiny", "hardware.devices_per_node=8", "model.num_layers=8")[0]
     for sched, v in [
@@ -306,7 +309,7 @@ def test_the_searchs_plan_is_the_full_plan_less_its_stages_and_roles_share_no_wr
             assert lean.stages == [] and lean.to_dict() == {**full.to_dict(), "stages": []}, (sched, mb)
             layout, n = Layout.of(cfg), cfg.train.accumulate_steps
             chunks, ranks = assign_units(cfg, layout), chunk_ranks(sched, 4, v)
-            own = [int(_rank_memory(cfg, layout, chunks, ranks, r, n)[0].total) for r in range(4)]
+            own = [int(pipeline_rank_memory(cfg, layout, chunks, ranks, r, n)[0].total) for r in range(4)]
             assert [s["memory_total_bytes"] for s in full.stages] == own, (sched, mb)
 
 
@@ -329,7 +332,7 @@ def test_a_search_on_several_processes_finds_what_one_process_finds(monkeypatch,
     import multiprocessing
 
     import fleetwise.plan.search as search
-    from fleetwise.plan.planner import worst_memory
+    from fleetwise.plan.memory.ranks import worst_memory
 
     if "fork" not in multiprocessing.get_all_start_methods():
         pytest.skip("no fork on this platform: searches run in one process")
@@ -368,12 +371,12 @@ def test_a_search_on_several_processes_finds_what_one_process_finds(monkeypatch,
 def _lean_layouts(job, degree_tuple):
     """Every legal layout of one degree tuple at its least memory per schedule (full recompute,
     sequence parallel where legal, the smallest micro-batch)."""
-    from fleetwise.plan.search import _pipeline_options
+    from fleetwise.plan.search import pipeline_options
 
     dp, sh, mp, pp = degree_tuple
     for stage in [1, 2, 3] if sh > 1 else [None]:
         for sp in (True, False):
-            for sched, v in _pipeline_options(job.base, pp, {}):
+            for sched, v in pipeline_options(job.base, pp, {}):
                 cfg = job.legal(
                     {
                         "dp_degree": dp,

@@ -295,7 +295,8 @@ def test_zero_bubble_split_backward_is_charged_on_every_chunk_but_the_first(loca
     """Zero bubble's split backward pays the profile's 30 µs per forward op and 0.5 ns per parameter
     of every unit in chunks 1.. (torch runs chunk 0's backward whole), per micro-batch, 1.5x slower
     for as long as the other rank runs too (1 - bubble); other schedules pay nothing."""
-    from fleetwise.plan.planner import Layout, assign_units
+    from fleetwise.config.layout import Layout
+    from fleetwise.plan.chunks import assign_units
 
     free = ("hardware.zero_bubble_split_op_us=0", "hardware.zero_bubble_split_ns_per_param=0")
     cfg, charged = _pipeline_plan(schedule, 2)

@@ -72,7 +72,7 @@ def test_offload_and_selective_recompute_cost_time_on_a_gpu():
 def test_the_step_time_breakdown_adds_up_to_the_step(overrides):
     """`plan` prints the step as the sum of its parts (render.step_time_sum): compute (GEMMs, host
     ops, elementwise, gradient accumulation) + bubble + exposed communication + update + offload."""
-    from fleetwise.plan.planner import step_parts
+    from fleetwise.plan.records import step_parts
     from fleetwise.plan.render import step_time_sum
 
     plan = _plan(*overrides)

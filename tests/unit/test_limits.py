@@ -68,7 +68,7 @@ def test_configs_at_the_limits_plan_without_hanging(overrides):
 def test_expected_unique_ids_match_the_exact_sum_past_the_exact_rows():
     import numpy as np
 
-    from fleetwise.plan.planner import EXACT_ROWS, expected_unique
+    from fleetwise.plan.ps import EXACT_ROWS, expected_unique
 
     def exact(n, draws, alpha):
         p = np.arange(1, n + 1, dtype=np.float64) ** -alpha

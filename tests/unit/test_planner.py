@@ -5,6 +5,9 @@ from conftest import compose
 
 from fleetwise.config.layout import Layout
 from fleetwise.plan import make_plan
+from fleetwise.plan.chunks import assign_units
+from fleetwise.plan.memory.buffers import recv_buffer_sets
+from fleetwise.plan.memory.ranks import pipeline_rank_memory
 from fleetwise.plan.pipeline import (
     bubble_fraction,
     chunk_ranks,
@@ -14,7 +17,6 @@ from fleetwise.plan.pipeline import (
     zbv_cool_down,
     zbv_sends_made,
 )
-from fleetwise.plan.planner import _rank_memory, assign_units, recv_buffer_sets
 
 
 def plan_of(*overrides):
@@ -597,12 +599,12 @@ def test_fsdp_mixed_precision_runs_the_residual_stream_in_16_bits():
 
 
 def _stage_memory(*overrides, rank=0):
-    """One pipeline rank's planned memory and parameter count (planner._rank_memory)."""
+    """One pipeline rank's planned memory and parameter count (memory.ranks.pipeline_rank_memory)."""
     cfg, problems = compose(*overrides)
     assert problems == [], problems
     layout = Layout.of(cfg)
     ranks = chunk_ranks(cfg.strategy.schedule, layout.pp, cfg.strategy.virtual_stages)
-    return _rank_memory(cfg, layout, assign_units(cfg, layout), ranks, rank, cfg.train.accumulate_steps)
+    return pipeline_rank_memory(cfg, layout, assign_units(cfg, layout), ranks, rank, cfg.train.accumulate_steps)
 
 
 def test_pipeline_stage_backward_peak_by_hand():
@@ -695,7 +697,7 @@ def test_adamw_step_temporaries_follow_the_device():
     cfg, cpu = plan_of(*job, "hardware.devices_per_node=2")
     _, gpu = plan_of(*job, "hardware=a100", "hardware.devices_per_node=2")
     layout = Layout.of(cfg)
-    p0 = _rank_memory(cfg, layout, assign_units(cfg, layout), [0, 1], 0, 16)[1]
+    p0 = pipeline_rank_memory(cfg, layout, assign_units(cfg, layout), [0, 1], 0, 16)[1]
     assert cpu.memory_bytes["step_temporaries"] == 2 * 4 * 256 * 64
     assert gpu.memory_bytes["step_temporaries"] == 4 * p0
     assert gpu.memory_peak["phase"] == "optimizer step"

@@ -10,7 +10,7 @@ from torch.distributed.pipelining._backward import stage_backward_input
 
 from fleetwise.families.gpt.model import GPT
 from fleetwise.models.transformer import lm_loss
-from fleetwise.plan.planner import _units
+from fleetwise.plan.chunks import units_of
 
 
 def test_weight_grad_outputs_are_what_torch_keeps_for_the_weight_step():
@@ -31,7 +31,7 @@ def test_weight_grad_outputs_are_what_torch_keeps_for_the_weight_step():
             for g in grads:
                 if g is not None:
                     kept[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
-    units = [u for u in _units(m) if u.kind != "embedding"]
+    units = [u for u in units_of(m) if u.kind != "embedding"]
     assert [u.kind for u in units] == ["block", "block", "head"]
     planned = sum(b * u.weight_grad_outputs.elements(1, False) * 4 for u in units)
     s, h, f, v = m.seq_len, m.hidden_size, m.ffn_hidden_size, m.padded_vocab_size

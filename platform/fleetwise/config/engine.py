@@ -29,6 +29,8 @@ master is the working weight itself; the reduce-scatter works in place in the gr
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from fleetwise.config.layout import Layout
 
 # ZeRO-1's buckets (runtime/zero1.py): at most this many elements each (the whole-size all-gather
@@ -36,12 +38,41 @@ from fleetwise.config.layout import Layout
 ZERO1_BUCKET_ELEMENTS = 2**26
 
 
-def dp_engine(layout: Layout, sharding_stage: int | None) -> str:
+class Engine(StrEnum):
+    """The data-parallel engine of a layout (the table above). A `StrEnum`: each member is its
+    name as a string (`Engine.FSDP == "fsdp"`), so plans, logs and JSON carry the same text."""
+
+    NONE = "none"
+    DDP = "ddp"
+    ZERO1 = "zero1"
+    FSDP = "fsdp"
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Each rank keeps and steps its 1/sharding piece of every tensor's optimizer state (and,
+        for FSDP, of the parameters and gradients too)."""
+        return self in (Engine.FSDP, Engine.ZERO1)
+
+    @property
+    def keeps_grad_buffer(self) -> bool:
+        """Gradients live in buffers held for the whole job, whole on every rank: DDP's all-reduce
+        buckets (gradient_as_bucket_view) and ZeRO-1's fp32 accumulation buffer."""
+        return self in (Engine.DDP, Engine.ZERO1)
+
+    @property
+    def casts_weights(self) -> bool:
+        """Under mixed precision the model computes with 16-bit weights the engine made (FSDP's
+        MixedPrecisionPolicy gathers them so; ZeRO-1 keeps 16-bit working weights), instead of
+        autocast casting fp32 weights op by op: the residual stream is 16-bit too."""
+        return self in (Engine.FSDP, Engine.ZERO1)
+
+
+def dp_engine(layout: Layout, sharding_stage: int | None) -> Engine:
     if layout.sharding > 1:
-        return "zero1" if sharding_stage == 1 else "fsdp"
+        return Engine.ZERO1 if sharding_stage == 1 else Engine.FSDP
     if layout.dp > 1:
-        return "fsdp" if (layout.mp > 1 or layout.pp > 1) else "ddp"
-    return "none"
+        return Engine.FSDP if (layout.mp > 1 or layout.pp > 1) else Engine.DDP
+    return Engine.NONE
 
 
 def reshard_after_forward(sharding_stage: int | None) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 from fleetwise import rundir
 from fleetwise.config.layout import MESH_DIMS, Layout
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.records import Plan
 
 NOT_ALIKE = "pipeline stages are not alike"  # dryrun.fake.MetaRelay's message when a check fails
 DIMS = ("dp", "sharding", "mp", "pp")
@@ -72,8 +72,8 @@ def stand_ins(cfg) -> dict[str, Any] | None:
     with the same `split_layers`): every middle chunk the same list of units, names aside."""
     from dataclasses import replace
 
+    from fleetwise.plan.chunks import assign_units
     from fleetwise.plan.pipeline import chunk_ranks
-    from fleetwise.plan.planner import assign_units
 
     layout = Layout.of(cfg)
     if layout.pp <= 1:

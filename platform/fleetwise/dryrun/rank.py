@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fleetwise import compat
+from fleetwise.config.engine import Engine
 from fleetwise.dryrun import patches
 from fleetwise.dryrun.counters import Counters, mesh_group_labels, state_bytes
 from fleetwise.dryrun.fake import FakeExecution, MetaRelay, init_fake_world
@@ -92,7 +93,7 @@ def _live_tracker():
 
 def _offload_on_the_host(trainer, cfg) -> bool:
     """Count the host-resident state of a GPU job with offload as host memory (see above)."""
-    if not (cfg.strategy.offload and cfg.hardware.device_type == "cuda" and trainer.model.engine == "fsdp"):
+    if not (cfg.strategy.offload and cfg.hardware.device_type == "cuda" and trainer.model.engine == Engine.FSDP):
         return False
     patches.fsdp_copies_cross_to_the_host(_live_tracker)
 

@@ -178,13 +178,13 @@ def sampled_layers(cfg, rank: int) -> tuple[int, tuple[int, int]] | None:
     from dataclasses import replace
 
     from fleetwise.config.layout import Layout
+    from fleetwise.plan.chunks import split_ends, units_of
     from fleetwise.plan.pipeline import chunk_ranks, split_layers
-    from fleetwise.plan.planner import _ends, _units
 
     m = cfg.model
     if "num_layers" not in type(m).model_fields:  # the family's blocks are not a count (ResNet, CTR)
         return None
-    _, blocks, _ = _ends(_units(m))
+    blocks = split_ends(units_of(m)).blocks
     if len(blocks) != m.num_layers or len({repr(replace(u, name="")) for u in blocks}) != 1:
         return None
     layout, s = Layout.of(cfg), cfg.strategy

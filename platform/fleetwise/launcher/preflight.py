@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from fleetwise.calibrate.registry import note_defaults
 from fleetwise.config.problems import ConfigError, Problem
 from fleetwise.config.run import RunConfig
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.records import Plan
 from fleetwise.plan.remedies import Remedy
 
 if TYPE_CHECKING:

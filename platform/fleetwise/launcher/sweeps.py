@@ -21,7 +21,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.launcher.auto import AutoOutcome
 from fleetwise.launcher.job import run_job
 from fleetwise.launcher.preflight import machine_problems, preflight
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.records import Plan
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
 MULTIRUN_FLAGS = ("-m", "--multirun")

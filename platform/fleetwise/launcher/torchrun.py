@@ -33,7 +33,7 @@ from fleetwise.launcher.hostnet import (
     node_network,
     torchrun_args,
 )
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.records import Plan
 from fleetwise.rundir import Metric
 from fleetwise.runtime.lifeline import die_with_parent
 

@@ -3,13 +3,40 @@
 Stage placement follows torch.distributed.pipelining: with v chunks per rank, chunk c of the
 pp·v chunks runs on rank c mod pp ("loop" placement: interleaved 1F1B, looped BFS, interleaved
 zero bubble), except ZBV which folds the chunks into a V (rank r holds chunks r and 2pp-1-r).
+
+The schedules are a typed value here (`PipelineSchedule`); the functions take the config's string
+as well (a `StrEnum` member equals its name).
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from functools import cache
+from typing import NamedTuple
 
 from fleetwise.config.strategy import INTERLEAVED_SCHEDULES
+
+
+class PipelineSchedule(StrEnum):
+    """A pipeline schedule, by the name users write (config/strategy.py `Schedule`)."""
+
+    GPIPE = "GPipe"
+    ONE_F_ONE_B = "1F1B"
+    INTERLEAVED_1F1B = "interleaved_1F1B"
+    LOOPED_BFS = "looped_BFS"
+    INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
+    ZBV_ZERO_BUBBLE = "ZBV_zero_bubble"
+
+    @property
+    def multi_stage(self) -> bool:
+        """Several chunks per rank (torch's PipelineScheduleMulti): the interleaved, looped BFS and
+        zero-bubble schedules. They keep every send's Work to the end of the step."""
+        return self in INTERLEAVED_SCHEDULES
+
+    @property
+    def zero_bubble(self) -> bool:
+        """The backward split into an input-gradient and a weight-gradient pass (Qi et al. 2024)."""
+        return self in (PipelineSchedule.INTERLEAVED_ZERO_BUBBLE, PipelineSchedule.ZBV_ZERO_BUBBLE)
 
 
 def split_layers(num_layers: int, stages: int, explicit: list[int] | None = None) -> list[int]:
@@ -23,7 +50,7 @@ def split_layers(num_layers: int, stages: int, explicit: list[int] | None = None
 def chunk_ranks(schedule: str, pp: int, virtual: int) -> list[int]:
     """Pipeline rank that runs each chunk (index = chunk)."""
     chunks = pp * virtual
-    if schedule == "ZBV_zero_bubble":
+    if schedule == PipelineSchedule.ZBV_ZERO_BUBBLE:
         return [c if c < pp else 2 * pp - 1 - c for c in range(chunks)]
     return [c % pp for c in range(chunks)]
 
@@ -48,17 +75,17 @@ def chunks_in_flight(schedule: str, pp: int, virtual: int, n: int, rank: int) ->
     """
     if pp == 1:
         return {0: 1}
-    if schedule == "GPipe":
+    if schedule == PipelineSchedule.GPIPE:
         return {0: n}
-    if schedule == "1F1B":
+    if schedule == PipelineSchedule.ONE_F_ONE_B:
         return {0: min(n, pp - rank)}
-    if schedule == "looped_BFS":
+    if schedule == PipelineSchedule.LOOPED_BFS:
         return {c: n for c in range(virtual)}
-    if schedule == "ZBV_zero_bubble":
+    if schedule == PipelineSchedule.ZBV_ZERO_BUBBLE:
         return {0: min(n, 2 * pp - 1 - rank), 1: min(n, rank + 1)}
     # interleaved: distribute the warm-up chunk-forwards over the local chunks, earliest first
     per_round = n // max(1, n // pp)
-    if schedule == "interleaved_zero_bubble":
+    if schedule == PipelineSchedule.INTERLEAVED_ZERO_BUBBLE:
         return {c: min(n, per_round if c == 0 else pp) for c in range(virtual)}
     total = min((virtual - 1) * per_round + 2 * (pp - 1 - rank) + 1, n * virtual)
     counts = {c: 0 for c in range(virtual)}
@@ -80,13 +107,21 @@ def weight_steps_waiting(schedule: str, pp: int, virtual: int, n: int, rank: int
     output). From torch 2.13's action lists (pp 2-8, v 2-3): rank r has r+1 waiting on its last
     local chunk there, and the others' in flight have run only their forwards. Empty for every
     other schedule (ZBV's peak moments differ by rank: not modelled)."""
-    if pp == 1 or schedule != "interleaved_zero_bubble":
+    if pp == 1 or schedule != PipelineSchedule.INTERLEAVED_ZERO_BUBBLE:
         return {}
     last = virtual - 1
     return {last: min(rank + 1, chunks_in_flight(schedule, pp, virtual, n, rank)[last])}
 
 
-def zbv_cool_down(pp: int, n: int, rank: int) -> tuple[dict[int, int], dict[int, int], int] | None:
+class CoolDown(NamedTuple):
+    """ZB-V's cool-down moment (`zbv_cool_down`), per local chunk."""
+
+    in_flight: dict[int, int]  # micro-batches in flight
+    waiting: dict[int, int]  # of those, waiting for their weight step (the step's own included)
+    to_come: int  # chunk 0's input-gradient steps still to come
+
+
+def zbv_cool_down(pp: int, n: int, rank: int) -> CoolDown | None:
     """ZB-V's second peak moment: in the cool-down torch runs several input-gradient steps before
     their weight steps, each waiting micro-batch keeping its output gradients. At the
     input-gradient step with the most of them waiting, per local chunk: the micro-batches in
@@ -97,16 +132,23 @@ def zbv_cool_down(pp: int, n: int, rank: int) -> tuple[dict[int, int], dict[int,
     rank 0 (its chunk 0 runs full backwards, nothing waits there) and n = pp (no cool-down)."""
     if rank == 0 or n < 2 * pp:
         return None
-    return {0: pp, 1: rank}, {0: rank + 1, 1: rank}, pp - 1 - rank
+    return CoolDown({0: pp, 1: rank}, {0: rank + 1, 1: rank}, pp - 1 - rank)
 
 
-def zbv_sends_made(pp: int, n: int, rank: int) -> tuple[dict[int, int], dict[int, int]]:
+class SendsMade(NamedTuple):
+    """Sends a ZB-V rank has made by its first moment (`zbv_sends_made`), per local chunk."""
+
+    outputs: dict[int, int]  # forward outputs sent on
+    input_gradients: dict[int, int]  # input gradients sent back
+
+
+def zbv_sends_made(pp: int, n: int, rank: int) -> SendsMade:
     """ZB-V's first moment (`chunks_in_flight`) is mid-step, at its last chunk-1 input-gradient
     step with that many in flight: the sends made by then, the step's own included, as (outputs,
     input gradients) per local chunk. From torch 2.13's action lists (pp 2-8, n = 2pp-8pp):
     outputs n on chunk 0 and n-pp+1+r on chunk 1, input gradients n-2pp+1+r and n-pp+1 (pp 4,
     n 8, rank 1: 21 sends, not 32). Only for n >= 2pp (below, there is no such steady moment)."""
-    return {0: n, 1: n - pp + 1 + rank}, {0: n - 2 * pp + 1 + rank, 1: n - pp + 1}
+    return SendsMade({0: n, 1: n - pp + 1 + rank}, {0: n - 2 * pp + 1 + rank, 1: n - pp + 1})
 
 
 def bubble_fraction(schedule: str, pp: int, virtual: int, n: int) -> float:
@@ -125,14 +167,10 @@ def bubble_fraction(schedule: str, pp: int, virtual: int, n: int) -> float:
     """
     if pp == 1:
         return 0.0
-    if schedule in ("GPipe", "1F1B"):
+    if schedule in (PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B):
         return (pp - 1) / (n + pp - 1)
-    if schedule == "interleaved_zero_bubble":
+    if schedule == PipelineSchedule.INTERLEAVED_ZERO_BUBBLE:
         return (pp - 1) / (3 * virtual * n + pp - 1)
-    if schedule == "ZBV_zero_bubble":
+    if schedule == PipelineSchedule.ZBV_ZERO_BUBBLE:
         return (pp - 1) / (3 * (virtual if n >= 2 * pp else 1) * n + pp - 1)
     return (pp - 1) / (virtual * n + pp - 1)
-
-
-def is_interleaved(schedule: str) -> bool:
-    return schedule in INTERLEAVED_SCHEDULES

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from fleetwise.config.problems import Problem
 from fleetwise.config.run import RunConfig
-from fleetwise.plan.planner import COMPUTE_PARTS, Plan, step_parts
+from fleetwise.plan.records import COMPUTE_PARTS, Plan, step_parts
 from fleetwise.plan.remedies import Remedy
 
 GIB = 1024**3
@@ -107,6 +107,20 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold cyan", no_wrap=True)
     t.add_column()
+    _job_rows(t, cfg, plan)
+    _memory_rows(t, plan)
+    _time_rows(t, cfg, plan)
+    for note in plan.notes:
+        t.add_row("note", note)
+    console.print(t)
+    if not plan.fits and remedies:
+        console.print("[bold]cheapest remedies:[/]")
+        for r in remedies:
+            console.print(f"  {r.describe()}", highlight=False)
+
+
+def _job_rows(t: Table, cfg: RunConfig, plan: Plan) -> None:
+    """The mesh (or the parameter server's roles), the batch and the parameters."""
     b = plan.batch
     m = plan.mesh
     if plan.ps is None:
@@ -131,6 +145,10 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
             f"{b['accumulate_steps']} × trainers {ps['num_trainers']}",
         )
     t.add_row("params", count(plan.params))
+
+
+def _memory_rows(t: Table, plan: Plan) -> None:
+    """The worst device's memory, its parts, and where else memory peaks (stages, servers)."""
     mem = plan.memory_bytes
     verdict = "[green]fits[/]" if plan.fits else "[bold red]does NOT fit[/]"
     usable = (
@@ -179,6 +197,10 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
             f"{count(ps['rows_pulled_per_step'])} rows = "
             f"{gib(ps['sparse_bytes_pulled_per_step'])} of the sparse tables per trainer (de-duplicated prefetch)",
         )
+
+
+def _time_rows(t: Table, cfg: RunConfig, plan: Plan) -> None:
+    """FLOPs, bubble, traffic, the step time and the throughput."""
     t.add_row("flops/step", f"{plan.flops_per_step:.3e}")
     if plan.mesh["pp"] > 1:
         t.add_row("bubble", f"{plan.bubble_fraction:.1%} ({cfg.strategy.schedule})")
@@ -197,13 +219,6 @@ def print_plan(console: Console, cfg: RunConfig, plan: Plan, remedies: list[Reme
             "per-op costs (published figures, not measured on your GPUs: `fleetwise calibrate` on one "
             "writes measured ones)",
         )
-    for note in plan.notes:
-        t.add_row("note", note)
-    console.print(t)
-    if not plan.fits and remedies:
-        console.print("[bold]cheapest remedies:[/]")
-        for r in remedies:
-            console.print(f"  {r.describe()}", highlight=False)
 
 
 def print_search(console: Console, result, top_k: int, override: str) -> None:

@@ -11,7 +11,7 @@ global batch stays the recipe's) and recompute. Keys the user set on the command
 (`strategy.pp_degree=4`, `train.micro_batch_size=2`) stay fixed.
 
 Speed (a 1,024-GPU search must answer in seconds): the model's units are built once
-(planner._units); each subtree of degrees × stage × offload is first planned at its least memory
+(chunks.units_of); each subtree of degrees × stage × offload is first planned at its least memory
 (full recompute, micro-batch 1; 1F1B, else each other schedule) and dropped whole when even that
 does not fit; inside it the micro-batch size grows only while memory still fits (memory grows with
 it), a layout's pipeline ranks are worked out only until one is too big, and only fitting layouts
@@ -31,7 +31,9 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import INTERLEAVED_SCHEDULES, HybridStrategy, Schedule
 from fleetwise.config.validate import check, resolve
 from fleetwise.families import family_of
-from fleetwise.plan.planner import Plan, make_plan, rank_memory, step_parts, worst_of
+from fleetwise.plan.memory.ranks import rank_memory, worst_of
+from fleetwise.plan.planner import make_plan
+from fleetwise.plan.records import Plan, step_parts
 
 GIB = 1024**3
 SCHEDULES: tuple[str, ...] = Schedule.__args__  # every schedule the config accepts
@@ -169,7 +171,9 @@ def _choices(name: str, options: list[Any], fixed: dict[str, Any]) -> list[Any]:
 DOMINATED = {"GPipe": "1F1B", "looped_BFS": "interleaved_1F1B"}
 
 
-def _pipeline_options(cfg: RunConfig, pp: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+def pipeline_options(cfg: RunConfig, pp: int, fixed: dict[str, Any]) -> list[tuple[str, int]]:
+    """The (schedule, virtual stages) pairs the search tries at pipeline degree `pp` (the fixed
+    ones where the user set them; no dominated schedule unless fixed)."""
     if pp == 1:
         return [(fixed.get("schedule", "1F1B"), fixed.get("virtual_stages", 1))]
     layers = getattr(cfg.model, "num_layers", pp)
@@ -292,7 +296,7 @@ class _Subtrees:
                 sps = [True, False] if mp > 1 else [False]
                 for sp in _choices("sequence_parallel", sps, fixed):
                     fitted = False
-                    for sched, v in _pipeline_options(base, pp, fixed):
+                    for sched, v in pipeline_options(base, pp, fixed):
                         probe = {**lean, "sequence_parallel": sp, "schedule": sched, "virtual_stages": v}
                         if _held(self.checked(probe, min(mbs_all))[1], PIPELINE_KEYS):
                             continue  # e.g. ZBV with virtual_stages != 2, at every micro-batch size
@@ -314,7 +318,7 @@ class _Subtrees:
         out.saw(mem, lean, mb)
         if mem <= self.budget:
             return True
-        for sched, v in _pipeline_options(self.base, lean["pp_degree"], self.fixed):
+        for sched, v in pipeline_options(self.base, lean["pp_degree"], self.fixed):
             if (sched, v) == (lean["schedule"], lean["virtual_stages"]):
                 continue
             other = {**lean, "schedule": sched, "virtual_stages": v}

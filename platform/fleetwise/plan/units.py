@@ -52,6 +52,9 @@ class Acts:
         return self.split + self.sp + self.whole + self.reduced + self.fp32 + self.partial
 
 
+NO_ACTS = Acts()  # a unit that saves nothing
+
+
 @dataclass(frozen=True)
 class Unit:
     name: str
@@ -122,7 +125,8 @@ class Unit:
         return self.params_split / mp + self.params_whole
 
     def saved(self, recompute: str) -> Acts:
-        return self.acts.get(recompute, self.acts.get("none", Acts()))
+        held = self.acts.get(recompute)
+        return held if held is not None else self.acts.get("none", NO_ACTS)
 
 
 def ceil_div(a: int, b: int) -> int:

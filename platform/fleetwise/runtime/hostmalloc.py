@@ -23,6 +23,8 @@ import ctypes
 import ctypes.util
 import os
 
+from fleetwise.config.engine import Engine
+
 # set by the launcher when it chose the thresholds (the user's environment set neither)
 OWNED_VAR = "FLEETWISE_MALLOC_OWNED"
 STEADY_MMAP_THRESHOLD = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: mallopt refuses more
@@ -32,10 +34,10 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
 
-def steady_malloc(engine: str, environ=os.environ) -> bool:
+def steady_malloc(engine: Engine, environ=os.environ) -> bool:
     """Raise glibc's mmap/trim thresholds for the training steps (see the module docstring). Returns
     whether it did: not under FSDP, not where the user set the thresholds, not without glibc."""
-    if environ.get(OWNED_VAR) != "1" or engine == "fsdp":
+    if environ.get(OWNED_VAR) != "1" or engine == Engine.FSDP:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

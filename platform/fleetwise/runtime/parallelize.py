@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from fleetwise.compat import BATCH_NORMS
-from fleetwise.config.engine import dp_engine, reshard_after_forward
+from fleetwise.config.engine import Engine, dp_engine, reshard_after_forward
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
@@ -39,7 +39,7 @@ class ParallelModel:
     parts: list[nn.Module]  # this rank's model chunks (one without pipelining)
     chunk_ids: list[int]  # pipeline chunk index of each part
     num_chunks: int
-    engine: str  # none | ddp | zero1 | fsdp
+    engine: Engine
     spec: ModelSpec
     schedule: object | None = None  # torch.distributed.pipelining schedule when pp > 1
     stages: list = field(default_factory=list)
@@ -97,7 +97,7 @@ def parallelize(
     if allocate is None:
         # FSDP's CPU offload keeps the sharded parameters on the host (it refuses them anywhere
         # else at its first forward); buffers still belong on the device
-        host = engine == "fsdp" and s.offload
+        host = engine == Engine.FSDP and s.offload
         allocate = lambda part: materialize(part, device, cfg.train.seed, params_on_host=host)  # noqa: E731
     # On `meta`: the structure of the whole model, no memory. Every rank keeps only its pipeline
     # chunks and allocates only its shards, after TP/FSDP have decided what they are.
@@ -134,10 +134,10 @@ def parallelize(
             compile_blocks(part)
         # 5. data parallel. FSDP shards meta parameters (each rank then allocates 1/n of them);
         # DDP broadcasts real values when it is built, so its part is allocated before.
-        if engine != "fsdp":
+        if engine != Engine.FSDP:
             allocate(part)
         parts[i] = _data_parallel(part, cfg, mesh, engine, device)
-        if engine == "fsdp":
+        if engine == Engine.FSDP:
             allocate(parts[i])
 
     pm = ParallelModel(parts, chunk_ids, num_chunks, engine, spec)
@@ -184,15 +184,15 @@ def _existing(module: nn.Module, plan: dict) -> dict:
 
 
 def _data_parallel(
-    part: nn.Module, cfg: RunConfig, mesh: DeviceMesh, engine: str, device: torch.device
+    part: nn.Module, cfg: RunConfig, mesh: DeviceMesh, engine: Engine, device: torch.device
 ) -> nn.Module:
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
-    if engine == "none":
+    if engine == Engine.NONE:
         return part
-    if engine == "zero1":  # no wrapper: runtime/zero1.py hooks the gradients (the optimizer is built later)
+    if engine == Engine.ZERO1:  # no wrapper: runtime/zero1.py hooks the gradients (the optimizer is built later)
         return part
-    if engine == "ddp":
+    if engine == Engine.DDP:
         group = process_group(mesh, Layout.grad_sync_dims(engine))
         # gradient_as_bucket_view: grads live in DDP's buckets, no second copy of the gradients
         return DistributedDataParallel(
@@ -253,4 +253,4 @@ def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device:
     # (the same objective as one process averaging the same micro-batches).
     # (ZeRO-1 accumulates gradients in its own buffers, out of the schedule's sight: it divides there)
     stage = pm.stages if s.schedule not in ("GPipe", "1F1B") else pm.stages[0]
-    pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.pipeline_loss, scale_grads=pm.engine != "zero1")
+    pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.pipeline_loss, scale_grads=pm.engine != Engine.ZERO1)

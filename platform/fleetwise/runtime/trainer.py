@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 
 from fleetwise.compat import compile_counters, scaler_found_inf
+from fleetwise.config.engine import Engine
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.data.loader import StepBatches
 from fleetwise.families import family_of
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.records import Plan
 from fleetwise.rundir import Metric, append_record
 from fleetwise.runtime import checkpoint
 from fleetwise.runtime.faults import inject_fault
@@ -45,7 +46,7 @@ class Trainer:
         self.coords = layout.coords(env.rank)
         self.model: ParallelModel = parallelize(cfg, self.mesh, env.device, allocate)
         self.optimizers: Optimizers
-        if self.model.engine == "zero1":
+        if self.model.engine == Engine.ZERO1:
             self.optimizers = Zero1Optimizers(
                 self.model.parts,
                 cfg.optim,
@@ -105,7 +106,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     def _autocast_context(self):
         p = self.cfg.train.precision
-        if p == "fp32" or self.model.engine == "fsdp":  # FSDP casts parameters itself (MixedPrecisionPolicy)
+        if p == "fp32" or self.model.engine == Engine.FSDP:  # FSDP casts parameters itself (MixedPrecisionPolicy)
             return contextlib.nullcontext
         return lambda: torch.autocast(self.env.device.type, dtype=DTYPES[p])
 
@@ -163,9 +164,9 @@ class Trainer:
         """Gradient accumulation without redundant communication: DDP all-reduces only on the last
         micro-batch; FSDP reduce-scatters every micro-batch (keeping gradients sharded, ZeRO-style)
         but all-reduces across dp replicas only on the last."""
-        if self.model.engine == "ddp":
+        if self.model.engine == Engine.DDP:
             return contextlib.nullcontext() if last else part.no_sync()
-        if self.model.engine == "fsdp":
+        if self.model.engine == Engine.FSDP:
             part.set_requires_all_reduce(last)
         return contextlib.nullcontext()
 

@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 
 from fleetwise.config.run import RunConfig
-from fleetwise.plan.planner import Plan
+from fleetwise.plan.records import Plan
 
 
 def world_size(cfg: RunConfig) -> int:

@@ -56,8 +56,8 @@ from fleetwise.config.strategy import PSStrategy
 from fleetwise.families.ctr.data import SyntheticClicks, rank_micro_batches
 from fleetwise.families.ctr.model import CTRNet, ctr_loss
 from fleetwise.families.ctr.schema import CTRModel
-from fleetwise.plan.planner import Plan
 from fleetwise.plan.ps import placement
+from fleetwise.plan.records import Plan
 from fleetwise.rundir import PS_SUMMARY_FILE, Metric, append_record, metrics_path
 from fleetwise.runtime.memory import LiveTensorBytes
 from fleetwise.runtime.ps import server as srv
