@@ -43,6 +43,23 @@ def signal_tree(pid: int, sig: int) -> None:
                 p.send_signal(sig)
 
 
+def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Return once a process and its descendants have all stopped. SIGSTOP is delivered
+    asynchronously: a process running on another core goes on until the kernel interrupts it, so
+    a turn's end read right after sending it can precede the job's last work of the turn (seen on
+    a loaded 2-core machine: a stamp after its window's end)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+            if all(p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE) for p in procs):
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.0005)
+
+
 def take_turns(jobs: list[tuple[list[str], dict]], slice_s: float, cwd=None) -> list[list[Window]]:
     """Run the jobs (command, environment) together, one at a time for `slice_s` each, in turn,
     until all have ended. Returns each job's windows (when it was allowed to run); raises with its
@@ -65,15 +82,14 @@ def take_turns(jobs: list[tuple[list[str], dict]], slice_s: float, cwd=None) -> 
             p = procs[i]
             if p.returncode is not None:
                 continue
-            start = (
-                time.time()
-            )  # before it can run, and the end after it stopped: its window holds all it did
+            start = time.time()  # before it can run, and the end after it stopped: its window holds all it did
             signal_tree(p.pid, signal.SIGCONT)
             try:  # reading its output is the wait: a chatty job must not block on a full pipe
                 out, _ = p.communicate(timeout=slice_s)
                 outputs[i] = out
             except subprocess.TimeoutExpired:
                 signal_tree(p.pid, signal.SIGSTOP)
+                wait_stopped(p.pid)
             windows[i].append((start, time.time()))
     finally:
         for p in procs:
