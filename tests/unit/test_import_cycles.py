@@ -15,6 +15,7 @@ from conftest import REPO
 
 ROOT = REPO / "platform"
 
+
 def _modules(root) -> dict[str, object]:
     out = {}
     for path in (root / "fleetwise").rglob("*.py"):

@@ -1,5 +1,9 @@
 """Which address and interface a node of a multi-node job uses, derived from the rendezvous route.
 
+Used by the launcher (the torchrun command, the ranks' interface variables, the preflight refusal)
+and by `fleetwise calibrate`'s inter-node probe, which joins its peers the way a job does: so it
+sits below both (standard library only; `network_problems` reports a config Problem).
+
 A user sets `launch.rdzv_endpoint=HOST:PORT` (HOST: node 0's address on the cluster network) and
 the same on every node. torch alone gets three things wrong on real hosts (measured across network
 namespaces, see DESIGN.md):
