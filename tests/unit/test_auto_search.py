@@ -7,7 +7,7 @@ import itertools
 import json
 
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.config.validate import check, resolve
 from fleetwise.launcher.auto import resolve_auto

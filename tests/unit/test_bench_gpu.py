@@ -6,7 +6,8 @@ import importlib.util
 import json
 
 import pytest
-from conftest import REPO, compose
+from helpers.config import compose
+from helpers.repo import REPO
 
 spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "scripts" / "bench_gpu.py")
 bench_gpu = importlib.util.module_from_spec(spec)

@@ -8,7 +8,7 @@ import importlib.util
 import sys
 from types import SimpleNamespace
 
-from conftest import REPO
+from helpers.repo import REPO
 
 from fleetwise.launcher.torchrun import HOST_MALLOC
 from fleetwise.runtime.hostmalloc import STEADY_MMAP_THRESHOLD, STEADY_TRIM_THRESHOLD

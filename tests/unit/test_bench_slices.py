@@ -7,7 +7,7 @@ import importlib.util
 import sys
 
 import pytest
-from conftest import REPO
+from helpers.repo import REPO
 
 spec = importlib.util.spec_from_file_location("bench_slices", REPO / "scripts" / "bench_slices.py")
 slices = importlib.util.module_from_spec(spec)

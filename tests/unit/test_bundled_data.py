@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 
 def test_bundled_text_is_the_standard_library_as_bytes():

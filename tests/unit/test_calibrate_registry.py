@@ -9,8 +9,9 @@ import re
 
 import pytest
 import yaml
-from conftest import REPO, compose
-from test_calibrate import MEASURED
+from helpers.calibration import MEASURED
+from helpers.config import compose
+from helpers.repo import REPO
 
 from fleetwise.calibrate.calibration import Calibration
 from fleetwise.calibrate.profile import profile, profile_yaml

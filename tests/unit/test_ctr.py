@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.families import total_params
 from fleetwise.families.ctr.data import SyntheticClicks, rank_micro_batches, step_indices

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compose
+from helpers.config import compose
 from torch import nn
 
 

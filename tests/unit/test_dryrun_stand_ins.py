@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise import rundir
 from fleetwise.config.layout import Layout

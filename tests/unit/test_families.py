@@ -10,7 +10,8 @@ import sys
 import typing
 
 import pytest
-from conftest import REPO, compose
+from helpers.config import compose
+from helpers.repo import REPO
 
 from fleetwise.config.model import ModelConfig
 from fleetwise.families import FAMILIES, family_of, total_params

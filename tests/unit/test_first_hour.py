@@ -3,7 +3,8 @@
 import re
 
 import pytest
-from conftest import compose, run_cli
+from helpers.cli import run_cli
+from helpers.config import compose
 
 from fleetwise.plan import make_plan
 
@@ -207,7 +208,7 @@ DEMO = [
 def test_the_demo_on_a_calibrated_two_core_profile_says_which_device_count_it_needs(tmp_path, monkeypatch):
     """`fleetwise calibrate` on 2 cores writes devices_per_node: 2; the 8-rank demo with
     hardware=local then names the exact override, which makes it valid."""
-    from test_calibrate import MEASURED
+    from helpers.calibration import MEASURED
 
     from fleetwise.calibrate.calibration import Calibration
     from fleetwise.calibrate.profile import profile_yaml
@@ -265,7 +266,7 @@ def test_the_readme_demo_block_is_rewritten_in_place():
     """scripts/readme_demo.py (make readme-demo) replaces only the marked block and its date line."""
     import importlib.util
 
-    from conftest import REPO
+    from helpers.repo import REPO
 
     spec = importlib.util.spec_from_file_location("readme_demo", REPO / "scripts" / "readme_demo.py")
     mod = importlib.util.module_from_spec(spec)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 TWO_NODES = (
     "recipe=gpt/tiny",
@@ -125,7 +125,7 @@ def test_clipping_uses_foreach_kernels():
 def test_calibrated_v100_profile_has_no_bf16():
     """A V100 runs bf16 emulated: its profile takes the measured fp16 peak for fp16 and says
     has_bf16=false (it used to copy the emulated bf16 number into fp16 and claim bf16)."""
-    from test_calibrate import MEASURED
+    from helpers.calibration import MEASURED
 
     from fleetwise.calibrate.calibration import Calibration
     from fleetwise.calibrate.profile import profile

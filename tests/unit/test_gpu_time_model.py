@@ -4,7 +4,7 @@ elementwise cost, overlap rules per engine, offload's cost (shipped a100 profile
 from __future__ import annotations
 
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.plan import make_plan
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import compose, run_cli
+from helpers.cli import run_cli
+from helpers.config import compose
 
 from fleetwise import hostnet
 from fleetwise.launcher import torchrun

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 
-from conftest import REPO
+from helpers.repo import REPO
 
 ROOT = REPO / "platform"
 

@@ -4,7 +4,7 @@ on the seed, its name and its shape, so a rank can draw just its own shards of a
 from __future__ import annotations
 
 import torch
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.models.init import init_weights_, model_name
 from fleetwise.runtime.modeling import build_meta_model, build_model

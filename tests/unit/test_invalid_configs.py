@@ -310,7 +310,7 @@ def test_all_problems_are_reported_together():
 
 
 def test_a_layer_split_hint_keeps_its_spaces_and_a_pastable_override():
-    from conftest import compose
+    from helpers.config import compose
 
     _, problems = compose("strategy=hybrid", "strategy.pp_degree=8", "model.num_layers=12")
     (p,) = [p for p in problems if p.loc == "strategy.pp_degree"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 
-from conftest import REPO
+from helpers.repo import REPO
 
 PACKAGE = REPO / "platform" / "fleetwise"
 BELOW_LAUNCHER = ("config", "plan", "families", "runtime", "tracking", "models", "data")

@@ -9,7 +9,7 @@ import math
 import time
 
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.launcher.preflight import preflight
 

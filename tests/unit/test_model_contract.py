@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import compose
+from helpers.config import compose
 from torch import nn
 
 from fleetwise.families import FAMILIES, family_of

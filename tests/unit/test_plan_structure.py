@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import ast
 
-from conftest import REPO, compose
+from helpers.config import compose
+from helpers.repo import REPO
 
 from fleetwise.config.engine import Engine, dp_engine
 from fleetwise.config.layout import Layout

@@ -1,7 +1,7 @@
 """Planner numbers against values computed by hand (the arithmetic is spelled out here)."""
 
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.config.layout import Layout
 from fleetwise.plan import make_plan

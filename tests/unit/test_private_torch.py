@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ast
 
-from conftest import REPO
+from helpers.repo import REPO
 
 PACKAGE = REPO / "platform" / "fleetwise"
 DOORS = {"compat.py", "dryrun/patches.py"}

@@ -7,7 +7,7 @@ import sys
 import zlib
 
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.families import total_params
 from fleetwise.families.ctr.units import parameter_shapes as ctr_parameter_shapes

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.runtime.ps.roles import Role, role_of
 from fleetwise.runtime.ps.server import ParameterServer
@@ -96,11 +96,11 @@ SCHEDULE = ("train.steps=6", "optim.warmup_steps=2", "optim.schedule=cosine", "o
     ],
 )
 def test_one_trainer_with_sharded_servers_equals_single_process(overrides):
-    """Equals a plain PyTorch loop written in the tests (tests/ps_plain_loop.py: torch.optim, the
+    """Equals a plain PyTorch loop written in the tests (tests/helpers/ps_plain_loop.py: torch.optim, the
     LR schedule in closed form, clip_grad_norm_), not the product's own reference, which shares the
     trainer's optimizer and schedule code. Measured differences (float32 summation order):
     parameters <= 1.5e-7, losses <= 7.5e-8, gradient norms <= 1.6e-7 relative; bounds ~7-12x that."""
-    from ps_plain_loop import plain_ps_loop
+    from helpers.ps_plain_loop import plain_ps_loop
 
     cfg = ps_cfg(
         "strategy.num_trainers=1", "train.micro_batch_size=16", *SCHEDULE, *overrides

@@ -1,7 +1,7 @@
 """Every recipe validates as shipped, and the tiny recipes validate under every strategy."""
 
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.config.compose import group_options
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.launcher import run_dir_guard, torchrun
 from fleetwise.runtime.checkpoint_files import (

@@ -2,7 +2,7 @@
 first hour): `mp` and `pp` take the largest degree the model allows (`max`) and dp the rest."""
 
 import pytest
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.config.validate import fill_max
 from fleetwise.plan import make_plan

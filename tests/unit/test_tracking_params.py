@@ -33,7 +33,7 @@ def test_flatten_config_dotted_keys_json_scalars_and_lists():
 
 
 def test_flatten_config_accepts_pydantic_and_omegaconf():
-    from conftest import compose
+    from helpers.config import compose
     from omegaconf import OmegaConf
 
     cfg, problems = compose("recipe=gpt/tiny", "strategy=hybrid")

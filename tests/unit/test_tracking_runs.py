@@ -10,7 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
-from tracking_support import METRICS, Messages, make_run_dir, refused_port, value, wait_until, write_steps
+from helpers.tracking_support import (
+    METRICS,
+    Messages,
+    make_run_dir,
+    refused_port,
+    value,
+    wait_until,
+    write_steps,
+)
 
 from fleetwise.tracking import run_tracker
 from fleetwise.tracking.run_tracker import RunTracker, flatten_config, read_records, summarize, sync_run_dir

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.tracking_support import Messages, make_run_dir, refused_port, value, write_steps
 from omegaconf import OmegaConf
-from tracking_support import Messages, make_run_dir, refused_port, value, write_steps
 
 from fleetwise.cli import main
 from fleetwise.tracking.commands import ui_command

@@ -5,7 +5,7 @@ group's "grads" until stage_backward_weight): the planner counts them per unit
 summed, storage by storage, and held against the units."""
 
 import torch
-from conftest import compose
+from helpers.config import compose
 from torch.distributed.pipelining._backward import stage_backward_input
 
 from fleetwise.families.gpt.model import GPT

@@ -1,7 +1,7 @@
 """CUDA/NCCL semantics on a CPU build: one simulated rank of a real fleetwise job whose collectives,
 like NCCL's, refuse every tensor that is not on the job's device.
 
-    python tests/cuda_semantics.py RANK MESSAGES_DIR OVERRIDES...   (prints the rank-0 metrics as JSON)
+    python tests/helpers/cuda_semantics.py RANK MESSAGES_DIR OVERRIDES...   (prints the rank-0 metrics as JSON)
 
 Why this shape (torch 2.13, CPU build):
 - The process group is `init_process_group("meta:fake", store=FakeStore())`: its only backend is for
