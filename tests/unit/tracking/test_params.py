@@ -1,9 +1,9 @@
 """Params, tags and the store location: pure functions, no MLflow store."""
 
 import subprocess
-from pathlib import Path
 
 import pytest
+from helpers.repo import REPO
 
 from fleetwise.tracking import params as params_mod
 from fleetwise.tracking import store
@@ -80,7 +80,7 @@ def test_error_tag_keeps_head_and_tail_of_a_long_traceback():
 
 @pytest.mark.slow  # starts processes
 def test_git_commit_in_a_checkout_and_none_elsewhere_without_spawning_git(tmp_path, monkeypatch):
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO
     sha = git_commit(repo)
     expected = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True

@@ -202,7 +202,16 @@ def test_the_doors_say_which_torch_versions_they_were_checked_on():
 
     from fleetwise import compat
 
-    own = {"VERSION", "MINOR", "TESTED", "CHECKED", "RECV_POOL_CHECKED", "Unsupported", "unsupported", "recv_api"}
+    own = {
+        "VERSION",
+        "MINOR",
+        "TESTED",
+        "CHECKED",
+        "RECV_POOL_CHECKED",
+        "Unsupported",
+        "unsupported",
+        "recv_api",
+    }
     entries = {
         name
         for name, value in vars(compat).items()
@@ -250,9 +259,15 @@ def test_compat_is_the_bottom_and_the_dry_run_sits_above_the_runtime():
     not the other way round)."""
     compat = ast.parse((PACKAGE / "compat.py").read_text())
     assert not [
-        n for n in ast.walk(compat) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fleetwise")
+        n
+        for n in ast.walk(compat)
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fleetwise")
     ]
-    below = [p for sub in ("runtime", "tracking", "models", "data", "plan", "config") for p in (PACKAGE / sub).rglob("*.py")]
+    below = [
+        p
+        for sub in ("runtime", "tracking", "models", "data", "plan", "config")
+        for p in (PACKAGE / sub).rglob("*.py")
+    ]
     wrong = [
         str(p.relative_to(PACKAGE))
         for p in below

@@ -1,16 +1,6 @@
-from pathlib import Path
+"""The parallel layout (config/layout.py): rank coordinates, sub-meshes, the degrees it resolves."""
 
 from fleetwise.config.layout import Layout
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def test_platform_is_a_source_root_without_init():
-    # An __init__.py would make `platform` a package that shadows the standard library module.
-    assert not (REPO / "platform" / "__init__.py").exists()
-    import platform
-
-    assert hasattr(platform, "python_version")
 
 
 def test_rank_coordinates_put_mp_innermost_and_dp_outermost():
