@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fleetwise import rundir
+from fleetwise.rundir import CONFIG_FILE, MODEL_DIR, read_config
 
 if TYPE_CHECKING:
     from torch import nn
@@ -27,16 +27,16 @@ def weights_of(path: Path) -> tuple[Path, Path]:
 
     path = Path(path)
     if (path / ".metadata").exists():  # a checkpoint (its config is inside) or a run's model/
-        config_home = path if (path / rundir.CONFIG_FILE).exists() else path.parent
+        config_home = path if (path / CONFIG_FILE).exists() else path.parent
         return path, config_home
-    if not (path / rundir.CONFIG_FILE).exists():
+    if not (path / CONFIG_FILE).exists():
         raise FileNotFoundError(
             f"{path} is neither a fleetwise run directory nor a checkpoint (no config.yaml)"
         )
-    weights = final_weights(rundir.read_config(path), path)  # what the job itself logs as its model
+    weights = final_weights(read_config(path), path)  # what the job itself logs as its model
     if weights is None:
         raise FileNotFoundError(
-            f"{path} holds no trained weights: no complete checkpoint and no {rundir.MODEL_DIR}/ "
+            f"{path} holds no trained weights: no complete checkpoint and no {MODEL_DIR}/ "
             "(train with checkpoint.enabled=true, or tracking.log_model=true; strategy=ps jobs keep "
             "their parameters in the servers' shards under ps/)"
         )
@@ -54,7 +54,7 @@ def load_model(path: str | Path) -> nn.Module:
     from fleetwise.runtime.modeling import build_model
 
     weights, config_home = weights_of(Path(path))
-    cfg = rundir.read_config(config_home)
+    cfg = read_config(config_home)
     model = build_model(cfg)
     with tempfile.TemporaryDirectory(prefix="fleetwise-load-") as tmp:
         state = torch.load(export(weights, Path(tmp) / "model.pt"), weights_only=True, map_location="cpu")

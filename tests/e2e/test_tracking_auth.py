@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tracking_support import answers, free_port, in_use
+from helpers.tracking_support import answers, free_port, in_use
 
 from fleetwise.tracking.commands import ui_env
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from helpers.cli import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +153,7 @@ def test_the_training_data_is_a_dataset_input(job):
     assert inp.dataset.name == "synthetic-gpt-seed1234" and inp.dataset.source_type == "code"
     assert json.loads(inp.dataset.profile)["seed"] == 1234
     assert {t.key: t.value for t in inp.tags}["mlflow.data.context"] == "training"
-    from conftest import compose
+    from helpers.config import compose
 
     cfg, _ = compose(*JOB)
     from fleetwise.tracking.datasets import describe_data

@@ -17,8 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
-from tracking_support import (
+from helpers.tracking_support import (
     METRICS,
     Messages,
     answers,
@@ -29,6 +28,7 @@ from tracking_support import (
     wait_until,
     write_steps,
 )
+from omegaconf import OmegaConf
 
 from fleetwise.cli import main
 from fleetwise.tracking import run_tracker
@@ -256,7 +256,7 @@ def test_a_sweep_makes_a_parent_with_children(server, client, tmp_path):
 
 def _train(tmp_path, *args, experiment="e2e-train"):
     """A real `fleetwise train` job (2 ranks) logging to the module's server."""
-    from conftest import run_cli
+    from helpers.cli import run_cli
 
     return run_cli(
         "train",

@@ -1,5 +1,5 @@
 """Every strategy on a process group that, like NCCL, refuses tensors not on the job's device
-(tests/cuda_semantics.py): the real trainer runs two steps per layout and precision, one process
+(tests/helpers/cuda_semantics.py): the real trainer runs two steps per layout and precision, one process
 per simulated rank. Catches host tensors in collectives -- the per-step metrics vector, the
 gradient norm and finite flag of offloaded (host) gradients, GradScaler's found_inf -- that gloo
 accepts and NCCL refuses at the first step of the first multi-GPU run."""
@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.repo import REPO
 
 pytestmark = pytest.mark.slow
 
-HARNESS = Path(__file__).resolve().parents[1] / "cuda_semantics.py"
+HARNESS = REPO / "tests" / "helpers" / "cuda_semantics.py"  # run as a script, one process per rank
 BASE = ("recipe=gpt/tiny", "hardware=a100", "train.global_batch_size=8", "train.micro_batch_size=2")
 SHARDING = ("strategy=sharding", "hardware.devices_per_node=2")
 PP = ("strategy=pp", "hardware.devices_per_node=2")
@@ -43,8 +44,7 @@ CASES = {
 
 def simulate(tmp_path: Path, overrides: tuple[str, ...]) -> dict:
     """Run the simulated ranks (rank 0 and its pipeline peers) side by side; rank 0's metrics."""
-    sys.path.insert(0, str(HARNESS.parent))
-    from cuda_semantics import ranks_to_run
+    from helpers.cuda_semantics import ranks_to_run
 
     args = [*BASE, *overrides]
     procs = {

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import final_params, read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.runs import final_params, read_metrics
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

@@ -2,7 +2,8 @@
 with `max` degrees they train with no further override."""
 
 import pytest
-from conftest import read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.runs import read_metrics
 
 pytestmark = pytest.mark.slow
 

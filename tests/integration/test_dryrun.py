@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import read_metrics, run_cli
-from shared_layouts import SH2_MP2_BF16_VOCAB16K
+from helpers.cli import run_cli
+from helpers.runs import read_metrics
+from helpers.shared_layouts import SH2_MP2_BF16_VOCAB16K
 
 GPT = ("recipe=gpt/tiny", "train.steps=2", "optim=adamw", "optim.warmup_steps=0")
 LAYOUTS = {
@@ -128,7 +129,7 @@ def test_alike_middle_stages_that_do_not_run_change_nothing(tmp_path):
     """pp 6, one layer a stage: with the shortcut, pipeline rank 3 does not run (its neighbours'
     metadata come from stages 1 and 4, dryrun/parent.py `stand_ins`) and ranks 0 and 2 report
     exactly what they report with every stage running."""
-    from conftest import compose
+    from helpers.config import compose
 
     from fleetwise.dryrun import parent as dryrun
     from fleetwise.plan import make_plan
@@ -170,7 +171,7 @@ def test_sampled_blocks_report_what_every_block_reports(name, overrides, blocks,
     bytes and calls, to the byte, as simulating every block and every micro-batch (--exact) for two
     steps (the second one holds the optimizer state through its forward and backward, as the
     sampled steps do)."""
-    from conftest import compose
+    from helpers.config import compose
 
     from fleetwise.dryrun import parent as dryrun
     from fleetwise.plan import make_plan

@@ -1,7 +1,8 @@
 """A failed job's console: the root cause first, the peers' tracebacks folded into their logs, and a
 resume command that works."""
 
-from conftest import read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.runs import read_metrics
 
 TINY = ("recipe=gpt/tiny", "hardware.devices_per_node=2", "train.steps=4", "tracking.enabled=false")
 

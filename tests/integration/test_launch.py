@@ -13,7 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.runs import read_metrics
 
 pytestmark = pytest.mark.slow
 

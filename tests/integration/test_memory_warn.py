@@ -2,7 +2,8 @@
 saying so (`error`, the default, refuses it with exit 2 and starts nothing)."""
 
 import pytest
-from conftest import read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.runs import read_metrics
 
 pytestmark = pytest.mark.slow
 

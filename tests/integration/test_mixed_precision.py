@@ -10,7 +10,9 @@ import math
 import subprocess
 
 import pytest
-from conftest import compose, read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.config import compose
+from helpers.runs import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, netns_module, read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.repo import REPO, netns_module
+from helpers.runs import read_metrics
 
 FLEETWISE = str(Path(sys.executable).parent / "fleetwise")
 SCRIPT = str(REPO / "scripts" / "netns_hosts.py")

@@ -13,7 +13,8 @@ import re
 
 import pytest
 import torch
-from conftest import final_params, read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.runs import final_params, read_metrics
 
 pytestmark = pytest.mark.slow
 

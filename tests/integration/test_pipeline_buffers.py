@@ -8,7 +8,8 @@ import ast
 import re
 
 import pytest
-from conftest import read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.runs import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
-from shared_layouts import SH2_MP2_BF16_VOCAB16K
+from helpers.cli import run_cli
+from helpers.shared_layouts import SH2_MP2_BF16_VOCAB16K
 
 GPT = ("recipe=gpt/tiny", "optim=adamw")
 # interleaved zero bubble v2 on pp 2 × mp 2, full recompute (two rows: 2 and 4 blocks a chunk)

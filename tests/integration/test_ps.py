@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import compose
+from helpers.config import compose
 
 from fleetwise.families.ctr.data import SyntheticClicks, step_indices
 from fleetwise.families.ctr.model import CTRNet
@@ -124,10 +124,10 @@ def launch(run_dir: Path, *overrides: str, slow: str = "") -> Launch:
 
 
 def assert_equals_single_process(run: Launch, steps: int, atol: float) -> float:
-    """The servers' shards equal the plain PyTorch loop written in the tests (tests/ps_plain_loop.py:
+    """The servers' shards equal the plain PyTorch loop written in the tests (tests/helpers/ps_plain_loop.py:
     torch.optim, closed-form LR schedule, clip_grad_norm_), which shares no training code with the
     ps trainer; so do the job's logged learning rates and gradient norms."""
-    from ps_plain_loop import plain_ps_loop
+    from helpers.ps_plain_loop import plain_ps_loop
 
     state, shards = load_shards(run.cfg, run.run_dir)
     assert [sh["applied"] for sh in shards] == [steps] * len(shards)

@@ -2,7 +2,7 @@
 
 import re
 
-from conftest import run_cli
+from helpers.cli import run_cli
 
 
 def test_a_ps_job_prints_one_throughput_and_no_warning(tmp_path):

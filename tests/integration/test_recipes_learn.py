@@ -7,7 +7,8 @@ planted teacher (ctr/tiny runs on the parameter server: 2 servers, 2 trainers)."
 import math
 
 import pytest
-from conftest import read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.runs import read_metrics
 
 pytestmark = pytest.mark.slow
 

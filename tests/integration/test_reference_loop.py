@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import final_params, read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.runs import final_params, read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import read_metrics, run_cli
+from helpers.cli import run_cli
+from helpers.runs import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.smoke]
 

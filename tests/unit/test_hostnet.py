@@ -1,5 +1,5 @@
 """A node of a multi-node job derives its address, interface and rendezvous role from the route to
-launch.rdzv_endpoint (launcher/hostnet.py); the torchrun command and the ranks' environment carry
+launch.rdzv_endpoint (fleetwise/hostnet.py); the torchrun command and the ranks' environment carry
 them. Real hosts: tests/integration/test_multihost.py."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import compose, run_cli
+from helpers.cli import run_cli
+from helpers.config import compose
 
-from fleetwise.launcher import hostnet, torchrun
+from fleetwise import hostnet
+from fleetwise.launcher import torchrun
 
 # Two interfaces: a management network and the cluster network node 0 is on.
 ADDRS = {"127.0.0.1": "lo", "192.168.1.7": "eth0", "10.77.0.2": "ib0"}

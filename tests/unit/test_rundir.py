@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose
+from helpers.config import compose
+from helpers.repo import REPO
 
 from fleetwise import rundir
 from fleetwise.plan import Plan, make_plan

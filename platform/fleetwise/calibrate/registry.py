@@ -8,7 +8,7 @@ torch-free) and the planner term that uses it: the planner reads `cfg.hardware.<
 field itself unless a HardwareConfig method derives the term from it.
 
 What else follows from these rows, and the test that holds each to them
-(tests/unit/test_calibrate_registry.py):
+(tests/unit/calibrate/test_registry.py):
 - config/hardware.py: a field per row, its default the row's CPU default, GPU_DEFAULTS the GPU
   ones; every other field is a DESCRIBED one (what the profile says the machine is);
 - conf/hardware_keys.yaml and every conf/hardware/*.yaml: the key;

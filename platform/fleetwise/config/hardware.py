@@ -3,7 +3,7 @@
 Two kinds of field. The DESCRIBED ones say what the machine is (device, counts, capacity, peak):
 a profile sets them itself. Every other one is a constant of the planner's time model that
 `fleetwise calibrate` measures, one row each in calibrate/registry.py (unit, defaults, probe,
-planner term; tests/unit/test_calibrate_registry.py holds this schema to it). A profile that lacks
+planner term; tests/unit/calibrate/test_registry.py holds this schema to it). A profile that lacks
 one (written by an older calibrate) gets its device type's default, and `defaulted` names it, so
 that plan, validate and train say so; conf/hardware_keys.yaml makes every key overridable even
 where the chosen profile lacks it.

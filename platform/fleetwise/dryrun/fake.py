@@ -1,6 +1,6 @@
 """The fake-execution harness: the real per-rank runtime of one rank of a job of any size, run
 without the memory, the compute or the other ranks. Shared by the dry run (dryrun/rank.py) and the
-CUDA-semantics tests (tests/cuda_semantics.py, which add a stand-in device on top).
+CUDA-semantics tests (tests/helpers/cuda_semantics.py, which add a stand-in device on top).
 
 - `join_fake_world(rank, world_size, backends)`: torch's `fake` process-group backend (its
   FakeProcessGroup): every collective "succeeds" at once, moving nothing; the DeviceMesh and its

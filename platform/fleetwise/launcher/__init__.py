@@ -9,11 +9,11 @@
     job_tracking.py   the job's MLflow run, owned by the launcher on node 0
     failure.py        the failure's root cause and report (cause first, peers' tracebacks folded)
     agent.py          torchrun for one node, its rendezvous stores on loopback
-    hostnet.py        a node's address, interface and rendezvous role from the route to node 0
     auto.py           strategy=auto: the layout search's outcome as overrides
 
 Imports point one way, no cycle: sweeps → job → torchrun → failure, beside them preflight,
 run_dir_guard and job_tracking. Code that runs inside a rank lives in fleetwise.runtime; what crosses
 the boundary is fleetwise.rundir. `fleetwise dryrun` is fleetwise.dryrun, `fleetwise calibrate`
-fleetwise.calibrate.
+fleetwise.calibrate. A node's address, interface and rendezvous role (from the route to node 0)
+is fleetwise.hostnet, which calibrate's inter-node probe uses too.
 """

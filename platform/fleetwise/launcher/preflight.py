@@ -147,7 +147,7 @@ def machine_problems(pf: Preflight) -> tuple[list[Problem], str | None]:
     and a warning to print: the checkpoint to resume and the run directory (once the config is
     valid), room for the ranks (only a warning with launch.oversubscribe=true), the route to node 0
     (multi-node), and the GPUs a GPU profile needs."""
-    from fleetwise.launcher.hostnet import network_problems
+    from fleetwise.hostnet import network_problems
     from fleetwise.launcher.run_dir_guard import run_dir_problems
 
     cfg, valid = pf.cfg, not pf.problems

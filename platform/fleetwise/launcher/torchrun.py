@@ -24,8 +24,7 @@ from rich.console import Console
 
 from fleetwise import rundir
 from fleetwise.config.run import RunConfig
-from fleetwise.launcher.failure import TracebackFold, root_cause
-from fleetwise.launcher.hostnet import (
+from fleetwise.hostnet import (
     NetworkError,
     NodeNet,
     describe,
@@ -33,6 +32,7 @@ from fleetwise.launcher.hostnet import (
     node_network,
     torchrun_args,
 )
+from fleetwise.launcher.failure import TracebackFold, root_cause
 from fleetwise.plan.records import Plan
 from fleetwise.rundir import Metric
 from fleetwise.runtime.lifeline import die_with_parent

@@ -162,7 +162,7 @@ def bubble_fraction(schedule: str, pp: int, virtual: int, n: int) -> float:
     none), idles p-1 of them: the pipeline's fill. ZB-V reaches that only from m = 2p; at m = p
     its two chunks cannot overlap and it idles as if one chunk did all the work. (The paper's ZB-V
     idles about none from m >= 2p; torch's list does not, and the planner used to follow the
-    paper: 175B at pp 16, m = 32, 7.2% of the step uncharged.) `tests/unit/test_planner.py`
+    paper: 175B at pp 16, m = 32, 7.2% of the step uncharged.) `tests/unit/plan/test_planner.py`
     runs torch's lists; `scripts/bench.py` measures each schedule.
     """
     if pp == 1:

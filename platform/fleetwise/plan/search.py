@@ -148,7 +148,7 @@ def _degree_tuples(world: int, max_mp: int, fixed: dict[str, Any]) -> Iterator[t
 # Pruning by where the rules locate a problem: a problem at a key that a subtree of the search
 # holds fixed is not cured by the keys it varies below (the rules locate each problem at the key
 # whose value is wrong; a pipeline split that fails at one virtual stage per rank fails at more).
-# The candidates kept are still each checked whole; tests/unit/test_auto_search.py holds the
+# The candidates kept are still each checked whole; tests/unit/plan/test_auto_search.py holds the
 # pruned search equal to a brute-force one.
 SUBTREE_KEYS = frozenset(
     f"strategy.{k}"

@@ -37,12 +37,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from fleetwise import rundir
 from fleetwise.compat import load_into_empty, metadata_path
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.models.init import model_name
-from fleetwise.rundir import MODEL_DIR
+from fleetwise.rundir import CONFIG_FILE, MODEL_DIR, PLAN_FILE
 from fleetwise.runtime.checkpoint_files import (
     HASH_LIMIT_BYTES,
     META,
@@ -146,7 +145,7 @@ def save(run_dir: Path, step: int, app: Stateful, cfg: RunConfig, layout: Layout
     dcp.save(app.state_dict(), checkpoint_id=str(tmp))
     dist.barrier()
     if rank == 0:
-        for name in (rundir.CONFIG_FILE, rundir.PLAN_FILE):
+        for name in (CONFIG_FILE, PLAN_FILE):
             shutil.copy2(run_dir / name, tmp / name)
         meta = {
             "step": step,

@@ -24,7 +24,7 @@ DB_FILE = "mlflow.db"
 ARTIFACT_DIR = "mlartifacts"
 
 # MLflow's limits (mlflow.utils.validation); copied so that code which only prepares data need not
-# import mlflow. tests/unit/test_tracking_params.py checks them against the installed MLflow.
+# import mlflow. tests/unit/tracking/test_params.py checks them against the installed MLflow.
 MAX_PARAM_VALUE = 6000
 MAX_TAG_VALUE = 8000
 MAX_KEY = 250

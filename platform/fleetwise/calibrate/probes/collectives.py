@@ -133,7 +133,7 @@ def inter_node_speed(nodes: int, node_rank: int, endpoint: str, timeout_s: float
 
     import torch.distributed as dist
 
-    from fleetwise.launcher.hostnet import interface_env, node_network
+    from fleetwise.hostnet import interface_env, node_network
 
     net = node_network(endpoint)
     os.environ.update(interface_env(net, os.environ))

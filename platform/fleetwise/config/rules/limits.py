@@ -3,7 +3,7 @@
 Checked before every other rule, so that an absurd value (a 10^11-wide layer, a million pipeline
 stages, a 10^13-row table) is a clear error in milliseconds instead of a hang in the planner or a
 multi-GiB allocation. The bounds are far above any real job (GPT-3 175B: 96 layers, width 12288,
-1,024 GPUs); every accepted config plans in well under 2 s (tests/unit/test_limits.py).
+1,024 GPUs); every accepted config plans in well under 2 s (tests/unit/cli/test_limits.py).
 """
 
 from __future__ import annotations

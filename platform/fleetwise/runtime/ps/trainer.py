@@ -51,6 +51,9 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
+# The server module itself (its functions are RPC targets), not through the package `runtime.ps`,
+# whose `run` imports this file: that would be an import cycle between the two.
+import fleetwise.runtime.ps.server as srv
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
 from fleetwise.families.ctr.data import SyntheticClicks, rank_micro_batches
@@ -60,7 +63,6 @@ from fleetwise.plan.ps import placement
 from fleetwise.plan.records import Plan
 from fleetwise.rundir import PS_SUMMARY_FILE, Metric, append_record, metrics_path
 from fleetwise.runtime.memory import LiveTensorBytes
-from fleetwise.runtime.ps import server as srv
 from fleetwise.runtime.ps.optim import clip_coefficient, lr_at
 from fleetwise.runtime.ps.roles import Role, init_rpc, log, peak_rss_bytes, server_name, trainer_name
 from fleetwise.runtime.ps.wire import ShardLayout

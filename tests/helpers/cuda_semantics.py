@@ -1,0 +1,280 @@
+"""CUDA/NCCL semantics on a CPU build: one simulated rank of a real fleetwise job whose collectives,
+like NCCL's, refuse every tensor that is not on the job's device.
+
+    python tests/helpers/cuda_semantics.py RANK MESSAGES_DIR OVERRIDES...   (prints the rank-0 metrics as JSON)
+
+Why this shape (torch 2.13, CPU build):
+- The process group is `init_process_group("meta:fake", store=FakeStore())`: its only backend is for
+  the job's device type, so a host (CPU) tensor in a collective fails exactly as under NCCL ("No
+  backend type associated with device type cpu"). Collectives move no data.
+- The job's device is `meta`, not a fake `cuda`: fake CUDA tensors can be created on a CPU build,
+  but any op on them aborts the process in C++ (no CUDA device guard). Meta tensors run forward,
+  backward, DTensor, FSDP2 and the pipeline schedules; like GPU memory they are not host memory.
+- The fake world is the dry run's own harness (fleetwise/dryrun/fake.py): the fake process group
+  (`join_fake_world`), the answers to host reads of device scalars (`HostReads`: `.item()` reads
+  1.0 -- finite, one -- integers 0 -- the pipeline's warm-up vote -- and GradScaler's found_inf 0),
+  and the pipeline's metadata messages (pickled objects between stages) through files
+  (`MetaRelay`), because fake collectives carry no data: simulated ranks of one pipeline must
+  run at the same time.
+- What the stand-in device lacks is supplied here, and only that: a device module (`torch.meta`:
+  current_device, streams, events), device-to-host copies (ones), FSDP2's host copy of offloaded
+  meta shards (which it skips for meta parameters), DDP with a Python all-reduce hook (its C++
+  hook needs a result the fake backend does not produce) and without its data-dependent start-up
+  checks and bucket rebuild. The count of host-device synchronizations is this test's own.
+- Not covered: checkpoints (DCP writes tensor data, which the device does not hold), and code
+  behind `device.type == "cuda"` tests (pinned offload, DDP device_ids, CUDA memory statistics).
+- autocast has no meta kernels: 16-bit runs use it as a no-op; the trainer's precision logic, the
+  GradScaler and FSDP's MixedPrecisionPolicy run as configured.
+
+Everything else is the product: Trainer, parallelize (DDP, ZeRO-1, FSDP2 ± offload, TP,
+pipelining), the optimizer step, clipping, the per-step metrics reduction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import traceback
+import types
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from fleetwise.compat import SCALAR_READ, TorchDispatchMode
+from fleetwise.dryrun.fake import HostReads, MetaRelay, join_fake_world
+
+DEVICE = torch.device("meta")
+
+
+# host-device synchronizations so far: host reads of device data and device synchronize calls
+SYNCS = {"count": 0}
+# collectives so far (c10d ops: each one a point where a rank waits for its peers)
+COLLECTIVES = {"count": 0}
+
+
+class DeviceReads(TorchDispatchMode):
+    """Host reads of device data: a scalar read (`.item()`, `float()`, answered by the dry run's
+    HostReads) and a device-to-host copy. Each one is a host-device synchronization on a GPU, and
+    is counted in SYNCS. Collectives are counted in COLLECTIVES."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = HostReads()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            COLLECTIVES["count"] += 1
+        if func is SCALAR_READ and args[0].is_meta:
+            SYNCS["count"] += 1
+            return self.reads.answer(args[0])
+        self.reads.note(func, args)
+        if func is torch.ops.aten._to_copy.default and args[0].is_meta and str(kwargs.get("device")) == "cpu":
+            SYNCS["count"] += 1
+            return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        if func is torch.ops.aten.copy_.default and args[1].is_meta and args[0].device.type == "cpu":
+            SYNCS["count"] += 1
+            return args[0].fill_(1)
+        return func(*args, **kwargs)
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args):
+        pass
+
+    def wait(self, *args):
+        pass
+
+    def synchronize(self):
+        SYNCS["count"] += 1
+
+    def query(self):
+        return True
+
+
+class _Stream(_Event):
+    def wait_stream(self, *args):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+
+def _synchronize(*args) -> None:
+    SYNCS["count"] += 1
+
+
+def _device_module(world: int):
+    stream = _Stream()
+    return types.SimpleNamespace(
+        current_device=lambda: 0,
+        device_count=lambda: world,
+        set_device=lambda d: None,
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        synchronize=_synchronize,
+        Stream=_Stream,
+        Event=_Event,
+        current_stream=lambda *a: stream,
+        stream=lambda s: contextlib.nullcontext(),
+    )
+
+
+def _ddp_class():
+    from torch.nn.parallel import DistributedDataParallel
+
+    def allreduce_hook(group, bucket):
+        buf = bucket.buffer()
+        dist.all_reduce(buf, group=group)  # the device rule applies to the bucket
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    class KeepBuckets:
+        """DDP re-buckets after the first backward, broadcasting rank 0's bucket order: with no
+        data in the broadcast, keep the first order instead."""
+
+        def __init__(self, reducer):
+            self._reducer = reducer
+
+        def _rebuild_buckets(self):
+            return False
+
+        def __getattr__(self, name):
+            return getattr(self._reducer, name)
+
+    class HookedDDP(DistributedDataParallel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.register_comm_hook(self.process_group, allreduce_hook)
+            self.reducer = KeepBuckets(self.reducer)
+
+    return HookedDDP
+
+
+def _offload_host_copy(original):
+    """FSDP2 copies an offloaded shard to the host unless the parameter is on meta (it expects meta
+    parameters to be materialised later): make the host copy it makes for a device parameter."""
+
+    def init(self, param, device, *rest):
+        original(self, param, device, *rest)
+        if self.offload_to_cpu and self._sharded_param_data.is_meta:
+            host = torch.zeros(self.padded_sharded_param_size, dtype=self._sharded_param_data.dtype)
+            self._sharded_param_data = host.view(-1)
+            rows = self.sharded_param._local_tensor.size(0) if host.dim() else 0
+            local = host.narrow(0, 0, rows) if host.dim() else host
+            self.sharded_param = torch.nn.Parameter(
+                self.to_sharded_dtensor(local), requires_grad=param.requires_grad
+            )
+            self._setattr_on_modules(self.sharded_param)
+
+    return init
+
+
+@contextlib.contextmanager
+def cuda_semantics(cfg, rank: int, messages: Path):
+    """The fake process group and the stand-ins above, for one simulated rank. The group has the
+    backends the product asks for, with the job's device in place of cuda; the pipeline's metadata
+    goes through files in `messages`."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from fleetwise.runtime.mesh import process_group_backend
+
+    backend = process_group_backend(cfg)
+    fake = {"nccl": "meta:fake", "cpu:gloo,cuda:nccl": "cpu:fake,meta:fake"}[backend]
+    world = cfg.hardware.world_size
+    join_fake_world(rank, world, fake)
+    MetaRelay(messages, timeout_s=300).install()
+    real_autocast = torch.autocast
+
+    def autocast(device_type, *args, **kwargs):
+        return (
+            contextlib.nullcontext() if device_type == "meta" else real_autocast(device_type, *args, **kwargs)
+        )
+
+    patches = [
+        mock.patch.object(torch, "meta", _device_module(world), create=True),
+        mock.patch("torch.autocast", autocast),
+        mock.patch("fleetwise.runtime.parallelize.DistributedDataParallel", _ddp_class()),
+        # DDP's start-up checks compare parameter data across ranks: meaningless without data
+        mock.patch(
+            "torch.nn.parallel.distributed._verify_param_shape_across_processes", lambda *a, **k: None
+        ),
+        mock.patch("torch.nn.parallel.distributed._sync_module_states", lambda *a, **k: None),
+        mock.patch.object(_fsdp_init, "_get_device_from_mesh", lambda mesh: DEVICE),
+        mock.patch.object(FSDPParamGroup, "_validate_no_meta_params", lambda self: None),
+        mock.patch.object(
+            FSDPParam, "_init_sharded_param", _offload_host_copy(FSDPParam._init_sharded_param)
+        ),
+    ]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        stack.enter_context(DeviceReads())
+        yield
+
+
+def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) -> dict:
+    """Build the real Trainer for `rank` of the job the overrides describe and run `steps` steps
+    on the stand-in device; returns rank 0's last metrics ({} on other ranks) and, under
+    `syncs_per_step` and `collectives_per_step`, this rank's host-device synchronizations and
+    collectives in each step."""
+    from fleetwise.config.validate import load_config
+    from fleetwise.plan import make_plan
+    from fleetwise.runtime.mesh import DistEnv
+    from fleetwise.runtime.trainer import Trainer
+
+    cfg = load_config(overrides)
+    plan = make_plan(cfg)
+    world = cfg.hardware.world_size
+    metrics: dict = {}
+    with cuda_semantics(cfg, rank, messages), tempfile.TemporaryDirectory() as run_dir:
+        env = DistEnv(rank, world, 0, DEVICE, 0)
+        trainer = Trainer(cfg, plan, env, Path(run_dir))
+        syncs, collectives = [], []
+        for step in range(1, steps + 1):
+            before, calls = SYNCS["count"], COLLECTIVES["count"]
+            records = trainer.train_step(step)
+            syncs.append(SYNCS["count"] - before)
+            collectives.append(COLLECTIVES["count"] - calls)
+            metrics = records[-1] if records else metrics
+    return {**metrics, "syncs_per_step": syncs, "collectives_per_step": collectives}
+
+
+def ranks_to_run(overrides: list[str]) -> list[int]:
+    """Rank 0 and the other stages of its pipeline (they exchange metadata); every other rank runs
+    the same code as one of these."""
+    from fleetwise.config.layout import Layout
+    from fleetwise.config.validate import load_config
+
+    layout = Layout.of(load_config(overrides))
+    return [
+        r for r in range(layout.world_size) if all(v == 0 for k, v in layout.coords(r).items() if k != "pp")
+    ]
+
+
+if __name__ == "__main__":
+    rank, messages, overrides = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    try:
+        result = run_rank(rank, messages, overrides, steps=int(os.environ.get("HARNESS_STEPS", "2")))
+    except Exception as err:  # one line for the test's message, the traceback above it
+        traceback.print_exc()
+        print(f"FAILED rank {rank}: {type(err).__name__}: {err}", file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)  # the fake group needs no teardown

@@ -1,0 +1,24 @@
+"""What a finished run left in its directory: the metrics lines and the trained weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Every record of run_dir/metrics.jsonl, in order."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def final_params(run_dir: Path) -> dict:
+    """The model of the last checkpoint of a run, consolidated into one state dict."""
+    import torch
+
+    from fleetwise.runtime.checkpoint import export
+    from fleetwise.runtime.checkpoint_files import complete_checkpoints
+
+    last = complete_checkpoints(run_dir)[-1]
+    out = run_dir / "final.pt"
+    export(last, out)
+    return torch.load(out, weights_only=True)

@@ -1,0 +1,389 @@
+"""A corpus of invalid configs: each is rejected by `fleetwise train` with exit 2, the right
+location, a message and a fix, no traceback, nothing spawned or written, and without hanging.
+
+Table-driven so that it keeps growing with every new rule (target: >= 150 cases), including the
+adversarial classes of issue 17: absurd sizes that used to hang the planner, inf/nan, more ranks
+than the machine holds, names MLflow refuses, hydra.* overrides, unsafe server addresses.
+"""
+
+import signal
+import time
+
+import pytest
+
+HYB = ("strategy=hybrid",)
+PP2 = ("strategy=hybrid", "strategy.pp_degree=2")
+
+CASES = [
+    # --- degrees and world size
+    (("strategy.dp_degree=3",), "strategy"),
+    (("strategy=sharding", "strategy.sharding_degree=3"), "strategy"),
+    (("strategy=hybrid", "strategy.mp_degree=auto", "strategy.pp_degree=auto"), "strategy"),
+    (("strategy=hybrid", "strategy.mp_degree=3"), "strategy.dp_degree"),
+    (("strategy=hybrid", "strategy.dp_degree=2", "strategy.mp_degree=2", "strategy.pp_degree=4"), "strategy"),
+    (("strategy=dp", "strategy.mp_degree=2"), "strategy.mp_degree"),
+    (
+        ("strategy=mp", "strategy.pp_degree=2", "strategy.mp_degree=2", "strategy.dp_degree=2"),
+        "strategy.pp_degree",
+    ),
+    (("strategy=pp", "strategy.sharding_degree=2"), "strategy.sharding_degree"),
+    (("strategy.dp_degree=0",), "strategy.dp_degree"),
+    (("strategy.dp_degree=x",), "strategy.dp_degree"),
+    (("hardware.devices_per_node=0",), "hardware.devices_per_node"),
+    (("hardware.nodes=0",), "hardware.nodes"),
+    # --- tensor parallel
+    (("strategy=mp", "strategy.mp_degree=8"), "strategy.mp_degree"),  # mp=8 does not divide 4 heads
+    (
+        (
+            "strategy=mp",
+            "strategy.mp_degree=4",
+            "strategy.dp_degree=2",
+            "model.ffn_hidden_size=258",
+            "model.hidden_size=64",
+        ),
+        "strategy.mp_degree",
+    ),
+    (("recipe=resnet/tiny", "strategy=hybrid", "strategy.mp_degree=2"), "strategy.mp_degree"),
+    (("recipe=ctr/tiny", "strategy=hybrid", "strategy.mp_degree=2"), "strategy.mp_degree"),
+    (("strategy=hybrid", "strategy.sequence_parallel=true"), "strategy.sequence_parallel"),
+    (
+        ("strategy=hybrid", "strategy.mp_degree=2", "strategy.sequence_parallel=true", "model.seq_len=33"),
+        "strategy.sequence_parallel",
+    ),
+    (("model.hidden_size=66",), "model.hidden_size"),
+    (("model.vocab_size=1",), "model.vocab_size"),
+    (("model.num_attention_heads=0",), "model.num_attention_heads"),
+    (("model.dropout=1.5",), "model.dropout"),
+    # --- pipeline
+    (("strategy=pp", "strategy.pp_degree=8"), "strategy.pp_degree"),
+    (
+        ("recipe=ctr/tiny", "strategy=pp", "strategy.pp_degree=2", "strategy.dp_degree=4"),
+        "strategy.pp_degree",
+    ),
+    ((*PP2, "strategy.virtual_stages=2", "strategy.schedule=1F1B"), "strategy.schedule"),
+    ((*PP2, "strategy.schedule=interleaved_1F1B"), "strategy.virtual_stages"),
+    ((*PP2, "strategy.schedule=looped_BFS"), "strategy.virtual_stages"),
+    (
+        (
+            "strategy=hybrid",
+            "strategy.pp_degree=4",
+            "strategy.virtual_stages=2",
+            "strategy.schedule=interleaved_1F1B",
+            "strategy.dp_degree=2",
+        ),
+        "strategy.pp_degree",
+    ),
+    ((*PP2, "model.num_layers=3"), "strategy.pp_degree"),
+    ((*PP2, "strategy.layer_split=[1,2]"), "strategy.layer_split"),
+    ((*PP2, "strategy.layer_split=[4]"), "strategy.layer_split"),
+    (("strategy.layer_split=[2,2]",), "strategy.layer_split"),
+    (("strategy.layer_split=[0,4]", *PP2), "strategy.layer_split.0"),
+    (
+        (
+            *PP2,
+            "strategy.virtual_stages=2",
+            "strategy.schedule=interleaved_1F1B",
+            "train.global_batch_size=24",
+        ),
+        "train.accumulate_steps",
+    ),
+    (("strategy=hybrid", "strategy.pp_degree=4", "train.global_batch_size=8"), "train.accumulate_steps"),
+    (("strategy.virtual_stages=2",), "strategy.virtual_stages"),
+    (
+        (
+            *PP2,
+            "model.num_layers=6",
+            "strategy.virtual_stages=3",
+            "strategy.schedule=ZBV_zero_bubble",
+            "train.global_batch_size=32",
+        ),
+        "strategy.virtual_stages",
+    ),
+    ((*PP2, "strategy.schedule=2F2B"), "strategy.schedule"),
+    (("strategy.virtual_stages=0",), "strategy.virtual_stages"),
+    # --- sharding, offload, recompute
+    ((*HYB, "strategy.sharding_stage=2"), "strategy.sharding_stage"),
+    ((*HYB, "strategy.sharding_degree=2"), "strategy.sharding_stage"),
+    (("strategy=sharding", "strategy.sharding_stage=null"), "strategy.sharding_stage"),
+    (("strategy=sharding", "strategy.sharding_stage=4"), "strategy.sharding_stage"),
+    (("strategy.offload=true",), "strategy.offload"),
+    (("strategy=sharding", "strategy.sharding_stage=1", "strategy.offload=true"), "strategy.offload"),
+    (("strategy.recompute=some",), "strategy.recompute"),
+    (("recipe=ctr/tiny", "strategy=dp", "strategy.recompute=full"), "strategy.recompute"),
+    # --- parameter server
+    (("strategy=ps",), "strategy.dense_fallback"),
+    (("recipe=ctr/tiny", "strategy.max_staleness=2"), "strategy.max_staleness"),
+    (("recipe=ctr/tiny", "strategy.num_trainers=3"), "train.global_batch_size"),
+    (("recipe=ctr/tiny", "strategy.num_servers=0"), "strategy.num_servers"),
+    (("recipe=ctr/tiny", "strategy.mode=eventual"), "strategy.mode"),
+    (("recipe=ctr/tiny", "strategy.dispatch=random"), "strategy.dispatch"),
+    (
+        ("recipe=ctr/tiny", "model.sparse_tables=[{name:a,num_embeddings:5},{name:a,num_embeddings:6}]"),
+        "model.sparse_tables",
+    ),
+    (("recipe=ctr/tiny", "model.sparse_tables=[]"), "model.sparse_tables"),
+    # --- model families
+    (("recipe=ernie/tiny", "model.mask_prob=0.01"), "model.mask_prob"),
+    (("recipe=ernie/tiny", "model.masking=span"), "model.masking"),
+    (("recipe=resnet/tiny", "model.image_size=16"), "model.image_size"),
+    (("recipe=resnet/tiny", "model.layers=[1,1,1]"), "model.layers"),
+    (("recipe=resnet/tiny", "model.block=dense"), "model.block"),
+    # --- batch and precision
+    (("train.global_batch_size=20",), "train.global_batch_size"),
+    (("train.accumulate_steps=2",), "train.accumulate_steps"),
+    (("train.micro_batch_size=32",), "train.micro_batch_size"),
+    (("train.steps=0",), "train.steps"),
+    (("train.precision=bf16",), "train.precision"),
+    (("train.precision=fp16",), "train.precision"),
+    (("train.precision=fp8",), "train.precision"),
+    (("train.compile=maybe",), "train.compile"),
+    (("recipe=ctr/tiny", "train.compile=true"), "train.compile"),  # ps trainers run eagerly
+    (("recipe=ernie/ernie_base", "train.precision=bf16"), "train.precision"),
+    (("hardware.backend=nccl",), "hardware.backend"),
+    (("hardware.backend=mpi",), "hardware.backend"),
+    # --- data
+    (("data=token_file",), "data.path"),
+    (("data=token_file", "data.path=/nonexistent/tokens.bin"), "data.path"),
+    (("data=image_array", "data.path=/nonexistent.npz"), "data.source"),
+    (("recipe=resnet/tiny", "data=image_folder", "data.path=/nonexistent"), "data.path"),
+    (("data.source=csv",), "data.source"),
+    # --- optimizer
+    (("optim.warmup_steps=-1",), "optim.warmup_steps"),
+    (("optim.betas=[0.9,1.5]",), "optim.betas"),
+    (("optim.name=lion",), "optim.name"),
+    (("optim.lr=0",), "optim.lr"),
+    # --- launch, faults, checkpoints, tracking
+    (("launch.nnodes=2",), "launch.nnodes"),
+    (("launch.nnodes=abc",), "launch.nnodes"),
+    (("launch.nnodes=2:1",), "launch.nnodes"),
+    (("launch.node_rank=3",), "launch.node_rank"),
+    (("launch.rdzv_endpoint=nohostport",), "launch.rdzv_endpoint"),
+    (("fault.kill_rank=9", "fault.at_step=1"), "fault.kill_rank"),
+    (("fault.kill_rank=1",), "fault.at_step"),
+    (("fault.kill_rank=0", "fault.at_step=100"), "fault.at_step"),
+    (("fault.mode=explode",), "fault.mode"),
+    (("checkpoint.interval=5",), "checkpoint.interval"),
+    (("checkpoint.resume=/nonexistent/ckpt",), "checkpoint.resume"),
+    (("tracking.enabled=maybe",), "tracking.enabled"),
+    (("plan.memory_check=maybe",), "plan.memory_check"),
+    # --- memory: the plan does not fit
+    (
+        ("recipe=gpt/gpt3_175b", "strategy.pp_degree=4", "strategy.recompute=none"),
+        "hardware.memory_per_device_gib",
+    ),
+    (("recipe=gpt/gpt3_6.7b", "strategy=dp", "strategy.mp_degree=1"), "hardware.memory_per_device_gib"),
+    # --- absurd sizes: each used to hang validate/plan or allocate GiBs; bounded with a clear error
+    (
+        ("strategy=mp", "strategy.mp_degree=2", "strategy.dp_degree=4", "model.hidden_size=100000000001"),
+        "model.hidden_size",
+    ),
+    (("model.hidden_size=100000000000",), "model.hidden_size"),
+    (("model.num_layers=100000",), "model.num_layers"),
+    (("model.ffn_hidden_size=100000000",), "model.ffn_hidden_size"),
+    (("model.num_attention_heads=1000000",), "model.num_attention_heads"),
+    (("model.vocab_size=10000000000",), "model.vocab_size"),
+    (("model.seq_len=1000000000",), "model.seq_len"),
+    (("hardware.nodes=10000000",), "hardware.nodes"),
+    (("hardware.devices_per_node=1000000",), "hardware.devices_per_node"),
+    (("hardware.nodes=65536", "hardware.devices_per_node=65536"), "hardware"),
+    (
+        (
+            "strategy=hybrid",
+            "strategy.pp_degree=4096",
+            "hardware.devices_per_node=4096",
+            "model.num_layers=4096",
+            "train.global_batch_size=8192",
+            "train.micro_batch_size=1",
+        ),
+        "strategy.pp_degree",
+    ),
+    (("strategy.virtual_stages=1000",), "strategy.virtual_stages"),
+    (("train.global_batch_size=1000000000",), "train.global_batch_size"),
+    (("train.accumulate_steps=1000000",), "train.accumulate_steps"),
+    (("train.steps=10000000000000",), "train.steps"),
+    (("train.micro_batch_size=100000000",), "train.micro_batch_size"),
+    (("recipe=ctr/tiny", "strategy.num_servers=100000"), "strategy.num_servers"),
+    (
+        ("recipe=ctr/tiny", "strategy.num_trainers=100000", "train.global_batch_size=3200000"),
+        "strategy.num_trainers",
+    ),
+    (
+        ("recipe=ctr/tiny", "model.sparse_tables=[{name:a,num_embeddings:100000000000000}]"),
+        "model.sparse_tables.0.num_embeddings",
+    ),
+    (("recipe=ctr/tiny", "model.embedding_dim=100000000"), "model.embedding_dim"),
+    (("recipe=ctr/tiny", "model.mlp_hidden=[100000000]"), "model.mlp_hidden"),
+    (("recipe=resnet/tiny", "model.layers=[5000,1,1,1]"), "model.layers"),
+    (("recipe=resnet/tiny", "model.image_size=1000000"), "model.image_size"),
+    (("launch.collective_timeout_s=100000000",), "launch.collective_timeout_s"),
+    # --- non-finite numbers (inf/nan used to pass, then crash or print NaN into --json)
+    (("optim.lr=inf",), "optim.lr"),
+    (("optim.lr=nan",), "optim.lr"),
+    (("optim.lr=-inf",), "optim.lr"),
+    (("optim.eps=inf",), "optim.eps"),
+    (("optim.weight_decay=inf",), "optim.weight_decay"),
+    (("optim.grad_clip=inf",), "optim.grad_clip"),
+    (("optim.min_lr_ratio=nan",), "optim.min_lr_ratio"),
+    (("optim.betas=[0.9,nan]",), "optim.betas.1"),
+    (("model.dropout=nan",), "model.dropout"),
+    (("model.init_std=inf",), "model.init_std"),
+    (("hardware.memory_per_device_gib=inf",), "hardware.memory_per_device_gib"),
+    (("hardware.memory_per_device_gib=nan",), "hardware.memory_per_device_gib"),
+    (("hardware.intra_node_gbps=inf",), "hardware.intra_node_gbps"),
+    (("hardware.inter_node_gbps=nan",), "hardware.inter_node_gbps"),
+    (("hardware.comm_latency_us=inf",), "hardware.comm_latency_us"),
+    (("hardware.peak_tflops.fp32=inf",), "hardware.peak_tflops.fp32"),
+    (("launch.collective_timeout_s=inf",), "launch.collective_timeout_s"),
+    (("launch.monitor_interval_s=nan",), "launch.monitor_interval_s"),
+    (("recipe=ctr/tiny", "data.zipf_alpha=inf"), "data.zipf_alpha"),
+    # --- more ranks than this machine holds (refused before spawning; launch.oversubscribe=true to force)
+    (("hardware.devices_per_node=4096", "train.global_batch_size=8192"), "hardware.devices_per_node"),
+    # --- names MLflow refuses at run time
+    (("tracking.experiment=",), "tracking.experiment"),
+    (("tracking.experiment='  '",), "tracking.experiment"),
+    (("tracking.experiment=a/../b",), "tracking.experiment"),
+    (("tracking.experiment=" + "x" * 501,), "tracking.experiment"),
+    (("run.name=..",), "run.name"),
+    (("run.name=" + "r" * 251,), "run.name"),
+    # --- hydra.* overrides beyond the documented ones (callbacks instantiate any target at train time)
+    (("+hydra.callbacks.x._target_=os.getcwd",), "hydra.callbacks.x._target_"),
+    (("~hydra.callbacks.mlflow_sweep",), "hydra.callbacks.mlflow_sweep"),
+    (("hydra.job.name=x",), "hydra.job.name"),
+    (("++hydra.verbose=true",), "hydra.verbose"),
+    (("hydra.output_subdir=null",), "hydra.output_subdir"),
+    # --- parameter-server RPC address (it unpickles what it receives)
+    (("recipe=ctr/tiny", "strategy.server_address=0.0.0.0"), "strategy.server_address"),
+    (("recipe=ctr/tiny", "strategy.server_address=10.1.2.3"), "strategy.server_address"),
+    (("recipe=ctr/tiny", "strategy.server_address='not an address'"), "strategy.server_address"),
+    (
+        ("recipe=ctr/tiny", "strategy.server_address='::'", "strategy.allow_remote_servers=true"),
+        "strategy.server_address",
+    ),
+    # --- resuming from something that is not a checkpoint
+    (("checkpoint.resume=/etc/passwd",), "checkpoint.resume"),
+    (("checkpoint.resume=/etc",), "checkpoint.resume"),
+    (("checkpoint.resume=/dev/null",), "checkpoint.resume"),
+    # --- a recipe's layout with another size of machine: the error names the recipe
+    (("recipe=gpt/gpt3_175b", "hardware.nodes=1"), "strategy.dp_degree"),
+    # --- Hydra-level: unknown keys, groups, options, syntax
+    (("train.stepz=3",), "train.stepz"),
+    (("+train.foo=1",), "train.foo"),
+    (("strategy=foo",), "strategy"),
+    (("recipe=gpt/huge",), "recipe"),
+    (("strateg=dp",), "strateg"),
+    (("train.steps=[1,",), "train.steps"),
+]
+
+
+def _validate(overrides):
+    """What `fleetwise validate` reports (config problems + the memory check)."""
+    from fleetwise.cli import preflight
+
+    return preflight(list(overrides)).problems
+
+
+def test_corpus_is_large_and_distinct():
+    assert len(CASES) >= 150
+    assert len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_degree_product_error_names_all_four_degrees_and_the_world_size():
+    (p,) = _validate(["strategy.dp_degree=3"])
+    for word in ("sharding_degree(1)", "dp_degree(3)", "mp_degree(1)", "pp_degree(1)", "world_size(8)"):
+        assert word in p.msg
+    assert "strategy.dp_degree=8" in p.hint
+
+
+def test_all_problems_are_reported_together():
+    problems = _validate(
+        [
+            "strategy.dp_degree=3",
+            "train.precision=bf16",
+            "optim.betas=[0.9,1.5]",
+            "train.stepz=1",
+            "model.hidden_size=66",
+        ]
+    )
+    assert {"strategy", "train.precision", "optim.betas", "train.stepz", "model.hidden_size"} <= {
+        p.loc for p in problems
+    }
+
+
+def test_a_layer_split_hint_keeps_its_spaces_and_a_pastable_override():
+    from helpers.config import compose
+
+    _, problems = compose("strategy=hybrid", "strategy.pp_degree=8", "model.num_layers=12")
+    (p,) = [p for p in problems if p.loc == "strategy.pp_degree"]
+    assert p.hint == "choose a stage count dividing 12, or set strategy.layer_split=[2,2,2,2,1,1,1,1]"
+
+
+def test_unknown_key_suggests_the_close_one():
+    (p,) = _validate(["strategy.mp_degre=2"])
+    assert p.loc == "strategy.mp_degre" and "Did you mean 'mp_degree'" in p.msg
+    (p,) = _validate(["recipe=gpt/tinyy"])
+    assert "gpt/tiny" in p.msg
+
+
+def test_memory_problem_lists_numbers_and_remedies_and_can_be_waived():
+    problems = _validate(["recipe=gpt/gpt3_175b", "strategy.pp_degree=4", "strategy.recompute=none"])
+    (p,) = problems
+    assert "GiB" in p.msg and "strategy.recompute=full" in p.hint and "plan.memory_check=warn" in p.hint
+    assert (
+        _validate(
+            [
+                "recipe=gpt/gpt3_175b",
+                "strategy.pp_degree=4",
+                "strategy.recompute=none",
+                "plan.memory_check=warn",
+            ]
+        )
+        == []
+    )
+
+
+HANG_S = 60  # a hang (what the absurd sizes used to cause) fails the case; the time itself is reported
+
+
+@pytest.mark.parametrize("overrides,loc", CASES, ids=[" ".join(c[0])[:120] for c in CASES])
+def test_train_refuses_it_with_exit_2_spawning_and_writing_nothing(
+    overrides, loc, tmp_path, monkeypatch, capsys
+):
+    """Each case through `fleetwise train`: exit 2, the location named, every problem with a message
+    and a fix, no traceback, no process started (Popen is forbidden), no run directory, Hydra
+    output, or MLflow store written."""
+    import subprocess
+
+    from fleetwise import cli
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError(f"a process was spawned for an invalid config: {args[:1]}")
+
+    reported = []
+    report = cli._report_invalid
+    monkeypatch.setattr(
+        cli,
+        "_report_invalid",
+        lambda problems, as_json: reported.extend(problems) or report(problems, as_json),
+    )
+    monkeypatch.setattr(subprocess.Popen, "__init__", forbidden)
+    monkeypatch.chdir(tmp_path)
+
+    def hung(signum, frame):
+        raise TimeoutError(f"no answer within {HANG_S} s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(HANG_S)
+    try:
+        t = time.perf_counter()
+        code = cli.main(["train", *overrides, f"run.dir={tmp_path / 'run'}"])
+        elapsed = time.perf_counter() - t
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert loc in [p.loc for p in reported], f"expected {loc}, got {reported}"
+    assert all(p.msg and p.hint for p in reported), reported
+    assert "Traceback" not in err and loc in " ".join(err.split())
+    assert list(tmp_path.iterdir()) == []
+    print(f"answered in {elapsed:.2f} s")
