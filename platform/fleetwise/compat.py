@@ -8,7 +8,7 @@ versions it was checked on (read in that version's source, and run); on any othe
 takes a public fallback where one exists, or raises `Unsupported` when used -- a clear error naming
 the installed version and the feature, never an AttributeError from inside a rank.
 
-tests/unit/test_private_torch.py holds the rule: a private torch name anywhere else in the package
+tests/unit/architecture/test_private_torch.py holds the rule: a private torch name anywhere else in the package
 fails it.
 
 This module imports only torch (and the standard library); it is the bottom of the import order.

@@ -9,7 +9,7 @@ torch 2.11's pipelining, for one, exchanges stage metadata without the `_send_me
 pair that `route_stage_metadata` replaces -- and a patch whose target is missing raises
 `compat.Unsupported` naming it, never an AttributeError.
 
-Private torch names live here and in fleetwise.compat only (tests/unit/test_private_torch.py).
+Private torch names live here and in fleetwise.compat only (tests/unit/architecture/test_private_torch.py).
 """
 
 from __future__ import annotations
