@@ -76,6 +76,8 @@ class Family:
         "set strategy.mp_degree=1 and use dp or sharding",
     )
     no_pipeline: tuple[str, str] | None = None  # (why, fix) when pp_degree > 1 cannot work
+    # a check of pp_degree > 1 against the model's settings (Llama: tied embeddings), or None
+    pipeline_parallel: Callable[[Any, int], Iterator[Problem]] | None = None
     no_recompute: tuple[str, str] | None = None  # (why, fix) when there is nothing to recompute
     # Parameter server: the sparse tables that can live on servers (None: the family has none,
     # and the ps runtime cannot train it), the floats of one table row, every parameter's shape.
