@@ -1,5 +1,5 @@
 """Tensor-parallel plans as data: module path -> ParallelStyle (Megatron-style sharding). The parts
-GPT and ERNIE share live here (the transformer block's plan, the vocabulary-parallel embedding);
+GPT, ERNIE and Llama share live here (the transformer block's plan, the vocabulary-parallel embedding);
 each family's whole plan lives with it (`fleetwise.families.<name>.tp_plan`).
 
 Attention q/k/v and the first MLP linear are column-parallel (each rank computes a slice of the
@@ -107,4 +107,8 @@ def block_plan(
         plan[f"{prefix}.attn"] = PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
         )
+        if len(mlp_in) > 1:  # a gated MLP's two input projections, likewise
+            plan[f"{prefix}.mlp"] = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+            )
     return plan

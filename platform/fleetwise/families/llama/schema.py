@@ -123,12 +123,17 @@ def check(m: LlamaModel) -> Iterator[Problem]:
 
 def check_tensor_parallel(m: LlamaModel, mp: int) -> Iterator[Problem]:
     """mp ranks split the vocabulary (not padded), the query and the kv heads, and the MLP."""
-    for key, value in (
-        ("vocab_size", m.vocab_size),
-        ("num_attention_heads", m.num_attention_heads),
-        ("num_kv_heads", m.num_kv_heads),
-    ):
-        yield from mp_divides(mp, key, value)
+    if m.vocab_size % mp:
+        padded = -(-m.vocab_size // mp) * mp
+        yield Problem(
+            "strategy.mp_degree",
+            f"mp_degree={mp} does not divide model.vocab_size={m.vocab_size} (Llama's vocabulary is not "
+            "padded: a checkpoint's embedding has exactly vocab_size rows)",
+            f"use an mp_degree dividing {m.vocab_size}, or set model.vocab_size={padded} (ids the data "
+            "never holds are never predicted)",
+        )
+    for key in ("num_attention_heads", "num_kv_heads"):
+        yield from mp_divides(mp, key, getattr(m, key))
     if m.intermediate_size is not None:
         yield from mp_divides(mp, "intermediate_size", m.intermediate_size)
     elif m.ffn_hidden_size % mp:
@@ -146,8 +151,9 @@ def check_pipeline(m: LlamaModel, pp: int) -> Iterator[Problem]:
             "strategy.pp_degree",
             f"pp_degree={pp} with model.tie_word_embeddings=true: the embedding (first stage) and the "
             "LM head (last stage) would be one weight on two ranks",
-            "set strategy.pp_degree=1 and use sharding or mp for a model of this size, or set "
-            "model.tie_word_embeddings=false (the head gets a weight of its own)",
+            "set strategy.pp_degree=1 (and shard with strategy.sharding_degree or split with "
+            "strategy.mp_degree instead), or set model.tie_word_embeddings=false (the head gets a "
+            "weight of its own)",
         )
 
 

@@ -41,8 +41,9 @@ def llama_plan(
         **block_plan("layers.*", act, sequence_parallel, pre_ln=True, mlp_in=("gate", "up"), mlp_out="down"),
     }
     if qk_norm:
-        plan["layers.*.attn.q_norm"] = SequenceParallel(sequence_dim=2)
-        plan["layers.*.attn.k_norm"] = SequenceParallel(sequence_dim=2)
+        # local heads in, local heads out: RoPE and SDPA run on the plain local tensors
+        plan["layers.*.attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["layers.*.attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if sequence_parallel:
         # the lookup is all-reduced whole, then each rank keeps its sequence slice
         plan["embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))

@@ -78,23 +78,25 @@ def block(m: LlamaModel) -> Unit:
 
 
 def _block_ops(m: LlamaModel) -> int:
-    """aten ops of one block's forward (a test counts them in torch)."""
-    norm = 7  # _to_copy-free in fp32: pow, mean, add, rsqrt, mul, mul (+ the weight's detach)
-    linear = 3  # t, mm, views
-    rope_tables = 9
-    rotate = 6
-    attn = 3 * (linear + 1) + rope_tables + 2 * (1 + rotate) + 2 + linear + 2
-    mlp = 3 * (linear + 1) + 2
-    return 2 * norm + attn + mlp + 2 + (2 * norm if m.qk_norm else 0)
+    """aten ops of one block's forward, views included (a test counts them in torch)."""
+    norm = 7  # pow, mean, add, rsqrt (and its detach), 2 muls (fp32: no casts)
+    linear = 4  # t, view, mm, view back
+    rope_tables = 7  # the frequencies' tensor, arange, unsqueeze, mul, cat, cos, sin
+    rotate = 8  # transpose, mul, 2 slices, neg, cat, mul, add
+    attention = 3 * (linear + 1) + rope_tables + 2 * rotate + 1 + 2 + 2 + linear  # + v's transpose,
+    # SDPA (and its detach), the output's transpose and view, o
+    mlp = 3 * linear + 2  # gate, up, down, silu, mul
+    return 2 * norm + attention + mlp + 2 + (2 * norm if m.qk_norm else 0)  # + 2 residual adds
 
 
-def _block_elementwise(m: LlamaModel) -> int:
+def _block_elementwise(m: LlamaModel) -> float:
+    """Elements per sample the block's non-matmul ops write (the rotary tables are per batch)."""
     s, h, f, d = m.seq_len, m.hidden_size, m.ffn_hidden_size, m.head_width
-    q, kv = m.num_attention_heads * d, m.num_kv_heads * d
-    norm = 3 * s * h + 2 * s  # pow, 2 muls (+ mean, add, rsqrt per token)
-    rope = 5  # neg, cat, 2 muls, add
-    qk_norm = 3 * s * (q + kv) + 2 * s * (m.num_attention_heads + m.num_kv_heads) if m.qk_norm else 0
-    return 2 * norm + rope * s * (q + kv) + qk_norm + 3 * s * f + 2 * s * h
+    a, g = m.num_attention_heads, m.num_kv_heads
+    norm = 3 * s * h + 3 * s  # pow, 2 muls; mean, add, rsqrt per token
+    rotate = 4.5 * s * (a + g) * d  # 2 muls, cat, add of q and k, neg of their halves
+    qk_norm = 3 * s * (a + g) * d + 3 * s * (a + g) if m.qk_norm else 0
+    return 2 * norm + rotate + qk_norm + 2 * s * f + 2 * s * h  # silu, mul; 2 residual adds
 
 
 def units(m: LlamaModel) -> list[Unit]:
@@ -126,9 +128,9 @@ def units(m: LlamaModel) -> list[Unit]:
         transient_tp=Acts(fp32=s * v),
         output_split=s * v,  # the logits
         weight_grad_outputs=Acts(split=s * v, sp=s * h),  # the logits' and the final norm output's
-        fwd_ops=14,  # norm, LM head (t, mm, views), log-softmax, NLL
+        fwd_ops=16,  # norm (7), LM head (t, view, mm, view), 2 flattening views, log-softmax, NLL
         fwd_gemms=1,
-        fwd_elementwise=3 * s * h + 2 * s + s * v,  # norm, log-softmax
+        fwd_elementwise=3 * s * h + 3 * s + s * v,  # norm, log-softmax
         param_tensors=1 if tied else 2,  # norm, LM head
         largest_split=0 if tied else h * v,
         largest_whole=h,
