@@ -246,10 +246,17 @@ _STYLE: type | None = None
 def local_rows(t) -> tuple[int, int]:
     """(rows, first row) of this rank's shard of a DTensor sharded on dim 0 (torch's own split,
     uneven shards included). Checked on 2.11 and 2.13."""
+    (rows, *_), (start, *_) = local_box(t)
+    return rows, start
+
+
+def local_box(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset in the global tensor) of this rank's shard of a DTensor: the box of the whole
+    tensor it holds (TP and FSDP shards, FSDP over TP's strided shards included: what DCP writes).
+    Checked on 2.11 and 2.13."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    (rows, *_), (start, *_) = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return rows, start
+    return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
 
 
 def resolve_process_group(name: str):
@@ -455,6 +462,7 @@ CHECKED: dict[str, tuple[str, ...]] = {
             "scaler_found_inf", "set_last_lr", "compile_counters", "quiet_redistribute_logs",
             "resolve_process_group", "flatten_mesh", "after_each_rendezvous", "rendezvous_round",
             "metadata_path", "load_into_empty", "stage_backward_split", "tensor_parallel_style", "local_rows",
+            "local_box",
         ),
         TESTED,
     ),

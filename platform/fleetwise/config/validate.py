@@ -122,11 +122,29 @@ def _type_hint(path: str, errs: list[dict[str, Any]]) -> str:
     return f"set {path} to a valid {errs[0]['type'].split('_')[0]} value"
 
 
+def prefill(data: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
+    """The model family's fill of the raw `model` section before it is parsed (Llama: the fields
+    model.init_from's config.json sets), on a copy; with the problems it found (a value set
+    explicitly that disagrees with the file, a missing or unsupported config.json)."""
+    from fleetwise.families import FAMILIES
+
+    model = data.get("model")
+    family = FAMILIES.get(model.get("family")) if isinstance(model, dict) else None
+    if family is None or family.prefill is None:
+        return data, []
+    model = dict(model)
+    problems = family.prefill(model)
+    return {**data, "model": model}, problems
+
+
 def parse(data: dict[str, Any]) -> tuple[RunConfig | None, list[Problem]]:
+    """The RunConfig of a composed config (None when pydantic refuses it), and the problems found
+    so far (a RunConfig may come with the prefill's problems: the rules still run on it)."""
+    data, filled = prefill(data)
     try:
-        return RunConfig.model_validate(data), []
+        return RunConfig.model_validate(data), filled
     except ValidationError as err:
-        return None, _pydantic_problems(err, data)
+        return None, filled + _pydantic_problems(err, data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +234,7 @@ def load_config(overrides: list[str], *, launching: bool = False, dryrun: bool =
         raise ConfigError(hydra_problems)
     cfg, problems = parse(data)
     if cfg is not None:
-        problems = check(cfg, launching=launching, dryrun=dryrun)
+        problems = problems + check(cfg, launching=launching, dryrun=dryrun)
     raise ConfigError(hydra_problems + problems)
 
 
@@ -225,7 +243,7 @@ def validate(data: dict[str, Any], *, launching: bool = False, dryrun: bool = Fa
     cfg, problems = parse(data)
     if cfg is None:
         raise ConfigError(problems)
-    problems = check(cfg, launching=launching, dryrun=dryrun)
+    problems = problems + check(cfg, launching=launching, dryrun=dryrun)
     if problems:
         raise ConfigError(problems)
     return resolve(cfg)

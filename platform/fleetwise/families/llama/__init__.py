@@ -8,8 +8,10 @@ the transformer families share (`fleetwise.families.transformer.token_source`). 
 are imported when a rank asks for them (`spec`, `source`), so importing this package never imports
 torch.
 
-Its parameter names follow GPT's (`embed.tok`, `layers.N.attn.wq`, …); `HF_NAMES` maps Hugging
-Face's `LlamaForCausalLM` / `Qwen3ForCausalLM` names onto them, and nothing else is needed: the
+Hugging Face checkpoints in and out: `hf` (config.json <-> this section, the safetensors headers;
+torch-free) and `weights` (each rank reads its slices; export streams tensor by tensor). Its
+parameter names follow GPT's (`embed.tok`, `layers.N.attn.wq`, …); `hf.expected_tensors` maps
+Hugging Face's `LlamaForCausalLM` / `Qwen3ForCausalLM` names onto them, and nothing else is needed: the
 rotary embedding uses Hugging Face's rotate-half layout (no q/k permutation), the vocabulary is not
 padded, and a tied model has no `output.weight` (its head reads `embed.tok.weight`), as a tied
 checkpoint has no `lm_head.weight`.
@@ -20,28 +22,11 @@ from __future__ import annotations
 import math
 from functools import partial
 
+from fleetwise.families.llama.hf import prefill
 from fleetwise.families.llama.schema import LlamaModel, check, check_pipeline, check_tensor_parallel, limits
 from fleetwise.families.llama.units import input_bytes, units
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.families.transformer import TOKEN_SOURCES, token_data_profile, token_source, tokens_per_sample
-
-# Hugging Face parameter name -> fleetwise's ({i}: the block index). Qwen 3 adds the q/k norms.
-HF_NAMES = {
-    "model.embed_tokens.weight": "embed.tok.weight",
-    "model.layers.{i}.input_layernorm.weight": "layers.{i}.ln1.weight",
-    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attn.wq.weight",
-    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attn.wk.weight",
-    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attn.wv.weight",
-    "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attn.wo.weight",
-    "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.attn.q_norm.weight",
-    "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.attn.k_norm.weight",
-    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ln2.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up.weight",
-    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",  # untied models only
-}
 
 
 def spec(m: LlamaModel) -> ModelSpec:
@@ -49,8 +34,17 @@ def spec(m: LlamaModel) -> ModelSpec:
     from fleetwise.families.llama.tp_plan import llama_plan
     from fleetwise.models.transformer import lm_loss
 
+    load = None
+    if m.init_from is not None:
+        from fleetwise.families.llama.weights import load_hf_
+
+        load = partial(load_hf_, m=m)
     return ModelSpec(
-        Llama, lm_loss, ("tokens",), partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings)
+        Llama,
+        lm_loss,
+        ("tokens",),
+        partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
+        load_weights=load,
     )
 
 
@@ -75,6 +69,7 @@ FAMILY = Family(
     spec=spec,
     source=source,
     check=check,
+    prefill=prefill,
     limits=limits,
     tokens_per_sample=tokens_per_sample,
     plan_notes=plan_notes,

@@ -6,7 +6,7 @@ LM head (tied to the embedding or not). No biases anywhere, no dropout, no learn
 rotary embeddings turn q and k by their position inside attention.
 
 Conventions chosen so that a Hugging Face `LlamaForCausalLM` / `Qwen3ForCausalLM` state dict maps
-onto this model by a name table alone (families/llama/__init__.py HF_NAMES): the rotary embedding
+onto this model by a name table alone (families/llama/hf.py, expected_tensors): the rotary embedding
 rotates the two halves of each head (`rotate_half`, the convention of Hugging Face's checkpoints),
 not interleaved pairs (Meta's original), so q and k weights need no permutation; RMSNorm computes
 in fp32 and casts back before the weight, as Hugging Face's does; the vocabulary is not padded.

@@ -68,6 +68,11 @@ class LlamaModel(Section):
     init_std: float = Field(
         0.02, gt=0, description="Std of the normal weight init (Llama's initializer_range)."
     )
+    init_from: str | None = Field(
+        None,
+        description="A Hugging Face model directory (config.json + *.safetensors) to start from: its "
+        "config.json fills this section, each rank reads its slices of the weights (null: random init).",
+    )
 
     @property
     def head_width(self) -> int:
@@ -92,6 +97,10 @@ class LlamaModel(Section):
 
 
 def check(m: LlamaModel) -> Iterator[Problem]:
+    if m.init_from is not None:
+        from fleetwise.families.llama.hf import check_weights
+
+        yield from check_weights(m)
     if m.num_attention_heads % m.num_kv_heads:
         yield Problem(
             "model.num_kv_heads",
