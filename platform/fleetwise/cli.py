@@ -505,8 +505,8 @@ def _export_hf(ckpt, args, console: Console) -> int:
     """`checkpoint export --format hf --out DIR`: a Hugging Face model directory."""
     from pathlib import Path
 
-    from fleetwise.families.llama.weights import WeightsError, export_hf
-    from fleetwise.runtime.checkpoint import CheckpointRefused
+    from fleetwise.families.llama.weights import WeightsError
+    from fleetwise.runtime.checkpoint import CheckpointRefused, export_hf
 
     if not args.out:
         console.print("[bold red]✗[/] --format hf needs --out DIR (the model directory to write)")

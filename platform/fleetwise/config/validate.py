@@ -20,6 +20,7 @@ from fleetwise.config.problems import ConfigError, Problem, did_you_mean
 from fleetwise.config.rules import RULES
 from fleetwise.config.rules.context import Context, num_microbatches
 from fleetwise.config.rules.launch import elastic_candidate, elastic_problems
+from fleetwise.config.rules.model import prefill
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import DEGREE_NAMES, PSStrategy
 
@@ -122,25 +123,10 @@ def _type_hint(path: str, errs: list[dict[str, Any]]) -> str:
     return f"set {path} to a valid {errs[0]['type'].split('_')[0]} value"
 
 
-def prefill(data: dict[str, Any]) -> tuple[dict[str, Any], list[Problem]]:
-    """The model family's fill of the raw `model` section before it is parsed (Llama: the fields
-    model.init_from's config.json sets), on a copy; with the problems it found (a value set
-    explicitly that disagrees with the file, a missing or unsupported config.json)."""
-    from fleetwise.families import FAMILIES
-
-    model = data.get("model")
-    family = FAMILIES.get(model.get("family")) if isinstance(model, dict) else None
-    if family is None or family.prefill is None:
-        return data, []
-    model = dict(model)
-    problems = family.prefill(model)
-    return {**data, "model": model}, problems
-
-
 def parse(data: dict[str, Any]) -> tuple[RunConfig | None, list[Problem]]:
     """The RunConfig of a composed config (None when pydantic refuses it), and the problems found
     so far (a RunConfig may come with the prefill's problems: the rules still run on it)."""
-    data, filled = prefill(data)
+    data, filled = prefill(data)  # the family's fill of the raw model section (Llama: model.init_from)
     try:
         return RunConfig.model_validate(data), filled
     except ValidationError as err:

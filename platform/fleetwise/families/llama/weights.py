@@ -1,6 +1,6 @@
 """Hugging Face weights, the torch half: each rank reads its slices of a model directory's safetensors
-(`load_hf_`), `fleetwise.load_model(DIR)` of such a directory (`load_hf_model`), and a fleetwise
-checkpoint written back as one (`export_hf`).
+(`load_hf_`), `fleetwise.load_model(DIR)` of such a directory (`load_hf_model`), and a model's weights
+written back as one (`write_hf_dir`; `runtime/checkpoint.py` `export_hf` reads them from a checkpoint).
 
 Reading: a parameter already sharded (a DTensor: TP, FSDP, both) is read as the box of the global
 tensor this rank holds (`compat.local_box`), through safetensors' `get_slice`, which reads those
@@ -8,7 +8,7 @@ bytes of the memory-mapped file and nothing else; a whole parameter (DDP, ZeRO-1
 stage's) is read whole. No rank builds a tensor it does not keep. Values are cast to the parameter's
 dtype (bf16 files into fp32 parameters: exact).
 
-Writing: the tensors' names, shapes and dtypes are in the checkpoint's DCP metadata, so each
+Writing: the tensors' names, shapes and dtypes are known up front (a checkpoint's DCP metadata), so each
 shard's safetensors header (data offsets included) is written first and the tensors are then read
 from the checkpoint and appended one at a time: one tensor in memory, never the model.
 """
@@ -107,38 +107,27 @@ def load_hf_model(directory: str | Path) -> nn.Module:
     return model.eval()
 
 
-def export_hf(checkpoint: Path, out: Path, dtype: str | None = None) -> list[Path]:
-    """Write a fleetwise checkpoint of a Llama-family model as a Hugging Face model directory:
-    config.json, model-0000i-of-0000n.safetensors and model.safetensors.index.json. `dtype`: fp32,
-    bf16 or fp16 (None: as stored). Returns the files written."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from fleetwise.rundir import read_config
-    from fleetwise.runtime.checkpoint import read_metadata
-
-    cfg = read_config(checkpoint)
-    m = cfg.model
-    if not isinstance(m, LlamaModel):
-        raise WeightsError(
-            f"{checkpoint} holds a model of family {m.family!r}: --format hf writes Llama-family models "
-            "(export it with --format torch)"
-        )
-    metadata = read_metadata(checkpoint / ".metadata").state_dict_metadata
-    tensors = []  # (hf name, checkpoint key, shape, dtype written, dtype stored)
+def write_hf_dir(
+    m: LlamaModel, out: Path, stored: dict[str, tuple[tuple[int, ...], torch.dtype]], read, dtype: str | None = None
+) -> list[Path]:
+    """Write the model section `m`'s weights as a Hugging Face model directory: config.json,
+    model-0000i-of-0000n.safetensors and model.safetensors.index.json. `stored`: fleetwise name ->
+    (shape, dtype) of every tensor where they are kept (a checkpoint); `read(name, empty)` fills
+    `empty` (of that shape and dtype) with one of them. `dtype`: fp32, bf16 or fp16 (None: as
+    stored). Returns the files written."""
+    tensors = []  # (hf name, fleetwise name, shape, dtype written, dtype stored)
     for hf, (name, shape) in expected_tensors(m).items():
-        key = f"model.{name}"
-        meta = metadata.get(key)
-        if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != shape:
-            found = "missing" if meta is None else f"of shape {list(getattr(meta, 'size', []))}"
-            raise WeightsError(f"{checkpoint}: tensor {key} is {found}; the model needs {list(shape)}")
-        stored = meta.properties.dtype
-        tensors.append((hf, key, shape, DTYPES[dtype] if dtype else stored, stored))
+        found = stored.get(name)
+        if found is None or tuple(found[0]) != shape:
+            what = "missing" if found is None else f"of shape {list(found[0])}"
+            raise WeightsError(f"tensor {name} is {what}; the model needs {list(shape)}")
+        tensors.append((hf, name, shape, DTYPES[dtype] if dtype else found[1], found[1]))
     shards = _shards(tensors)
     out.mkdir(parents=True, exist_ok=True)
     written, weight_map, total = [], {}, 0
     for i, shard in enumerate(shards, 1):
         path = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        total += _write_shard(path, shard, checkpoint)
+        total += _write_shard(path, shard, read)
         weight_map.update(dict.fromkeys((hf for hf, *_ in shard), path.name))
         written.append(path)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -173,18 +162,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _read(checkpoint: Path, key: str, like: torch.Tensor) -> torch.Tensor:
-    """One tensor of a DCP checkpoint, read alone into `like` (no process group), through the
-    reader that refuses crafted metadata."""
-    import torch.distributed.checkpoint as dcp
-
-    from fleetwise.runtime.checkpoint import VerifiedReader
-
-    dcp.load({key: like}, storage_reader=VerifiedReader(checkpoint), no_dist=True)
-    return like
-
-
-def _write_shard(path: Path, shard: list, checkpoint: Path) -> int:
+def _write_shard(path: Path, shard: list, read) -> int:
     """Header first (every offset is known from the shapes), then each tensor as it is read."""
     header, offset = {}, 0
     for hf, _, shape, dtype, _ in shard:
@@ -201,7 +179,7 @@ def _write_shard(path: Path, shard: list, checkpoint: Path) -> int:
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(text)))
         fh.write(text)
-        for _, key, shape, dtype, stored in shard:
-            tensor = _read(checkpoint, key, torch.empty(shape, dtype=stored)).to(dtype).contiguous()
+        for _, name, shape, dtype, stored in shard:
+            tensor = read(name, torch.empty(shape, dtype=stored)).to(dtype).contiguous()
             fh.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return offset

@@ -189,3 +189,19 @@ def test_tied_embeddings_train_under_every_strategy_but_a_pipeline():
     _, problems = compose("recipe=llama/tiny", "model.tie_word_embeddings=true", "strategy=pp", "strategy.pp_degree=2")
     assert [p.loc for p in problems] == ["strategy.pp_degree"]
     assert "tie_word_embeddings=false" in problems[0].hint
+
+
+def test_strategy_auto_searches_only_the_layouts_llama_allows():
+    """8 CPU ranks, 2 kv heads and a tied head: every layout the search ranks splits the kv heads
+    evenly (mp 1 or 2) and has no pipeline; the winner is one of them and validates."""
+    from fleetwise.launcher.auto import resolve_auto
+
+    tiny = ["recipe=llama/tiny", "model.num_kv_heads=2", "model.tie_word_embeddings=true", "hardware.devices_per_node=8"]
+    out = resolve_auto(["strategy=auto", *tiny], progress=False)
+    assert out.problems == []
+    ranked = out.result.ranked
+    assert ranked and out.result.legal >= len(ranked)
+    assert {c.strategy["mp_degree"] for c in ranked} <= {1, 2}
+    assert {c.strategy["pp_degree"] for c in ranked} == {1}
+    cfg, problems = compose(*tiny, *out.layout_overrides)
+    assert problems == [] and cfg.strategy.mp_degree in (1, 2)
