@@ -129,7 +129,7 @@ def prepare(venv: Path, spec: str | None, python: str, logs: Path) -> str:
     if not _python(venv).exists():
         if spec is None:
             raise SystemExit(f"{venv} does not exist: give --torch-spec to create it")
-        print(f"test-torch: creating {venv} with {spec} (a full PyPI build of torch: several GB, minutes)")
+        print(f"test-torch: creating {venv} with {spec} (a PyPI build of torch is several GB: minutes)")
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
         rc, tail = _run([*pip, *spec.split()], logs / "install_torch.log", 3600)
         if rc:

@@ -4,9 +4,14 @@ fleetwise uses what PyTorch ships, and a few things it needs are private (a lead
 no promise across releases) or appeared in a recent release only. Every such use is here, and
 nowhere else in the package but the dry run's own patches (fleetwise.dryrun.patches), so that a
 new torch release is checked in two files. `CHECKED` at the end says, for each entry, the torch
-versions it was checked on (read in that version's source, and run); on any other version an entry
-takes a public fallback where one exists, or raises `Unsupported` when used -- a clear error naming
-the installed version and the feature, never an AttributeError from inside a rank.
+versions it was checked on (read in that version's source, and run: `make test-torch`); on any
+other version an entry takes a public fallback where one exists (the collectives), finds the
+version's shape where torch has two (the pipeline receive buffers: torch's own stage where it has
+neither), or raises `Unsupported` when used -- a clear error naming the installed version and the
+feature, never an AttributeError from inside a rank: a name torch lacks is a `_Missing`, and a
+function that reads internals is an `_entry`, which turns a missing name or a changed signature
+into `Unsupported` there. (The few names imported at the top have been in torch since 2.0.)
+`validate` refuses a torch older than the oldest version checked (config/rules/torch_version.py).
 
 tests/unit/test_private_torch.py holds the rule: a private torch name anywhere else in the package
 fails it.
@@ -84,16 +89,40 @@ def _find(owner, path: str):
     return found
 
 
+def _entry(feature: str, checked: tuple[str, ...] = TESTED):
+    """Decorates an entry that reads torch internals: on a torch in `checked` it is the function
+    itself (no wrapper, no cost: an AttributeError there is a fleetwise bug and shows as one); on
+    any other torch an AttributeError, ImportError or TypeError from inside it (a private name gone
+    or a signature changed) becomes `Unsupported` naming `feature` and the installed version."""
+
+    def decorate(fn: Callable) -> Callable:
+        if MINOR in checked:
+            return fn
+
+        @functools.wraps(fn)
+        def guarded(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (AttributeError, ImportError, TypeError) as e:
+                raise unsupported(feature, checked) from e
+
+        return guarded
+
+    return decorate
+
+
 # ------------------------------------------------------------------------------------------------
 # Dispatch modes, pytrees, fake tensors (the live-tensor tracker, the dry run's counters), imported
 # above: the same names and behaviour on every version in TESTED (present since 2.0).
 
 
+@_entry("the dispatch-mode stack (memory tracking, the dry run)")
 def dispatch_modes() -> list:
     """The dispatch modes active now, outermost first."""
     return _get_current_dispatch_mode_stack()
 
 
+@_entry("running below every dispatch mode (memory tracking, the dry run)")
 def modes_disabled():
     """A context in which no dispatch mode is active (ops run on real tensors, below every mode)."""
     return _disable_current_modes()
@@ -103,12 +132,14 @@ def modes_disabled():
 # Tensors and storages.
 
 
+@_entry("telling tensor storages apart (the live-tensor memory tracker)")
 def storage_key(storage) -> int:
     """A key that names one storage while it lives (a tensor's `untyped_storage()` is a new
     Python object per call; the storage it wraps is not)."""
     return storage._cdata
 
 
+@_entry("a DTensor's local shard")
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard as it is held (no autograd view, unlike `to_local()`); others as they are."""
     from torch.distributed.tensor import DTensor
@@ -156,6 +187,7 @@ BATCH_NORMS = getattr(nn.modules.batchnorm, "_BatchNorm", None) or (
 )
 
 
+@_entry("activation checkpointing (strategy.recompute)")
 def checkpoint_wrapper(module: nn.Module, **kwargs) -> nn.Module:
     """torch.distributed's activation-checkpoint wrapper (the one torchtitan applies per block)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
@@ -163,18 +195,21 @@ def checkpoint_wrapper(module: nn.Module, **kwargs) -> nn.Module:
     return wrap(module, **kwargs)
 
 
+@_entry("GradScaler's overflow flags (train.precision=fp16)")
 def scaler_found_inf(scaler, optimizer) -> list[torch.Tensor]:
     """GradScaler's found-inf flags of `optimizer` (one per device) after `unscale_`, which torch
     keeps per optimizer (its ShardedGradScaler reads them the same way)."""
     return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
 
 
+@_entry("restoring the LR schedule on resume")
 def set_last_lr(scheduler, lrs: list[float]) -> None:
     """What an LR scheduler's `get_last_lr()` returns, set after moving it by hand (a resume): torch
     keeps it in a private field it writes in `step()`."""
     scheduler._last_lr = lrs
 
 
+@_entry("torch.compile's graph counters (train.compile)")
 def compile_counters() -> dict:
     """torch.compile's counters (`stats`: unique_graphs, `graph_break`: reasons)."""
     from torch._dynamo.utils import counters
@@ -214,6 +249,7 @@ def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None) -> 
         dist.all_gather_into_tensor(output, input, group=group)
 
 
+@_entry("pipelining's split backward (calibrate's zero-bubble probe)")
 def stage_backward_split():
     """Pipelining's backward passes (`stage_backward`, and the zero-bubble split into
     `stage_backward_input` + `stage_backward_weight`), which `fleetwise calibrate` times on their
@@ -225,6 +261,7 @@ def stage_backward_split():
     return _backward.stage_backward, _backward.stage_backward_input, _backward.stage_backward_weight
 
 
+@_entry("fleetwise's own tensor-parallel styles (strategy.mp_degree > 1)")
 def tensor_parallel_style() -> type:
     """The base of a tensor-parallel style of fleetwise's own: a torch ParallelStyle written as one
     public method, `apply(module, device_mesh)`. `parallelize_module` calls a style's private
@@ -248,6 +285,7 @@ def tensor_parallel_style() -> type:
 _STYLE: type | None = None
 
 
+@_entry("a DTensor shard's rows (ZeRO-1 and the vocabulary-parallel embedding)")
 def local_rows(t) -> tuple[int, int]:
     """(rows, first row) of this rank's shard of a DTensor sharded on dim 0 (torch's own split,
     uneven shards included)."""
@@ -257,11 +295,13 @@ def local_rows(t) -> tuple[int, int]:
     return rows, start
 
 
+@_entry("resolving a process group by name")
 def resolve_process_group(name: str):
     """The process group registered under `name` (how c10d ops name their group)."""
     return dist.distributed_c10d._resolve_process_group(name)
 
 
+@_entry("flattened device-mesh dimensions (FSDP and ZeRO over several dimensions)")
 def flatten_mesh(mesh, dims: tuple[str, ...]):
     """One mesh dimension made of several (`mesh[dims]` flattened, named "a_b"): DeviceMesh has no
     public way to do it yet (the same signature on every version in TESTED)."""
@@ -272,6 +312,7 @@ def flatten_mesh(mesh, dims: tuple[str, ...]):
 # torchrun's elastic agent (launcher/agent.py, a process that imports torch anyway).
 
 
+@_entry("the elastic agent's rendezvous hook (launcher/agent.py)")
 def after_each_rendezvous(hook: Callable[[Any], None]) -> None:
     """Call `hook(worker_group)` after the elastic agent's every rendezvous, before its workers
     start (`SimpleElasticAgent._rendezvous(self, worker_group)`), in this process."""
@@ -286,6 +327,7 @@ def after_each_rendezvous(hook: Callable[[Any], None]) -> None:
     api.SimpleElasticAgent._rendezvous = _rendezvous
 
 
+@_entry("the rendezvous round (launcher/agent.py)")
 def rendezvous_round(worker_group) -> int:
     """The round of the rendezvous `worker_group` was formed in (the dynamic rendezvous handler's
     state), 0 where the handler keeps none."""
@@ -297,11 +339,13 @@ def rendezvous_round(worker_group) -> int:
 # Distributed checkpoints.
 
 
+@_entry("reading a checkpoint's metadata")
 def metadata_path(reader, rank: int | None):
     """The path of a FileSystemReader's `.metadata` file for `rank`."""
     return reader._get_metadata_path(rank)
 
 
+@_entry("loading a whole checkpoint in one process (checkpoint export)")
 def load_into_empty(state: dict[str, Any], reader) -> None:
     """Load a whole checkpoint into the empty dict `state` in this one process (no process group):
     what torch's own `dcp_to_torch_save` does, with the reader given."""
