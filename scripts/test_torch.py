@@ -78,6 +78,12 @@ DRYRUNS: dict[str, tuple[tuple[str, ...], str]] = {
         "0",
     ),
 }  # fmt: skip
+# the loss of each metrics row of a run directory, as JSON (run in the venv under test)
+LOSSES = (
+    "import json, sys; from fleetwise import rundir; p = rundir.metrics_path(sys.argv[1]); "
+    "rows = [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []; "
+    "print(json.dumps([r.get(rundir.Metric.LOSS) for r in rows]))"
+)
 PARTS = ("pytest", "jobs", "dryrun")
 
 
@@ -173,15 +179,11 @@ def run_job(venv: Path, name: str, overrides: tuple[str, ...], steps: int, work:
     )
     if rc:
         return False, f"exit {rc}: {_last_error(tail)}"
-    metrics = run_dir / "metrics.jsonl"
-    rows = (
-        [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        if metrics.exists()
-        else []
-    )
-    losses = [r.get("train/loss") for r in rows]
-    if len(rows) != steps or not all(isinstance(x, float) and math.isfinite(x) for x in losses):
-        return False, f"{len(rows)} metrics rows of {steps}, losses {losses}"
+    # read by the venv's own fleetwise: the run directory's file and metric names live in rundir.py
+    read = subprocess.run([str(_python(venv)), "-c", LOSSES, str(run_dir)], capture_output=True, text=True)
+    losses = json.loads(read.stdout) if read.returncode == 0 else []
+    if len(losses) != steps or not all(isinstance(x, float) and math.isfinite(x) for x in losses):
+        return False, f"{len(losses)} metrics rows of {steps}, losses {losses} {read.stderr[-300:]}"
     return True, f"{steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
 
 
