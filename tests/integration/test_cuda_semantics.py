@@ -31,6 +31,14 @@ CASES = {
     "sharding3_offload_bf16": (*SHARDING, "strategy.sharding_stage=3", "strategy.offload=true", "train.precision=bf16"),
     "sharding3_offload_fp16": (*SHARDING, "strategy.sharding_stage=3", "strategy.offload=true", "train.precision=fp16"),
     "mp2": ("strategy=mp", "strategy.mp_degree=2", "hardware.devices_per_node=2", "strategy.sequence_parallel=true"),
+    # tensor parallel without FSDP under GradScaler: the position embedding and the norms (no
+    # sequence parallelism) beside the DTensor weights in one unscale
+    "mp2_fp16": ("strategy=mp", "strategy.mp_degree=2", "hardware.devices_per_node=2", "train.precision=fp16"),
+    # ERNIE's embedding norm, segment embedding and head transform, on pipeline stages
+    "ernie_pp2_mp2_sp_fp16": (
+        "recipe=ernie/tiny", "strategy=hybrid", "hardware.devices_per_node=4", "strategy.pp_degree=2",
+        "strategy.mp_degree=2", "strategy.sequence_parallel=true", "train.precision=fp16",
+    ),
     "pp2_1F1B_fp16": (*PP, "strategy.schedule=1F1B", "train.precision=fp16"),
     "pp2_interleaved_bf16": (*PP, "strategy.schedule=interleaved_1F1B", "strategy.virtual_stages=2", "train.precision=bf16"),
     "hybrid_dp2_pp2_sh2_mp2_offload_bf16": (
