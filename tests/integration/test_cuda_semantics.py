@@ -78,11 +78,17 @@ def test_strategy_runs_with_device_only_collectives(tmp_path, name):
     assert metrics["step"] == 2
     assert metrics["train/loss"] == 1.0  # every host read of a device scalar answers 1
     assert metrics["train/skipped_steps"] == 0.0
+    # the optimizer step of offloaded shards runs on the host: torch's fused CPU AdamW (the
+    # multi-tensor step made a temporary per parameter there); on the device, multi-tensor
+    offloaded = "strategy.offload=true" in CASES[name]
+    assert metrics["optimizer_kernels"] == (["fused"] if offloaded else ["foreach"]), metrics["optimizer_kernels"]
 
 
 def test_no_host_device_sync_between_log_steps(tmp_path, monkeypatch):
     """Steps that neither log nor checkpoint never wait for the device: no scalar read, no
-    device-to-host copy, no synchronize (counted by the harness); the reading steps read every
+    device-to-host copy, no synchronize, no host-to-device copy the host waits for -- the inputs
+    of every micro-batch cross from pinned memory, non-blocking (counted by the harness: before,
+    two inputs x two micro-batches made 4 syncs in every step); the reading steps read every
     step's metrics at once, finite flags included, in one collective more than a step that does
     not read. Two layouts: DDP under bf16 autocast, and pipeline × FSDP × TP."""
     monkeypatch.setenv("HARNESS_STEPS", "5")

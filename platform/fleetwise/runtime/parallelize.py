@@ -257,8 +257,9 @@ def _data_parallel(
     if precision != "fp32":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
     if s.offload:
-        # the default policy pins host memory, which needs an accelerator (fails on CPU-only machines)
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        # the default policy pins host memory (its copies to and from the device then run beside
+        # the kernels), which needs an accelerator: not for a job on the CPU itself
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
     if "mp_policy" in kwargs:
         # BatchNorm keeps fp32 parameters, in units of their own: FSDP casts a unit's parameters
         # but not its buffers, and batch_norm wants weight and running statistics in one dtype
