@@ -58,6 +58,8 @@ DEVICE = torch.device("meta")
 SYNCS = {"count": 0}
 # collectives so far (c10d ops: each one a point where a rank waits for its peers)
 COLLECTIVES = {"count": 0}
+# elements copied from the host to the device so far
+H2D = {"elements": 0}
 # storages of host tensors in page-locked ("pinned") memory, which a CPU build has none of
 PINNED: set[int] = set()
 
@@ -107,9 +109,11 @@ class DeviceReads(TorchDispatchMode):
         if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu":
             to_device = str(kwargs.get("device")) == "meta"
             SYNCS["count"] += to_device and not (kwargs.get("non_blocking") and pinned(args[0]))
+            H2D["elements"] += args[0].numel() if to_device else 0
         if func is torch.ops.aten.copy_.default and args[0].is_meta and args[1].device.type == "cpu":
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             SYNCS["count"] += not (non_blocking and pinned(args[1]))
+            H2D["elements"] += args[1].numel()
         return func(*args, **kwargs)
 
 
@@ -263,8 +267,9 @@ def cuda_semantics(cfg, rank: int, messages: Path):
 def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) -> dict:
     """Build the real Trainer for `rank` of the job the overrides describe and run `steps` steps
     on the stand-in device; returns rank 0's last metrics ({} on other ranks) and, under
-    `syncs_per_step` and `collectives_per_step`, this rank's host-device synchronizations and
-    collectives in each step, and under `optimizer_kernels` the update kernels of its optimizers
+    `syncs_per_step`, `collectives_per_step` and `h2d_elements_per_step`, this rank's
+    host-device synchronizations, collectives and elements copied from the host to the device in
+    each step, and under `optimizer_kernels` the update kernels of its optimizers
     (torch's `fused` or `foreach`, or `default`: torch's choice by the tensors' device)."""
     from fleetwise.config.validate import load_config
     from fleetwise.plan import make_plan
@@ -278,12 +283,13 @@ def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) ->
     with cuda_semantics(cfg, rank, messages), tempfile.TemporaryDirectory() as run_dir:
         env = DistEnv(rank, world, 0, DEVICE, 0)
         trainer = Trainer(cfg, plan, env, Path(run_dir))
-        syncs, collectives = [], []
+        syncs, collectives, copied = [], [], []
         for step in range(1, steps + 1):
-            before, calls = SYNCS["count"], COLLECTIVES["count"]
+            before, calls, elements = SYNCS["count"], COLLECTIVES["count"], H2D["elements"]
             records = trainer.train_step(step)
             syncs.append(SYNCS["count"] - before)
             collectives.append(COLLECTIVES["count"] - calls)
+            copied.append(H2D["elements"] - elements)
             metrics = records[-1] if records else metrics
         kernels = {
             next((k for k in ("fused", "foreach") if opt.defaults.get(k)), "default")
@@ -293,6 +299,7 @@ def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) ->
         **metrics,
         "syncs_per_step": syncs,
         "collectives_per_step": collectives,
+        "h2d_elements_per_step": copied,
         "optimizer_kernels": sorted(kernels),
     }
 

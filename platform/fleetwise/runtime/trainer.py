@@ -66,8 +66,12 @@ class Trainer:
         else:
             self.optimizers = Optimizers(self.model.parts, cfg.optim, cfg.train, kernel)
         self.pp_group = self.mesh["pp"].get_group() if layout.pp > 1 else None
+        source = build_source(cfg)
+        # a source that can draw on the device does so on a GPU (ResNet's synthetic images): no
+        # host work per step and no copy; on the CPU the host is the device, read as before
+        self.inputs_on_device = env.device.type != "cpu" and hasattr(source, "to")
         self.data = StepBatches(
-            build_source(cfg),
+            source.to(env.device) if self.inputs_on_device else source,
             cfg.train.global_batch_size,
             cfg.train.micro_batch_size,
             cfg.train.accumulate_steps,
@@ -143,8 +147,8 @@ class Trainer:
             return mean / self.scaler.get_scale() if self.scaler is not None else mean
 
         (part,) = self.model.parts
-        micro = self.data.microbatches(step)
-        n = len(micro)
+        micro = self.data.each_microbatch(step) if self.inputs_on_device else self.data.microbatches(step)
+        n = self.data.num_microbatches
         total = torch.zeros((), device=self.env.device)
         for i, mb in enumerate(micro):
             last = i == n - 1
