@@ -429,7 +429,8 @@ class Trainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's state under layout-independent names: `model.<param>` (its shards, under
         the model's own names), `state.<param>.<key>` (the optimizer state it holds), the step
-        (which is also the data position and the LR schedule's) and its RNG stream."""
+        (which is also the data position and the LR schedule's), its RNG stream and fp16's loss
+        scale (`amp.*`)."""
         self._build_optimizers()
         return {
             **self.optimizers.model_state(),  # ZeRO-1: the fp32 masters, sharded
@@ -437,6 +438,7 @@ class Trainer:
             "train.step": torch.tensor(self.step),
             "train.skipped": torch.tensor(self.skipped),
             **checkpoint.rng_state(self.env.rank, self.env.device),
+            **checkpoint.scaler_state(self.scaler),
         }
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -447,6 +449,7 @@ class Trainer:
             checkpoint.set_rng_state(state, self.env.rank, self.env.device)
         self.step = int(state["train.step"])
         self.skipped = int(state["train.skipped"])
+        checkpoint.set_scaler_state(self.scaler, state)
         self.optimizers.restore_schedule(self.step)
 
     def resume(self, path: Path) -> None:
