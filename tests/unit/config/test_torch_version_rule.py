@@ -13,7 +13,7 @@ import re
 import tomllib
 
 import pytest
-from conftest import REPO
+from helpers.repo import REPO
 
 from fleetwise import cli
 from fleetwise.config.rules import torch_version
@@ -74,7 +74,7 @@ def test_the_dry_run_is_refused_above_the_range_and_train_without_torch(monkeypa
 
 
 def _config():
-    from conftest import compose
+    from helpers.config import compose
 
     cfg, problems = compose("recipe=gpt/tiny")
     assert cfg is not None, problems
