@@ -31,10 +31,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fleetwise import rundir
-from fleetwise.calibrate.gpus import KnownGPU, known_gpu
-from fleetwise.rundir import Metric
+if TYPE_CHECKING:  # fleetwise loads inside the functions: scripts/gpu_check.py imports this module
+    from fleetwise.calibrate.gpus import KnownGPU  # before it knows fleetwise is installed
 
 WARMUP = 3  # leading steps left out (allocator warm-up, cuDNN/cuBLAS autotuning, NCCL set-up)
 STEPS, QUICK_STEPS = 12, 6
@@ -55,6 +55,8 @@ MODELS = {
 
 def hardware_for(device_name: str) -> KnownGPU | None:
     """The part a CUDA device name is, with the profile it is planned with (None: no profile)."""
+    from fleetwise.calibrate.gpus import known_gpu
+
     return known_gpu(device_name)
 
 
@@ -104,6 +106,8 @@ def cases(
 
 def summarize(records: list[dict], plan: dict) -> dict:
     """The steady-state numbers of one run from its metrics.jsonl records and plan.json."""
+    from fleetwise.rundir import Metric
+
     steady = [r for r in records if r["step"] > WARMUP] or records
     allocated = max(r[Metric.PEAK_BYTES_MAX] for r in records)
     reserved = max(r.get(Metric.RESERVED_BYTES_MAX, 0.0) for r in records)
@@ -124,6 +128,7 @@ def summarize(records: list[dict], plan: dict) -> dict:
         "predicted_over_allocated": predicted / allocated if allocated else None,
         "reserved_over_usable": reserved / usable if usable else None,
         "plan_fits": plan["fits"],
+        "loss": records[-1].get(Metric.LOSS),
     }
     if Metric.TOKENS_PER_S in steady[0]:
         row["tokens_per_s"] = statistics.median(r[Metric.TOKENS_PER_S] for r in steady)
@@ -205,6 +210,8 @@ def run(
 ) -> dict:
     """One `fleetwise train` of `overrides` into out_dir/name (which must not hold an earlier
     run's files: see fresh_dir) under `timeout_s`: its summary, or its error."""
+    from fleetwise import rundir
+
     run_dir = out_dir / name
     r = run_bounded([*train, *overrides, f"run.dir={run_dir}"], timeout_s)
     row = {"name": name, "overrides": overrides, "seconds": round(r.seconds, 1)}
