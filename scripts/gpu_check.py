@@ -314,7 +314,9 @@ def ratio(a, b) -> float | None:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    from fleetwise import rundir
+
+    path = rundir.metrics_path(run_dir)
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
@@ -609,6 +611,8 @@ def zero3_result(plan, planned, times, peaks, records, built, cuda, device) -> d
 
     import torch
 
+    from fleetwise.rundir import Metric
+
     steady_times, steady_peak = times[1:] or times, max(peaks[1:] or peaks)
     step = sorted(steady_times)[len(steady_times) // 2]
     numbers = {
@@ -625,7 +629,7 @@ def zero3_result(plan, planned, times, peaks, records, built, cuda, device) -> d
         "reserved_bytes": torch.cuda.memory_reserved(device) if cuda else None,
         "host_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "planned_host_bytes": planned["host_memory_bytes"],
-        "loss": records[-1]["train/loss"] if records else None,
+        "loss": records[-1][Metric.LOSS] if records else None,
     }
     checks = {
         "steps_ran": len(times) == 4,
@@ -871,6 +875,8 @@ def fp16_overrides(ctx: dict, steps: int) -> list[str]:
 def step_fp16_resume(ctx: dict) -> dict:
     """Run A trains 6 steps, checkpointing at 3 and 6; run B resumes A's step-3 checkpoint in a new
     run directory and trains 4..6: its losses must be A's (same data, weights, RNG)."""
+    from fleetwise.rundir import Metric
+
     b = bench_gpu()
     work = b.fresh_dir(Path(ctx["work"]) / "fp16")
     a_dir, b_dir = work / "a", work / "b"
@@ -879,7 +885,7 @@ def step_fp16_resume(ctx: dict) -> dict:
     if a.returncode != 0:
         raise RuntimeError(f"run A: {'timed out' if a.timed_out else a.returncode}: {a.output[-1500:]}")
     first = metrics(a_dir)
-    Result.progress(a_seconds=round(a.seconds, 1), a_losses=[r.get("train/loss") for r in first])
+    Result.progress(a_seconds=round(a.seconds, 1), a_losses=[r.get(Metric.LOSS) for r in first])
     checkpoint = a_dir / "checkpoints" / "step_00000003"
     resume = [*fp16_overrides(ctx, 6), f"checkpoint.resume={checkpoint}", f"run.dir={b_dir}"]
     r = b.run_bounded([*b.TRAIN, *resume], left(deadline))
@@ -895,26 +901,29 @@ def fp16_result(
     first: list[dict], resumed: list[dict], log: str, a_s: float, b_s: float, rehearse: bool
 ) -> dict:
     """Run B's steps against run A's same steps."""
+    from fleetwise.rundir import Metric
+
+    loss, scale = Metric.LOSS, Metric.LOSS_SCALE
     by_step = {r["step"]: r for r in first}
     graphs = re.search(r"torch\.compile: (\d+) graph\(s\) compiled for the blocks, (\d+) graph break", log)
     pairs = [(by_step[r["step"]], r) for r in resumed if r["step"] in by_step]
-    diffs = [abs(x["train/loss"] - y["train/loss"]) / max(abs(x["train/loss"]), 1e-12) for x, y in pairs]
+    diffs = [abs(x[loss] - y[loss]) / max(abs(x[loss]), 1e-12) for x, y in pairs]
     numbers = {
         "a_seconds": round(a_s, 1),
         "b_seconds": round(b_s, 1),
-        "a_losses": [r.get("train/loss") for r in first],
+        "a_losses": [r.get(loss) for r in first],
         "b_steps": [r["step"] for r in resumed],
-        "b_losses": [r.get("train/loss") for r in resumed],
+        "b_losses": [r.get(loss) for r in resumed],
         "max_relative_loss_difference": max(diffs) if diffs else None,
-        "a_loss_scale": [r.get("train/loss_scale") for r in first],
-        "b_loss_scale": [r.get("train/loss_scale") for r in resumed],
+        "a_loss_scale": [r.get(scale) for r in first],
+        "b_loss_scale": [r.get(scale) for r in resumed],
         "compiled_graphs": int(graphs.group(1)) if graphs else None,
         "graph_breaks": int(graphs.group(2)) if graphs else None,
-        "a_step_s": [r.get("perf/step_time_s") for r in first],
+        "a_step_s": [r.get(Metric.STEP_TIME) for r in first],
     }
     checks = {
         "a_trained_6_steps": [r["step"] for r in first] == [1, 2, 3, 4, 5, 6],
-        "losses_finite": all(finite(r.get("train/loss")) for r in first + resumed),
+        "losses_finite": all(finite(r.get(loss)) for r in first + resumed),
         "resumed_at_step_4": numbers["b_steps"][:1] == [4],
         "resumed_losses_match": bool(diffs) and max(diffs) < 2e-2,
     }
@@ -969,7 +978,9 @@ def step_tracking(ctx: dict) -> dict:
     run = json.loads(read.output.strip().splitlines()[-1])
     gpu_metrics = [m for m in run["metrics"] if m.startswith("system/gpu")]
     numbers = {**run, "train_seconds": round(r.seconds, 1), "gpu_system_metrics": gpu_metrics}
-    checks = {"run_finished": run["status"] == "FINISHED", "mfu_logged": "perf/mfu" in run["metrics"]}
+    from fleetwise.rundir import Metric
+
+    checks = {"run_finished": run["status"] == "FINISHED", "mfu_logged": Metric.MFU in run["metrics"]}
     if not ctx["rehearse"]:
         checks["gpu_system_metrics"] = bool(gpu_metrics)
     return {"numbers": numbers, "checks": checks}
