@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST       := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: install demo readme-demo test check test-under-load test-torch lint bench clean
+.PHONY: install demo readme-demo test check test-under-load test-torch lint bench clean gpu-wheelhouse
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,3 +79,12 @@ clean:
 # planner accuracy, start-up (+ GPU where CUDA exists). Writes bench/results.json and results.md.
 bench: $(STAMP)
 	$(VENV)/bin/python scripts/bench.py
+
+# The wheels a bare GPU machine (torch preinstalled, no network) needs for scripts/gpu_check.sh:
+# fleetwise and what it imports beyond torch and the image's packages, for Python 3.12 manylinux
+# x86-64 (never torch), into .whl/ (git-ignored), under 64 MiB with the working tree (the build
+# prints the total and fails over it). GPU_WHEELHOUSE_MLFLOW=0 leaves MLflow out (the check's
+# tracking step is then skipped). scripts/gpu_wheelhouse.py says what is carried and why.
+GPU_WHEELHOUSE_MLFLOW ?= 1
+gpu-wheelhouse: $(STAMP)
+	$(PY) scripts/gpu_wheelhouse.py .whl $(if $(filter 0,$(GPU_WHEELHOUSE_MLFLOW)),--no-mlflow,)

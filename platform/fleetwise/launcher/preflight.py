@@ -164,7 +164,26 @@ def machine_problems(pf: Preflight) -> tuple[list[Problem], str | None]:
     gpu = gpu_problem(cfg) or device_problem(cfg)
     if gpu:
         problems.append(gpu)
+    problems += tracking_problems(cfg)
     return problems, warning
+
+
+def tracking_problems(cfg: RunConfig) -> list[Problem]:
+    """tracking.enabled needs MLflow in this environment. It is imported only once the job runs
+    (~2.5 s, off the validate/plan path), so without it a job trained to the end and then failed
+    with a traceback; an image with torch but no MLflow (a GPU container) trains with tracking off."""
+    import importlib.util
+
+    if not cfg.tracking.enabled or importlib.util.find_spec("mlflow") is not None:
+        return []
+    return [
+        Problem(
+            "tracking.enabled",
+            "MLflow is not installed in this environment (tracking.enabled=true logs the run to it)",
+            "pip install 'mlflow>=3.1,<4', or train with tracking.enabled=false (metrics.jsonl, the "
+            "console summary and checkpoints need no MLflow)",
+        )
+    ]
 
 
 def resume_problems(cfg: RunConfig) -> list[Problem]:
