@@ -115,6 +115,11 @@ def write_hf_dir(
     (shape, dtype) of every tensor where they are kept (a checkpoint); `read(name, empty)` fills
     `empty` (of that shape and dtype) with one of them. `dtype`: fp32, bf16 or fp16 (None: as
     stored). Returns the files written."""
+    if not isinstance(m, LlamaModel):
+        raise WeightsError(
+            f"it holds a model of family {m.family!r}: --format hf writes Llama-family models "
+            "(export it with --format torch)"
+        )
     tensors = []  # (hf name, fleetwise name, shape, dtype written, dtype stored)
     for hf, (name, shape) in expected_tensors(m).items():
         found = stored.get(name)

@@ -152,5 +152,14 @@ def test_export_of_an_untrained_import_is_the_input_bit_for_bit(tmp_path, llama_
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
     assert torch.equal(logits_of(exported, tokens), logits_of(reference, tokens))
-    # no checkpoint there: refused, exit 2
+    # no checkpoint there, or one of another family: refused, exit 2, nothing written
     assert main(["checkpoint", "export", str(tmp_path / "nowhere"), "--format", "hf", "--out", str(out)]) == 2
+    gpt = load_config(["recipe=gpt/tiny", "model.num_layers=1"])
+    gpt_ckpt = tmp_path / "gpt" / "step_00000000"
+    state = {f"model.{k}": v for k, v in build_model(gpt).state_dict().items()}
+    dcp.save(state, checkpoint_id=str(gpt_ckpt), no_dist=True)
+    write_config(gpt_ckpt, gpt)
+    (gpt_ckpt / "fleetwise.json").write_text("{}")
+    nothing = tmp_path / "not_written"
+    assert main(["checkpoint", "export", str(gpt_ckpt), "--format", "hf", "--out", str(nothing)]) == 2
+    assert not nothing.exists()
