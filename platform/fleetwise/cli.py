@@ -445,14 +445,25 @@ def _print_dryrun(out: dict) -> None:
 
 
 def cmd_checkpoint(argv: list[str]) -> int:
-    """`fleetwise checkpoint export RUN_DIR|CHECKPOINT [--out FILE]`: one consolidated state dict."""
+    """`fleetwise checkpoint export RUN_DIR|CHECKPOINT [--out FILE] [--format torch|hf]`: one
+    consolidated state dict, or a Hugging Face model directory."""
     p = argparse.ArgumentParser(prog="fleetwise checkpoint", description=cmd_checkpoint.__doc__)
     sub = p.add_subparsers(dest="action", required=True)
     ex = sub.add_parser("export", help="write the model of a sharded checkpoint as one torch.save file")
     ex.add_argument(
         "source", help="a run directory (its newest complete checkpoint) or a checkpoint directory"
     )
-    ex.add_argument("--out", help="output file (default: <checkpoint>.pt)")
+    ex.add_argument("--out", help="output file (default: <checkpoint>.pt); with --format hf, a directory")
+    ex.add_argument(
+        "--format",
+        choices=("torch", "hf"),
+        default="torch",
+        help="torch: one torch.save state dict; hf: a Hugging Face model directory (config.json, "
+        "safetensors shards, index), for Llama-family models",
+    )
+    ex.add_argument(
+        "--dtype", choices=("fp32", "bf16", "fp16"), help="with --format hf: the weights' dtype (default: as trained)"
+    )
     ex.add_argument(
         "--log-model",
         action="store_true",
@@ -470,6 +481,8 @@ def cmd_checkpoint(argv: list[str]) -> int:
     if ckpt is None:
         console.print(f"[bold red]✗[/] no complete checkpoint in {source}", highlight=False)
         return EXIT_INVALID
+    if args.format == "hf":
+        return _export_hf(ckpt, args, console)
     out = Path(args.out) if args.out else ckpt.with_suffix(".pt")
     from fleetwise.runtime.checkpoint import CheckpointRefused, export
 
@@ -486,6 +499,30 @@ def cmd_checkpoint(argv: list[str]) -> int:
         if args.log_model
         else EXIT_OK
     )
+
+
+def _export_hf(ckpt, args, console: Console) -> int:
+    """`checkpoint export --format hf --out DIR`: a Hugging Face model directory."""
+    from pathlib import Path
+
+    from fleetwise.families.llama.weights import WeightsError
+    from fleetwise.runtime.checkpoint import CheckpointRefused, export_hf
+
+    if not args.out:
+        console.print("[bold red]✗[/] --format hf needs --out DIR (the model directory to write)")
+        return EXIT_INVALID
+    try:
+        files = export_hf(ckpt, Path(args.out), args.dtype)
+    except (WeightsError, CheckpointRefused) as exc:
+        console.print(f"[bold red]✗[/] {exc}", highlight=False)
+        return EXIT_INVALID
+    size = sum(f.stat().st_size for f in files)
+    console.print(
+        f"[green]✓[/] {ckpt} -> {args.out} ({len(files) - 2} safetensors shard(s), index, config.json; "
+        f"{size / 2**20:.1f} MiB): load with transformers.AutoModelForCausalLM.from_pretrained",
+        highlight=False,
+    )
+    return EXIT_OK
 
 
 def _log_exported_model(ckpt, register: str | None, console: Console) -> int:
@@ -557,7 +594,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "checkpoint": Command(
         cmd_checkpoint,
-        "checkpoint export RUN_DIR [--log-model]: one consolidated state dict (and an MLflow model)",
+        "checkpoint export RUN_DIR [--log-model] [--format hf --out DIR]: one consolidated state dict (and an MLflow model), or a Hugging Face model directory",
     ),
     "tokenize": Command(
         cmd_tokenize, "text files -> a byte-level token file for data=token_file (vocab 257)"

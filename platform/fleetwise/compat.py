@@ -289,10 +289,17 @@ _STYLE: type | None = None
 def local_rows(t) -> tuple[int, int]:
     """(rows, first row) of this rank's shard of a DTensor sharded on dim 0 (torch's own split,
     uneven shards included)."""
+    (rows, *_), (start, *_) = local_box(t)
+    return rows, start
+
+
+@_entry("a DTensor shard's place in the whole tensor (reading a Hugging Face checkpoint's slices)")
+def local_box(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset in the global tensor) of this rank's shard of a DTensor: the box of the whole
+    tensor it holds (TP and FSDP shards, FSDP over TP's strided shards included: what DCP writes)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    (rows, *_), (start, *_) = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return rows, start
+    return compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
 
 
 @_entry("resolving a process group by name")
@@ -506,6 +513,7 @@ CHECKED: dict[str, tuple[str, ...]] = {
             "scaler_found_inf", "set_last_lr", "compile_counters", "quiet_redistribute_logs",
             "resolve_process_group", "flatten_mesh", "after_each_rendezvous", "rendezvous_round",
             "metadata_path", "load_into_empty", "stage_backward_split", "tensor_parallel_style", "local_rows",
+            "local_box",
         ),
         TESTED,
     ),

@@ -4,7 +4,9 @@
     model = fleetwise.load_model("outputs/2026-11-24/05-30-00-123456")   # or a checkpoint directory
 
 `path` is a run directory (its final weights: the newest complete checkpoint of a job that
-checkpoints, else `model/` -- the weights the job logs to MLflow) or one checkpoint directory. The model is rebuilt from the run's `config.yaml`
+checkpoints, else `model/` -- the weights the job logs to MLflow), one checkpoint directory, or a
+Hugging Face model directory of a Llama-family model (config.json + *.safetensors: fleetwise's
+Llama with those weights; families/llama/weights.py). The model is rebuilt from the run's `config.yaml`
 (the same family code the ranks ran), its weights consolidated from the DCP shards through the
 verified reader that `fleetwise checkpoint export` uses (checksums, allow-listed metadata), and
 returned on the CPU in eval mode, whatever layout trained it.
@@ -53,6 +55,10 @@ def load_model(path: str | Path) -> nn.Module:
     from fleetwise.runtime.checkpoint import export
     from fleetwise.runtime.modeling import build_model
 
+    if (Path(path) / "config.json").is_file() and not (Path(path) / CONFIG_FILE).exists():
+        from fleetwise.families.llama.weights import load_hf_model
+
+        return load_hf_model(path)
     weights, config_home = weights_of(Path(path))
     cfg = read_config(config_home)
     model = build_model(cfg)

@@ -303,3 +303,41 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
         procs=1,
     )
     assert_same(big, acc, {"loss": 2e-6, "param": 2e-6})
+
+
+def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers(tmp_path):
+    """llama/tiny started from a Hugging Face checkpoint (a Qwen 3, written by transformers in the
+    test): tensor parallel 2 (sequence parallel; the q/k norms' shared weight over split heads) ×
+    pipeline 2, and ZeRO-3 over 2 ranks, equal one process; each ZeRO-3 rank read half of the
+    weights' bytes; the one-process run exported as a Hugging Face directory loads in transformers
+    and computes fleetwise's logits."""
+    import transformers
+    from helpers.hf_models import write_hf_model
+
+    import fleetwise
+    from fleetwise.cli import main
+
+    hf = tmp_path / "hf"
+    write_hf_model(hf, "Qwen3", head_dim=8)  # 4 layers, 8 query heads sharing 4 kv heads, q/k norms
+    base = ("recipe=llama/tiny", f"model.init_from={hf}", "strategy=dp", *SGD)
+    ref = run(tmp_path, "ref", *base, procs=1)
+    layouts = {
+        "mp2_sp_pp2": ("strategy=hybrid", "strategy.mp_degree=2", "strategy.sequence_parallel=true", "strategy.pp_degree=2"),
+        "zero3x2": ("strategy=sharding", "strategy.sharding_stage=3"),
+    }
+    for name, layout in layouts.items():
+        got = run(tmp_path, name, *base, *layout, procs=4 if name.startswith("mp2") else 2)
+        assert_same(ref, got, SGD_TOL)
+    for rank in (0, 1):  # ZeRO-3: each rank read its half of every tensor, no more
+        log = (tmp_path / "zero3x2" / "logs" / f"rank_{rank}.log").read_text()
+        read, whole = map(int, re.search(r"init_from \S+: read (\d+) of the (\d+) bytes", log).groups())
+        assert 0.45 * whole <= read <= 0.55 * whole, (read, whole)
+
+    out = tmp_path / "export"
+    assert main(["checkpoint", "export", str(tmp_path / "ref"), "--format", "hf", "--out", str(out)]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    trained = fleetwise.load_model(tmp_path / "ref")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (exported(tokens).logits - trained(tokens)).abs().max().item()
+    assert diff <= 1e-5, diff

@@ -2,7 +2,8 @@
 below the loss of a model that learned nothing (ln of the vocabulary or the classes), and the
 summary says so. ERNIE and ResNet read real bundled data (the standard library's text, scikit-
 learn's digits); GPT's synthetic text has a learnable successor map, and CTR's synthetic clicks a
-planted teacher (ctr/tiny runs on the parameter server: 2 servers, 2 trainers)."""
+planted teacher (ctr/tiny runs on the parameter server: 2 servers, 2 trainers). Llama reads the
+standard library's text like ERNIE."""
 
 import math
 
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.slow
         ("ernie/tiny", math.log(256)),
         ("resnet/tiny", math.log(10)),
         ("ctr/tiny", math.log(2)),
+        ("llama/tiny", math.log(256)),
     ],
 )
 def test_a_tiny_recipe_learns_by_default(tmp_path, recipe, chance):

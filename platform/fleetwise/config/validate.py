@@ -20,6 +20,7 @@ from fleetwise.config.problems import ConfigError, Problem, did_you_mean
 from fleetwise.config.rules import RULES
 from fleetwise.config.rules.context import Context, num_microbatches
 from fleetwise.config.rules.launch import elastic_candidate, elastic_problems
+from fleetwise.config.rules.model import prefill
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import DEGREE_NAMES, PSStrategy
 
@@ -172,13 +173,16 @@ def _yes_no_for_numbers(data: dict[str, Any]) -> list[Problem]:
 
 
 def parse(data: dict[str, Any]) -> tuple[RunConfig | None, list[Problem]]:
+    """The RunConfig of a composed config (None when pydantic refuses it), and the problems found
+    so far (a RunConfig may come with the prefill's problems: the rules still run on it)."""
+    data, filled = prefill(data)  # the family's fill of the raw model section (Llama: model.init_from)
     yes_no = _yes_no_for_numbers(data)
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as err:
         flagged = {p.loc for p in yes_no}
-        return None, yes_no + [p for p in _pydantic_problems(err, data) if p.loc not in flagged]
-    return (None, yes_no) if yes_no else (cfg, [])
+        return None, filled + yes_no + [p for p in _pydantic_problems(err, data) if p.loc not in flagged]
+    return (None, filled + yes_no) if yes_no else (cfg, filled)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +272,7 @@ def load_config(overrides: list[str], *, launching: bool = False, dryrun: bool =
         raise ConfigError(hydra_problems)
     cfg, problems = parse(data)
     if cfg is not None:
-        problems = check(cfg, launching=launching, dryrun=dryrun)
+        problems = problems + check(cfg, launching=launching, dryrun=dryrun)
     raise ConfigError(hydra_problems + problems)
 
 
@@ -277,7 +281,7 @@ def validate(data: dict[str, Any], *, launching: bool = False, dryrun: bool = Fa
     cfg, problems = parse(data)
     if cfg is None:
         raise ConfigError(problems)
-    problems = check(cfg, launching=launching, dryrun=dryrun)
+    problems = problems + check(cfg, launching=launching, dryrun=dryrun)
     if problems:
         raise ConfigError(problems)
     return resolve(cfg)

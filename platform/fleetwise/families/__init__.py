@@ -6,7 +6,8 @@
                     model.py      the nn.Module (obeys fleetwise.models.contract)
                     tp_plan.py    its tensor-parallel plan (families that have one)
                     data.py       its sample source (families with a data source of their own)
-    families/transformer.py       what GPT and ERNIE share (schema fields, block unit, checks, tokens)
+    families/transformer.py       what GPT and ERNIE share (schema fields, block unit, checks, tokens;
+                                  Llama: the tokens and the mp check)
     families/record.py            `Family` and `ModelSpec`
 
 Adding a family is one package here plus its `conf/model/<name>.yaml` and recipes (a family from
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import sys
 
-from fleetwise.families import ctr, ernie, gpt, resnet
+from fleetwise.families import ctr, ernie, gpt, llama, resnet
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.plan.units import Unit
 
 # Order matters to users: it is the order of the `model.family` tags in error messages.
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY, ernie.FAMILY, resnet.FAMILY, ctr.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (gpt.FAMILY, ernie.FAMILY, resnet.FAMILY, ctr.FAMILY, llama.FAMILY)
+}
 
 
 def register(family: Family) -> Family:

@@ -31,6 +31,9 @@ class ModelSpec:
     loss: Callable[[Any, Any], Any]  # (output, labels) -> scalar tensor
     inputs: tuple[str, ...]  # batch keys fed to the first pipeline stage, in order
     tp_plan: Callable[[bool], dict] | None = None  # sequence_parallel -> plan (None: no tensor parallelism)
+    # fills a materialised (possibly sharded) part with pretrained weights instead of the initial
+    # values (Llama's model.init_from), or None
+    load_weights: Callable[[Any], None] | None = None
     label: str = "labels"
 
 
@@ -62,6 +65,9 @@ class Family:
     source: Callable[[Any, Any], Any]  # rank side: (model, data config) -> sample source
     check: Callable[[Any], Iterator[Problem]] = _no_problems  # rules on the model section alone
     limits: Callable[[Any], Iterator[Problem]] = _no_problems  # sizes the planner cannot represent
+    # fills the raw `model` dict in place before it is parsed and returns its problems (Llama: the
+    # fields model.init_from's config.json sets), or None
+    prefill: Callable[[dict], list[Problem]] | None = None
     tokens_per_sample: Callable[[Any], int] = _zero  # token models: sequence length
     plan_notes: Callable[[Any], list[str]] = _no_notes  # lines the plan prints about the model
     data_sources: tuple[str, ...] = ()  # file-backed data.source readers for this family
@@ -76,6 +82,8 @@ class Family:
         "set strategy.mp_degree=1 and use dp or sharding",
     )
     no_pipeline: tuple[str, str] | None = None  # (why, fix) when pp_degree > 1 cannot work
+    # a check of pp_degree > 1 against the model's settings (Llama: tied embeddings), or None
+    pipeline_parallel: Callable[[Any, int], Iterator[Problem]] | None = None
     no_recompute: tuple[str, str] | None = None  # (why, fix) when there is nothing to recompute
     # Parameter server: the sparse tables that can live on servers (None: the family has none,
     # and the ps runtime cannot train it), the floats of one table row, every parameter's shape.

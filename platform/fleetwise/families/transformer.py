@@ -1,5 +1,6 @@
 """What GPT and ERNIE share: the transformer schema fields, the block's planner unit, the shape
-and tensor-parallel checks, and the token source (synthetic or a token file).
+and tensor-parallel checks, and the token source (synthetic or a token file). Llama shares the
+token source and the tensor-parallel divisibility check (`mp_divides`).
 
 Transformer families share one naming scheme: num_layers, hidden_size, num_attention_heads,
 ffn_hidden_size, vocab_size, seq_len.
@@ -77,16 +78,18 @@ def check_tensor_parallel(m: TransformerModel, mp: int) -> Iterator[Problem]:
             f"use an mp_degree dividing {padded}",
         )
     for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size"):
-        value = getattr(m, key)
-        if value % mp:
-            divisors = [
-                d for d in range(1, min(value, 64) + 1) if value % d == 0
-            ]  # not up to value: 10^11 hangs
-            yield Problem(
-                "strategy.mp_degree",
-                f"mp_degree={mp} does not divide model.{key}={value}",
-                f"use an mp_degree that divides {value} (e.g. {', '.join(map(str, divisors[-4:]))})",
-            )
+        yield from mp_divides(mp, key, getattr(m, key))
+
+
+def mp_divides(mp: int, key: str, value: int) -> Iterator[Problem]:
+    """mp_degree must divide model.<key> (a width tensor parallelism splits)."""
+    if value % mp:
+        divisors = [d for d in range(1, min(value, 64) + 1) if value % d == 0]  # not up to value: 10^11 hangs
+        yield Problem(
+            "strategy.mp_degree",
+            f"mp_degree={mp} does not divide model.{key}={value}",
+            f"use an mp_degree that divides {value} (e.g. {', '.join(map(str, divisors[-4:]))})",
+        )
 
 
 def token_source(m: TransformerModel, d, vocab_size: int):

@@ -1,5 +1,5 @@
 """Tensor-parallel plans as data: module path -> ParallelStyle (Megatron-style sharding). The parts
-GPT and ERNIE share live here (the transformer block's plan, the vocabulary-parallel embedding);
+GPT, ERNIE and Llama share live here (the transformer block's plan, the vocabulary-parallel embedding);
 each family's whole plan lives with it (`fleetwise.families.<name>.tp_plan`).
 
 Attention q/k/v and the first MLP linear are column-parallel (each rank computes a slice of the
@@ -72,16 +72,24 @@ def _vocab_parallel_lookup(module: nn.Embedding, tokens: torch.Tensor) -> torch.
     return out.redistribute(placements=[Replicate()], async_op=True).to_local()
 
 
-def block_plan(prefix: str, act, sequence_parallel: bool, pre_ln: bool) -> dict[str, ParallelStyle]:
-    """The plan of the transformer blocks under `prefix` (`models/transformer.py`); `act`: the
-    layout of the activations between blocks (sequence shards under sequence parallelism)."""
+def block_plan(
+    prefix: str,
+    act,
+    sequence_parallel: bool,
+    pre_ln: bool,
+    mlp_in: tuple[str, ...] = ("fc1",),
+    mlp_out: str = "fc2",
+) -> dict[str, ParallelStyle]:
+    """The plan of the transformer blocks under `prefix` (`models/transformer.py`; Llama's
+    `families/llama/model.py`, whose gated MLP has two column-parallel inputs: `mlp_in`); `act`:
+    the layout of the activations between blocks (sequence shards under sequence parallelism)."""
     plan: dict[str, ParallelStyle] = {
         f"{prefix}.attn.wq": ColwiseParallel(),
         f"{prefix}.attn.wk": ColwiseParallel(),
         f"{prefix}.attn.wv": ColwiseParallel(),
         f"{prefix}.attn.wo": RowwiseParallel(output_layouts=act),
-        f"{prefix}.mlp.fc1": ColwiseParallel(),
-        f"{prefix}.mlp.fc2": RowwiseParallel(output_layouts=act),
+        **{f"{prefix}.mlp.{name}": ColwiseParallel() for name in mlp_in},
+        f"{prefix}.mlp.{mlp_out}": RowwiseParallel(output_layouts=act),
     }
     if sequence_parallel:
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -99,4 +107,8 @@ def block_plan(prefix: str, act, sequence_parallel: bool, pre_ln: bool) -> dict[
         plan[f"{prefix}.attn"] = PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
         )
+        if len(mlp_in) > 1:  # a gated MLP's two input projections, likewise
+            plan[f"{prefix}.mlp"] = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+            )
     return plan

@@ -327,3 +327,30 @@ def export(checkpoint: Path, out: Path) -> Path:
     model = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")}
     torch.save(model, out)
     return out
+
+
+def export_hf(checkpoint: Path, out: Path, dtype: str | None = None) -> list[Path]:
+    """A checkpoint of a Llama-family model as a Hugging Face model directory (config.json,
+    safetensors shards, index; families/llama/weights.py), streamed: each tensor is read from the
+    checkpoint alone (no process group) when its turn comes, so one tensor is in memory at a time.
+    Raises WeightsError (a model of another family, a tensor missing or of the wrong shape)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fleetwise.families.llama.weights import WeightsError, write_hf_dir
+    from fleetwise.rundir import read_config
+
+    m = read_config(checkpoint).model
+    stored = {
+        key[len("model.") :]: (tuple(meta.size), meta.properties.dtype)
+        for key, meta in read_metadata(checkpoint / ".metadata").state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+
+    def read(name: str, empty: torch.Tensor) -> torch.Tensor:
+        dcp.load({f"model.{name}": empty}, storage_reader=VerifiedReader(checkpoint), no_dist=True)
+        return empty
+
+    try:
+        return write_hf_dir(m, out, stored, read, dtype)
+    except WeightsError as exc:
+        raise WeightsError(f"{checkpoint}: {exc}") from None

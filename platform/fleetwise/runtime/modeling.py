@@ -39,14 +39,20 @@ def _tp_plan_paths(spec: ModelSpec) -> list[str]:
     return list(dict.fromkeys([*spec.tp_plan(False), *spec.tp_plan(True)]))
 
 
-def materialize(part: nn.Module, device: torch.device, seed: int, *, params_on_host: bool = False) -> None:
+def materialize(
+    part: nn.Module, device: torch.device, seed: int, *, params_on_host: bool = False, load_weights=None
+) -> None:
     """Allocate a (possibly sharded) meta-built part on `device` -- only this rank's shards -- and
-    fill it with its slice of the layout-invariant initial values (fleetwise.models.init).
+    fill it with its slice of the layout-invariant initial values (fleetwise.models.init), or of
+    pretrained weights: `load_weights(part)` (ModelSpec.load_weights, e.g. Llama's model.init_from).
     params_on_host: parameters on the CPU, buffers on `device` (FSDP with CPU offload)."""
     from fleetwise.models.init import init_weights_
 
     part.to_empty(device=torch.device("cpu") if params_on_host else device)
-    init_weights_(part, seed)
+    if load_weights is not None:
+        load_weights(part)
+    else:
+        init_weights_(part, seed)
     if params_on_host and device.type != "cpu":
         for module in part.modules():
             for name, buf in module.named_buffers(recurse=False):
@@ -56,7 +62,7 @@ def materialize(part: nn.Module, device: torch.device, seed: int, *, params_on_h
 def build_model(cfg: RunConfig) -> nn.Module:
     """The whole model on the host, with the initial values every layout starts from."""
     model = build_meta_model(cfg)
-    materialize(model, torch.device("cpu"), cfg.train.seed)
+    materialize(model, torch.device("cpu"), cfg.train.seed, load_weights=model_spec(cfg).load_weights)
     return model
 
 

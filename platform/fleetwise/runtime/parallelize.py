@@ -99,7 +99,9 @@ def parallelize(
         # FSDP's CPU offload keeps the sharded parameters on the host (it refuses them anywhere
         # else at its first forward); buffers still belong on the device
         host = engine == Engine.FSDP and s.offload
-        allocate = lambda part: materialize(part, device, cfg.train.seed, params_on_host=host)  # noqa: E731
+        allocate = lambda part: materialize(  # noqa: E731
+            part, device, cfg.train.seed, params_on_host=host, load_weights=spec.load_weights
+        )
     # On `meta`: the structure of the whole model, no memory. Every rank keeps only its pipeline
     # chunks and allocates only its shards, after TP/FSDP have decided what they are.
     model = build_meta_model(cfg)

@@ -85,12 +85,23 @@ def test_ddp_gradients_are_planned_once_on_gloo_and_nccl():
     assert without_inputs(gloo)[1] == 4 * p
 
 
-@pytest.mark.parametrize("recipe", ["gpt/tiny", "ernie/tiny", "resnet/tiny"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "gpt/tiny",
+        "ernie/tiny",
+        "resnet/tiny",
+        "llama/tiny",
+        # multi-head attention, Qwen 3's q/k norms, the head tied to the embedding
+        "llama/tiny model.num_kv_heads=8 model.qk_norm=true model.tie_word_embeddings=true",
+    ],
+)
 def test_planned_op_counts_match_the_ops_torch_dispatches(recipe):
     from fleetwise.calibrate.probes.workloads import OpCounter
     from fleetwise.runtime.modeling import build_model, build_source, model_spec
 
-    cfg, problems = compose(f"recipe={recipe}", "hardware.devices_per_node=1")
+    name, *overrides = recipe.split()
+    cfg, problems = compose(f"recipe={name}", *overrides, "hardware.devices_per_node=1")
     assert problems == []
     model, spec = build_model(cfg), model_spec(cfg)
     first = model.embed if hasattr(model, "embed") else model.stem

@@ -25,6 +25,12 @@ def test_all_required_recipes_exist():
         "resnet/resnet101",
         "ctr/tiny",
         "ctr/deepfm_criteo",
+        "llama/tiny",
+        "llama/llama3_1b",
+        "llama/llama3_8b",
+        "llama/llama3_70b",
+        "llama/llama3_405b",
+        "llama/qwen3_8b",
     ]:
         assert name in RECIPES
 
@@ -104,7 +110,7 @@ TINY_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("family", ["gpt", "ernie"])
+@pytest.mark.parametrize("family", ["gpt", "ernie", "llama"])
 @pytest.mark.parametrize("layout", TINY_LAYOUTS, ids=lambda t: " ".join(t))
 def test_tiny_transformers_validate_under_every_strategy(family, layout):
     cfg, problems = compose(f"recipe={family}/tiny", *layout)

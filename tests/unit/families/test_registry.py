@@ -53,7 +53,7 @@ def test_families_import_no_torch():
 
 
 # a family package's rank-side modules: they import torch, and the family's functions import them
-RANK_SIDE_MODULES = ("model.py", "tp_plan.py", "data.py")
+RANK_SIDE_MODULES = ("model.py", "tp_plan.py", "data.py", "weights.py")  # weights: Llama's HF tensors
 
 
 def test_rank_side_parts_are_imported_only_inside_functions():

@@ -1,0 +1,207 @@
+"""The Llama family: the published models' parameter counts, the SwiGLU width rule, the rules of
+its `model` section (all problems at once, each with its fix), and the built model against its
+planner units."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.config import compose
+
+from fleetwise.families import model_units, total_params
+
+# Published exact parameter counts: the "Model size" (safetensors metadata, total parameters) of
+# each model card on Hugging Face. The shapes are each model's config.json; `by_hand` recomputes the
+# count from them without fleetwise's code.
+PUBLISHED = {
+    "llama/llama3_1b": 1_235_814_400,  # meta-llama/Llama-3.2-1B: 1.24B params (tied head)
+    "llama/llama3_8b": 8_030_261_248,  # meta-llama/Llama-3.1-8B: 8.03B params
+    "llama/llama3_70b": 70_553_706_496,  # meta-llama/Llama-3.1-70B: 70.6B params
+    "llama/llama3_405b": 405_853_388_800,  # meta-llama/Llama-3.1-405B: 406B params
+    "llama/qwen3_8b": 8_190_735_360,  # Qwen/Qwen3-8B: 8.19B params (q/k norms)
+}
+# (layers, width, heads, kv heads, head width, SwiGLU width, vocabulary, tied, q/k norm) as in each
+# model's config.json
+SHAPES = {
+    "llama/llama3_1b": (16, 2048, 32, 8, 64, 8192, 128256, True, False),
+    "llama/llama3_8b": (32, 4096, 32, 8, 128, 14336, 128256, False, False),
+    "llama/llama3_70b": (80, 8192, 64, 8, 128, 28672, 128256, False, False),
+    "llama/llama3_405b": (126, 16384, 128, 8, 128, 53248, 128256, False, False),
+    "llama/qwen3_8b": (36, 4096, 32, 8, 128, 12288, 151936, False, True),
+}
+
+
+def by_hand(layers, h, a, g, d, f, v, tied, qk_norm) -> int:
+    attention = h * a * d + 2 * h * g * d + a * d * h
+    block = attention + 3 * h * f + 2 * h + (2 * d if qk_norm else 0)
+    return layers * block + v * h * (1 if tied else 2) + h
+
+
+@pytest.mark.parametrize("recipe", list(PUBLISHED))
+def test_recipes_have_the_published_shapes_and_parameter_counts(recipe):
+    import torch
+
+    from fleetwise.runtime.modeling import build_meta_model
+
+    cfg, problems = compose(f"recipe={recipe}")
+    assert problems == [], problems
+    m = cfg.model
+    shape = (
+        m.num_layers,
+        m.hidden_size,
+        m.num_attention_heads,
+        m.num_kv_heads,
+        m.head_width,
+        m.ffn_hidden_size,  # Llama 3: from ffn_dim_multiplier and multiple_of (Meta's rule)
+        m.vocab_size,
+        m.tie_word_embeddings,
+        m.qk_norm,
+    )
+    assert shape == SHAPES[recipe]
+    assert by_hand(*shape) == PUBLISHED[recipe]
+    assert total_params(m) == PUBLISHED[recipe]  # the planner's units
+    with torch.device("meta"):
+        model = build_meta_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[recipe]
+
+
+@pytest.mark.parametrize(
+    ("hidden", "multiplier", "multiple_of", "width"),
+    [
+        # Meta's FeedForward: int(2·4h/3), × multiplier (truncated), rounded up to multiple_of
+        (4096, 1.3, 1024, 14336),  # Llama 3 8B
+        (8192, 1.3, 4096, 28672),  # 70B
+        (16384, 1.2, 4096, 53248),  # 405B
+        (2048, 1.5, 256, 8192),  # 3.2 1B
+        (3072, 1.0, 256, 8192),  # 3.2 3B
+        (4096, None, 256, 11008),  # Llama 2 7B (no multiplier)
+        (64, None, 64, 192),  # llama/tiny: 170 -> 192
+    ],
+)
+def test_swiglu_width_follows_metas_rule(hidden, multiplier, multiple_of, width):
+    from fleetwise.families.llama.schema import LlamaModel
+
+    m = LlamaModel(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=8,
+        num_kv_heads=8,
+        vocab_size=256,
+        seq_len=8,
+        ffn_dim_multiplier=multiplier,
+        multiple_of=multiple_of,
+    )
+    assert m.ffn_hidden_size == width
+    assert LlamaModel(**{**m.model_dump(), "intermediate_size": 100}).ffn_hidden_size == 100
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("model.num_kv_heads=8",),
+        ("model.num_kv_heads=1", "model.qk_norm=true"),
+        ("model.tie_word_embeddings=true", "model.head_dim=32", "model.intermediate_size=100"),
+    ],
+)
+def test_built_model_matches_its_units(overrides):
+    """Parameters per unit (embedding, each block, head) of the built model equal the planner's."""
+    from fleetwise.runtime.modeling import build_model
+
+    cfg, problems = compose("recipe=llama/tiny", *overrides)
+    assert problems == [], problems
+    model = build_model(cfg)
+    units = model_units(cfg.model)
+    groups = [[model.embed], *([b] for b in model.layers.values()), [model.norm, model.output]]
+    counted = [sum(p.numel() for g in group for p in g.parameters()) for group in groups]
+    assert counted == [u.params for u in units]
+    names = {n for n, _ in model.named_parameters()}
+    assert ("output.weight" in names) != cfg.model.tie_word_embeddings
+    assert ("layers.0.attn.q_norm.weight" in names) == cfg.model.qk_norm
+
+
+def test_bad_shapes_are_all_reported_with_fixes():
+    cfg, problems = compose(
+        "recipe=llama/tiny",
+        "model.num_kv_heads=3",  # 8 heads do not group into 3
+        "model.hidden_size=66",  # 66 / 8 heads
+        "model.rope_scaling={factor:8,low_freq_factor:4,high_freq_factor:1}",
+        "strategy=hybrid",
+        "strategy.mp_degree=4",  # divides heads (8) and the vocabulary, not kv heads (3)
+        "strategy.pp_degree=2",
+        "model.tie_word_embeddings=true",
+    )
+    assert cfg is None
+    by_loc = {}
+    for p in problems:
+        by_loc.setdefault(p.loc, []).append(p)
+    assert "model.num_kv_heads" in by_loc
+    assert "model.hidden_size" in by_loc
+    assert "model.rope_scaling.high_freq_factor" in by_loc
+    assert any("num_kv_heads=3" in p.msg for p in by_loc["strategy.mp_degree"])
+    assert any("tie_word_embeddings" in p.msg for p in by_loc["strategy.pp_degree"])
+    assert all(p.hint for p in problems)
+
+
+def test_tensor_parallel_must_divide_heads_kv_heads_vocab_and_mlp():
+    ok, problems = compose("recipe=llama/tiny", "strategy=mp", "strategy.mp_degree=2")
+    assert problems == []
+    _, problems = compose("recipe=llama/tiny", "strategy=mp", "strategy.mp_degree=8")  # kv heads 4
+    assert [p.loc for p in problems] == ["strategy.mp_degree"]
+    assert "num_kv_heads=4" in problems[0].msg and "use an mp_degree that divides 4" in problems[0].hint
+    # the vocabulary is not padded: 250 tokens do not split over 4
+    _, problems = compose(
+        "recipe=llama/tiny",
+        "data=synthetic",
+        "strategy=mp",
+        "strategy.mp_degree=4",
+        "model.vocab_size=250",
+    )
+    assert [p.loc for p in problems] == ["strategy.mp_degree"]
+    assert "vocab_size=250" in problems[0].msg and "model.vocab_size=252" in problems[0].hint
+    # the SwiGLU width from the multiplier (64 -> int(170 · 1.1) = 187 -> multiple_of 1: 187)
+    _, problems = compose(
+        "recipe=llama/tiny",
+        "strategy=mp",
+        "strategy.mp_degree=2",
+        "model.ffn_dim_multiplier=1.1",
+        "model.multiple_of=1",
+    )
+    assert [p.loc for p in problems] == ["strategy.mp_degree"] and "187" in problems[0].msg
+    # sequence parallel: the sequence splits over mp
+    _, problems = compose(
+        "recipe=llama/tiny",
+        "strategy=mp",
+        "strategy.mp_degree=2",
+        "strategy.sequence_parallel=true",
+        "model.seq_len=33",
+    )
+    assert [p.loc for p in problems] == ["strategy.sequence_parallel"]
+
+
+def test_tied_embeddings_train_under_every_strategy_but_a_pipeline():
+    for layout in (
+        ("strategy=dp",),
+        ("strategy=sharding", "strategy.sharding_stage=3"),
+        ("strategy=mp", "strategy.mp_degree=2", "strategy.sequence_parallel=true"),
+    ):
+        _, problems = compose("recipe=llama/tiny", "model.tie_word_embeddings=true", *layout)
+        assert problems == [], (layout, problems)
+    _, problems = compose("recipe=llama/tiny", "model.tie_word_embeddings=true", "strategy=pp", "strategy.pp_degree=2")
+    assert [p.loc for p in problems] == ["strategy.pp_degree"]
+    assert "tie_word_embeddings=false" in problems[0].hint
+
+
+def test_strategy_auto_searches_only_the_layouts_llama_allows():
+    """8 CPU ranks, 2 kv heads and a tied head: every layout the search ranks splits the kv heads
+    evenly (mp 1 or 2) and has no pipeline; the winner is one of them and validates."""
+    from fleetwise.launcher.auto import resolve_auto
+
+    tiny = ["recipe=llama/tiny", "model.num_kv_heads=2", "model.tie_word_embeddings=true", "hardware.devices_per_node=8"]
+    out = resolve_auto(["strategy=auto", *tiny], progress=False)
+    assert out.problems == []
+    ranked = out.result.ranked
+    assert ranked and out.result.legal >= len(ranked)
+    assert {c.strategy["mp_degree"] for c in ranked} <= {1, 2}
+    assert {c.strategy["pp_degree"] for c in ranked} == {1}
+    cfg, problems = compose(*tiny, *out.layout_overrides)
+    assert problems == [] and cfg.strategy.mp_degree in (1, 2)
