@@ -6,6 +6,7 @@
                     model.py      the nn.Module (obeys fleetwise.models.contract)
                     tp_plan.py    its tensor-parallel plan (families that have one)
                     data.py       its sample source (families with a data source of their own)
+    families/custom/              your own nn.Module and Dataset (`model=custom`): units measured, not written
     families/transformer.py       what GPT and ERNIE share (schema fields, block unit, checks, tokens)
     families/record.py            `Family` and `ModelSpec`
 
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import sys
 
-from fleetwise.families import ctr, ernie, gpt, resnet
+from fleetwise.families import ctr, custom, ernie, gpt, resnet
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.plan.units import Unit
 
 # Order matters to users: it is the order of the `model.family` tags in error messages.
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY, ernie.FAMILY, resnet.FAMILY, ctr.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (gpt.FAMILY, ernie.FAMILY, resnet.FAMILY, ctr.FAMILY, custom.FAMILY)
+}
 
 
 def register(family: Family) -> Family:

@@ -26,7 +26,7 @@ def build_meta_model(cfg: RunConfig) -> nn.Module:
         model,
         inputs=spec.inputs,
         num_layers=cfg.model.num_layers,
-        pipeline=family.no_pipeline is None,
+        pipeline=family.pipeline_refusal(cfg.model) is None and family.name != "custom",
         tp_paths=_tp_plan_paths(spec),
     )
     return model
