@@ -60,8 +60,10 @@ def source(m: CustomModel, d: Any):
 
 def no_pipeline(m: CustomModel) -> tuple[str, str] | None:
     d = _derived(m)
-    if d.problems or d.chain is not None:
+    if d.chain is not None:
         return None
+    if d.problems:
+        return ("your model, which could not be checked (its problems are listed)", "fix those first")
     return (
         f"your model: {d.no_chain}",
         "set model.blocks (an nn.ModuleList child of the root), model.inputs, model.label and model.loss, "

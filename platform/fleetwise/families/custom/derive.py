@@ -543,9 +543,10 @@ def _numel(out) -> float:
 def _flops_per_unit(flop, m: Any, fake) -> dict[str, float]:
     """Forward FLOPs per unit from FlopCounterMode's per-module table (keys: module paths)."""
     counts = flop.get_flop_counts()
+    root = type(fake).__name__  # the table names modules `<RootClass>.<path>`
 
     def of(key: str) -> float:
-        return float(sum(counts.get(key, {}).values()))
+        return float(sum(counts.get(key if key == "Global" else f"{root}.{key}", {}).values()))
 
     out: dict[str, float] = {}
     if m.blocks:

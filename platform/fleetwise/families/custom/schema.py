@@ -83,11 +83,16 @@ def tensor_parallel(m: CustomModel, mp: int) -> Iterator[Problem]:
         )
         return
     d = derived(m)
+    bad: dict[tuple[str, int], list[str]] = {}
     for path, (style, size) in d.tp_dims.items():
         if size % mp:
-            dim = {"colwise": "output features", "rowwise": "input features"}.get(style, "features")
-            yield Problem(
-                "strategy.mp_degree",
-                f"{path} ({style}) has {size} {dim}, which do not divide by mp_degree={mp}",
-                f"use an mp_degree that divides {size}, or change the module's size",
-            )
+            bad.setdefault((style, size), []).append(path)
+    for (style, size), paths in bad.items():
+        dim = {"colwise": "output features", "rowwise": "input features"}.get(style, "features")
+        shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        yield Problem(
+            "strategy.mp_degree",
+            f"{shown} ({style}) {'have' if len(paths) > 1 else 'has'} {size} {dim}, which do not divide "
+            f"by mp_degree={mp}",
+            f"use an mp_degree that divides {size}, or change the module's size",
+        )

@@ -82,15 +82,16 @@ def _kind_problems(loc: str, path: str, obj: Any, kind: str) -> list[Problem]:
     from torch.utils.data import Dataset
 
     want = {"module": nn.Module, "dataset": Dataset}.get(kind)
+    shown = {"module": "torch.nn.Module", "dataset": "torch.utils.data.Dataset"}.get(kind, "")
     if want is None:
         ok = callable(obj)
         what = "a callable (output, label) -> scalar"
     elif inspect.isclass(obj):
         ok = issubclass(obj, want)
-        what = f"a {want.__module__.split('.')[0]}.{want.__qualname__} subclass, or a function returning one"
+        what = f"a {shown} subclass, or a function returning one"
     else:
         ok = callable(obj)  # a factory: what it returns is checked when it is built
-        what = f"a {want.__qualname__} class or a function returning one"
+        what = f"a {shown} class or a function returning one"
     if ok:
         return []
     return [
