@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from fleetwise.config.paths import config_dir, search_dirs, user_config_dir
+from fleetwise.config.paths import config_dir, search_dirs
 from fleetwise.config.problems import Problem
 
 DEFAULT_RECIPE = "gpt/tiny"  # conf/config.yaml's defaults list

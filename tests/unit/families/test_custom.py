@@ -49,7 +49,11 @@ BAD = [
     ),
     (("model.label=z",), "model.label", "'z' is not in the dataset's items (x, y)"),
     (("model.loss._target_=helpers.custom_models.per_sample_loss",), "model.loss", "not a scalar"),
-    (("+model.tp_plan.trunk=colwise", "+model.tp_plan.nope=rowwise"), "model.tp_plan.nope", "matches no module"),
+    (
+        ("+model.tp_plan.trunk=colwise", "+model.tp_plan.nope=rowwise"),
+        "model.tp_plan.nope",
+        "matches no module",
+    ),
     (("+model.tp_plan.trunk=colwise",), "model.tp_plan.trunk", "ModuleList: colwise splits nn.Linear"),
     (("model.blocks=embed",), "model.blocks", "not an nn.ModuleList"),
     (("model.blocks=trunkk",), "model.blocks", "Did you mean 'trunk'"),
@@ -64,8 +68,15 @@ BAD = [
         "owns scale but has no reset_parameters()",
     ),
     (
-        ("model.module._target_=helpers.custom_models.WithLoss", *OWN, "model.loss=null", "model.inputs=null",
-         "strategy=pp", "strategy.pp_degree=2", "hardware.devices_per_node=2"),
+        (
+            "model.module._target_=helpers.custom_models.WithLoss",
+            *OWN,
+            "model.loss=null",
+            "model.inputs=null",
+            "strategy=pp",
+            "strategy.pp_degree=2",
+            "hardware.devices_per_node=2",
+        ),
         "strategy.pp_degree",
         "model.blocks is not set",
     ),  # fmt: skip
@@ -162,3 +173,23 @@ def test_blocks_read_like_the_module_list():
     assert list(blocks) == [blocks["0"], blocks["1"], blocks["2"]]
     assert blocks[-1] is blocks["2"] and blocks[1] is blocks["1"] and len(blocks) == 3
     assert blocks[:2] == [blocks["0"], blocks["1"]]
+
+
+def test_forward_that_returns_the_loss():
+    """No model.loss: forward(**batch) returns the loss (here a dict with `loss`, as Hugging Face
+    models return an object with one); the trainer's loss is that tensor."""
+    import numpy as np
+    from helpers.custom_models import WithLoss
+
+    from fleetwise.runtime.modeling import build_model, build_source, model_spec
+
+    cfg = _cfg(
+        "model.module._target_=helpers.custom_models.WithLoss", *OWN, "model.loss=null", "model.inputs=null"
+    )
+    spec, model = model_spec(cfg), build_model(cfg)
+    batch = build_source(cfg).batch(np.arange(8))
+    assert spec.inputs == ("x", "y")
+    loss = spec.loss(model(*[batch[k] for k in spec.inputs]), batch[spec.label])
+    torch.manual_seed(cfg.train.seed)
+    eager = WithLoss()(batch["x"], batch["y"])["loss"]
+    assert loss.shape == () and torch.equal(loss, eager)

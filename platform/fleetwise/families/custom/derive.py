@@ -121,7 +121,11 @@ def _locate_all(m: Any) -> tuple[dict[str, Any], list[Problem]]:
         located[kind] = obj
     if m.loss is not None and m.label is None:
         problems.append(
-            Problem("model.label", "model.loss is set but model.label is not", "set model.label=<batch key of the target>")
+            Problem(
+                "model.label",
+                "model.loss is set but model.label is not",
+                "set model.label=<batch key of the target>",
+            )
         )
     return located, problems
 
@@ -243,10 +247,20 @@ def _items(m: Any, instantiate) -> tuple[list[dict], list[Problem]]:
     try:
         ds = instantiate(m.dataset)
     except Exception as err:  # noqa: BLE001
-        return [], [Problem("data.dataset", f"building {path} failed: {type(err).__name__}: {err}", "fix its arguments or code")]
+        return [], [
+            Problem(
+                "data.dataset",
+                f"building {path} failed: {type(err).__name__}: {err}",
+                "fix its arguments or code",
+            )
+        ]
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
         return [], [
-            Problem("data.dataset", f"{path} gave a {type(ds).__name__}, not a map-style Dataset", "return a torch.utils.data.Dataset with __len__ and __getitem__")
+            Problem(
+                "data.dataset",
+                f"{path} gave a {type(ds).__name__}, not a map-style Dataset",
+                "return a torch.utils.data.Dataset with __len__ and __getitem__",
+            )
         ]
     if len(ds) < 1:
         return [], [Problem("data.dataset", f"{path} is empty (len 0)", "give it samples")]
@@ -255,12 +269,20 @@ def _items(m: Any, instantiate) -> tuple[list[dict], list[Problem]]:
         try:
             item = ds[i]
         except Exception as err:  # noqa: BLE001
-            return [], [Problem("data.dataset", f"{path}[{i}] failed: {type(err).__name__}: {err}", "fix __getitem__")]
-        bad = not isinstance(item, dict) or not item or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in item.items()
+            return [], [
+                Problem("data.dataset", f"{path}[{i}] failed: {type(err).__name__}: {err}", "fix __getitem__")
+            ]
+        bad = (
+            not isinstance(item, dict)
+            or not item
+            or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in item.items())
         )
         if bad:
-            shown = type(item).__name__ if not isinstance(item, dict) else {k: type(v).__name__ for k, v in item.items()}
+            shown = (
+                type(item).__name__
+                if not isinstance(item, dict)
+                else {k: type(v).__name__ for k, v in item.items()}
+            )
             return [], [
                 Problem(
                     "data.dataset",
@@ -275,7 +297,11 @@ def _items(m: Any, instantiate) -> tuple[list[dict], list[Problem]]:
         for k in wanted:
             if k not in keys:
                 problems.append(
-                    Problem(loc, f"batch key {k!r} is not in the dataset's items ({', '.join(keys)}).{did_you_mean(k, keys)}", f"name one of: {', '.join(keys)}")
+                    Problem(
+                        loc,
+                        f"batch key {k!r} is not in the dataset's items ({', '.join(keys)}).{did_you_mean(k, keys)}",
+                        f"name one of: {', '.join(keys)}",
+                    )
                 )
     return items, problems
 
@@ -298,7 +324,13 @@ def _build(m: Any, instantiate):
             )
         ]
     if not isinstance(net, nn.Module):
-        return None, [Problem("model.module._target_", f"{path} returned a {type(net).__name__}, not an nn.Module", "return an nn.Module")]
+        return None, [
+            Problem(
+                "model.module._target_",
+                f"{path} returned a {type(net).__name__}, not an nn.Module",
+                "return an nn.Module",
+            )
+        ]
     return net, []
 
 
@@ -424,7 +456,7 @@ def _trace(m: Any, net, blocks, items: list[dict], loss, batch: int) -> _Trace:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fleetwise import compat
+    import fleetwise.compat as compat
 
     t = _Trace(batch, *({} for _ in range(6)), [])
     stack = ["first"]  # the unit running now: first, block<i>, last
@@ -499,7 +531,7 @@ class _OpCounter:
     """aten ops per unit (the dry run's per-op host cost), matmul-like ones, elementwise elements."""
 
     def __init__(self, t: _Trace, stack: list[str]):
-        from fleetwise import compat
+        import fleetwise.compat as compat
 
         t_ = t
         stack_ = stack
@@ -533,9 +565,9 @@ def _is_view(func) -> bool:
 
 
 def _numel(out) -> float:
-    from fleetwise import compat
-
     import torch
+
+    import fleetwise.compat as compat
 
     return float(sum(x.numel() for x in compat.tree_flatten(out)[0] if isinstance(x, torch.Tensor)))
 
@@ -632,7 +664,11 @@ def _assemble(m: Any, net, blocks, items: list[dict], tp_dims, traces: list[_Tra
                 params_split=sum(p.numel() for pn, p in params if pn in split),
                 params_whole=sum(p.numel() for pn, p in params if pn not in split),
                 fwd_flops=slope("flops", unit),
-                acts={"none": Acts(whole=saved), "selective": Acts(whole=saved), "full": Acts(whole=boundary)},
+                acts={
+                    "none": Acts(whole=saved),
+                    "selective": Acts(whole=saved),
+                    "full": Acts(whole=boundary),
+                },
                 mp_allreduces=len(rowwise & in_unit),
                 boundary_elements=boundary,
                 fwd_ops=a.ops.get(unit, 0),
@@ -660,7 +696,11 @@ def _assemble(m: Any, net, blocks, items: list[dict], tp_dims, traces: list[_Tra
 
 
 def _named_params(net, mod) -> list[tuple[str, Any]]:
-    return [(f"{prefix}.{n}" if prefix else n, p) for prefix, sub in _prefixed(net, mod) for n, p in sub.named_parameters(recurse=False)]
+    return [
+        (f"{prefix}.{n}" if prefix else n, p)
+        for prefix, sub in _prefixed(net, mod)
+        for n, p in sub.named_parameters(recurse=False)
+    ]
 
 
 def _prefixed(net, mod) -> list[tuple[str, Any]]:
@@ -685,7 +725,10 @@ def _chain(m: Any, net, t: _Trace, first: list[str], last: list[str]) -> tuple[A
     if not m.blocks:
         return None, "model.blocks is not set: there is nothing to split between stages"
     if m.blocks not in dict(net.named_children()):
-        return None, f"model.blocks={m.blocks} is not a child of the root module, so forward cannot be cut around it"
+        return (
+            None,
+            f"model.blocks={m.blocks} is not a child of the root module, so forward cannot be cut around it",
+        )
     if not m.inputs or m.loss is None:
         return None, (
             "a pipeline needs model.inputs (passed positionally to the first stage) and model.loss "
@@ -699,7 +742,10 @@ def _chain(m: Any, net, t: _Trace, first: list[str], last: list[str]) -> tuple[A
     previous = t.forward_inputs
     for name, inputs, output in t.calls:
         if inputs != previous:
-            return None, f"{name} does not take {'the forward inputs' if name == want[0] else 'the output of the module before it'} alone"
+            return (
+                None,
+                f"{name} does not take {'the forward inputs' if name == want[0] else 'the output of the module before it'} alone",
+            )
         previous = (output,)
     if previous != (t.forward_output,):
         return None, f"forward does not return the output of {want[-1]}"

@@ -33,14 +33,11 @@ class BlockList(nn.ModuleDict):
     """An nn.ModuleDict keyed by block index that reads like the nn.ModuleList it replaces."""
 
     def __iter__(self):
-        return iter(self._modules.values())
+        return iter(list(self.values()))
 
     def __getitem__(self, idx):
-        if isinstance(idx, int):
-            keys = list(self._modules)
-            return self._modules[keys[idx]]
-        if isinstance(idx, slice):
-            return list(self._modules.values())[idx]
+        if isinstance(idx, int | slice):
+            return list(self.values())[idx]
         return super().__getitem__(idx)
 
 
@@ -74,19 +71,17 @@ class InitReplay:
 
     def _restart(self, seed: int) -> None:
         self.seed = seed
-        self._walk = self._modules(torch.Generator().manual_seed(seed).get_state())
+        self._walk = self._each_module(torch.Generator().manual_seed(seed).get_state())
         self._current = {}
 
-    def _modules(self, state: torch.Tensor):
+    def _each_module(self, state: torch.Tensor):
         for mname, module in self.template.named_modules():
             own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
             if not own:
                 continue
-            one = copy.copy(module)  # this module alone: its own tensors on the host, no children
-            one._modules = {}  # noqa: SLF001 - a shallow copy without children
-            one._parameters = dict(module._parameters)  # noqa: SLF001
-            one._buffers = dict(module._buffers)  # noqa: SLF001
-            one.to_empty(device="cpu", recurse=False)
+            # this module alone on the host: a copy whose own tensors are allocated, its
+            # children left on meta (its reset_parameters sets only its own)
+            one = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
             outer = torch.get_rng_state()
             torch.set_rng_state(state)
             try:
@@ -96,7 +91,10 @@ class InitReplay:
             finally:
                 torch.set_rng_state(outer)
             prefix = f"{mname}." if mname else ""
-            yield {prefix + n: t.detach() for n, t in [*one.named_parameters(recurse=False), *one.named_buffers(recurse=False)]}
+            yield {
+                prefix + n: t.detach()
+                for n, t in [*one.named_parameters(recurse=False), *one.named_buffers(recurse=False)]
+            }
 
 
 def adapt(net: nn.Module, m: Any, d: Derived) -> nn.Module:
@@ -120,7 +118,11 @@ def adapt(net: nn.Module, m: Any, d: Derived) -> nn.Module:
     def forward(self, *inputs):
         if self._fw_chain_cut():
             return self._fw_chain(*inputs)
-        out = own_forward(self, *inputs) if positional else own_forward(self, **dict(zip(keys, inputs, strict=True)))
+        out = (
+            own_forward(self, *inputs)
+            if positional
+            else own_forward(self, **dict(zip(keys, inputs, strict=True)))
+        )
         return output_loss(out) if returns_loss else out
 
     def _fw_chain_cut(self) -> bool:

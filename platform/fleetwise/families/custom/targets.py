@@ -49,7 +49,9 @@ def locate(path: str) -> Any:
 def target_problems(loc: str, node: Any, kind: str) -> tuple[Any, list[Problem]]:
     """(the located target or None, problems) for the config node at `loc` (a dict with `_target_`).
     kind: "module" (an nn.Module), "dataset" (a torch Dataset) or "loss" (a callable)."""
-    example = {"module": "mypkg.net.Net", "dataset": "mypkg.data.make_dataset", "loss": "mypkg.net.loss"}[kind]
+    example = {"module": "mypkg.net.Net", "dataset": "mypkg.data.make_dataset", "loss": "mypkg.net.loss"}[
+        kind
+    ]
     if not isinstance(node, dict) or not isinstance(node.get("_target_"), str) or not node["_target_"]:
         return None, [
             Problem(
