@@ -9,6 +9,9 @@ written here: the parameter count and FLOPs by hand, the initial values by the e
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers.cli import run_cli
@@ -145,6 +148,15 @@ def test_second_derivation_reads_the_cache(monkeypatch):
     monkeypatch.setattr(derive, "_derive", lambda *_: pytest.fail("traced again"))
     again = derive.derived(_cfg().model)
     assert again.units == first.units and again.chain == first.chain == (("embed",), ("head",))
+    # a second `plan` is as fast as a built-in one: a cached derivation imports neither the
+    # user's module nor torch
+    code = (
+        "import sys; from fleetwise.launcher.preflight import preflight; "
+        "pf = preflight(['recipe=mynet']); assert not pf.problems, pf.problems; "
+        "print(pf.plan.params, 'torch' in sys.modules, 'mynet.net' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=EXAMPLES)
+    assert out.stdout.split() == ["34340", "False", "False"], out.stderr[-2000:]
 
 
 def test_initial_values_are_the_eager_builds():

@@ -74,16 +74,15 @@ def derived(m: Any) -> Derived:
     memo = _MEMO.get(text)
     if memo is not None:
         return memo
-    located, problems = _locate_all(m)
-    if problems:
-        _MEMO[text] = Derived(problems=problems, units=fallback_units())
-        return _MEMO[text]
-    key = _cache_key(text, located)
-    path = cache_dir() / f"{key}.json"
-    out = _read_cache(path)
+    # a cached derivation is found without importing the targets (nor torch): a second `plan` is
+    # as fast as a built-in one; the key covers the targets' source folders and torch's version
+    key = _cache_key(text, m)
+    path = cache_dir() / f"{key}.json" if key else None
+    out = _read_cache(path) if path else None
     if out is None:
-        out = _derive(m, located)
-        if not out.problems:
+        located, problems = _locate_all(m)
+        out = Derived(problems=problems, units=fallback_units()) if problems else _derive(m, located)
+        if path and not out.problems:
             _write_cache(path, out)
     _MEMO[text] = out
     return out
@@ -130,20 +129,34 @@ def _locate_all(m: Any) -> tuple[dict[str, Any], list[Problem]]:
     return located, problems
 
 
-def _cache_key(text: str, located: dict[str, Any]) -> str:
-    import inspect
+def _cache_key(text: str, m: Any) -> str | None:
+    """A hash of the sections, torch's version and the source folders of the targets, found with
+    importlib.util.find_spec (which imports their parent packages, not the modules); None when a
+    target's module is not found (then nothing is cached: its problem is reported instead)."""
+    import importlib.metadata
+    import importlib.util
 
-    import torch
-
-    h = hashlib.sha256(f"{FORMAT}|{torch.__version__}|{text}".encode())
-    for obj in located.values():
-        try:
-            source = inspect.getsourcefile(obj)
-        except TypeError:
-            source = None
-        if source is None:
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    h = hashlib.sha256(f"{FORMAT}|{torch_version}|{text}".encode())
+    for node in (m.module, m.dataset, m.loss):
+        if node is None:
             continue
-        for py in sorted(Path(source).parent.glob("*.py")):  # the target's folder: its helpers too
+        parts = str(node.get("_target_", "")).split(".")
+        origin = None
+        for i in range(len(parts) - 1, 0, -1):
+            try:
+                spec = importlib.util.find_spec(".".join(parts[:i]))
+            except (ImportError, ValueError):
+                spec = None
+            if spec is not None:
+                origin = spec.origin
+                break
+        if origin is None or not origin.endswith(".py"):
+            return None
+        for py in sorted(Path(origin).parent.glob("*.py")):  # the target's folder: its helpers too
             h.update(py.read_bytes())
     return h.hexdigest()[:32]
 
