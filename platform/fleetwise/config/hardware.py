@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from fleetwise.config.base import Section
 
@@ -65,6 +65,34 @@ GPU_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Physically meaningful ranges by a figure's unit (the end of its name): the schema's own > 0 / >= 0
+# let 1e-300 TFLOP/s plan a step of 1e290 s and 1e308 GiB overflow to infinity. Wide on purpose: from
+# a slow CPU's worst to far beyond today's fastest device or link.
+UNIT_BOUNDS: dict[str, tuple[float, float, str]] = {
+    "_gib": (1e-6, 1e5, "GiB"),  # ~1 KiB .. ~100 TiB per device
+    "_gbps": (1e-6, 1e6, "GB/s"),  # 1 kB/s .. 1 PB/s
+    "_us": (0.0, 1e7, "us"),  # up to 10 s for one call or op
+    "_us_per_tensor": (0.0, 1e7, "us"),
+    "_ns": (0.0, 1e6, "ns"),  # up to 1 ms per element
+    "_ns_per_param": (0.0, 1e6, "ns"),
+    "tflops": (1e-6, 1e6, "TFLOP/s"),  # 1 MFLOP/s .. 1 EFLOP/s per device
+}
+
+
+def check_unit_bounds(value: Any, field: str) -> Any:
+    """A figure outside its unit's meaningful range is refused with the unit and the bound (0 stays
+    allowed where the schema allows it: a cost not charged)."""
+    bounds = next((b for suffix, b in UNIT_BOUNDS.items() if field.endswith(suffix)), None)
+    if bounds is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return value
+    lo, hi, unit = bounds
+    if value > hi or 0 < value < lo:
+        raise ValueError(
+            f"{value:g} {unit} is outside the meaningful range {lo:g}..{hi:g} {unit}: give a value in it"
+        )
+    return value
+
+
 class PeakTflops(Section):
     """Dense peak throughput of one device per dtype, in TFLOP/s (vendor datasheet, no sparsity)."""
 
@@ -72,6 +100,11 @@ class PeakTflops(Section):
     tf32: float | None = Field(None, gt=0, description="TF32 tensor-core throughput (null: none).")
     bf16: float | None = Field(None, gt=0, description="bf16 throughput (null: no bf16 support).")
     fp16: float | None = Field(None, gt=0, description="fp16 throughput.")
+
+    @field_validator("*")
+    @classmethod
+    def _in_range(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_unit_bounds(value, f"{info.field_name}_tflops")
 
 
 class HardwareConfig(Section):
@@ -284,6 +317,11 @@ class HardwareConfig(Section):
     )
 
     _defaulted: tuple[str, ...] = PrivateAttr(())
+
+    @field_validator("*")
+    @classmethod
+    def _in_range(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_unit_bounds(value, info.field_name or "")
 
     @model_validator(mode="wrap")
     @classmethod

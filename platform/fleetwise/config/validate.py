@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -104,7 +104,7 @@ def _pydantic_problems(err: ValidationError, data: dict[str, Any]) -> list[Probl
                 Problem(path, f"unknown option {first['ctx'].get('tag')!r}", f"choose one of {expected}")
             )
         else:
-            msgs = "; or ".join(dict.fromkeys(e["msg"] for e in errs))
+            msgs = "; or ".join(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in errs))
             problems.append(Problem(path, f"invalid value {value!r}: {msgs}", _type_hint(path, errs)))
     return problems
 
@@ -122,11 +122,63 @@ def _type_hint(path: str, errs: list[dict[str, Any]]) -> str:
     return f"set {path} to a valid {errs[0]['type'].split('_')[0]} value"
 
 
+def _section_of(cls: type[BaseModel], node: Any, key: str) -> type[BaseModel] | None:
+    """The model class of `cls.key` for the data `node[key]`: a discriminated union's member by
+    its tag (strategy.name, model.family)."""
+    field = cls.model_fields.get(key)
+    if field is None:
+        return None
+    members = [a for a in _flatten_union(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+    child = node.get(key) if isinstance(node, dict) else None
+    for member in members:
+        tags = {f: get_args(m.annotation) for f, m in member.model_fields.items() if get_origin(m.annotation) is Literal}
+        if len(members) == 1 or any(isinstance(child, dict) and child.get(f) in v for f, v in tags.items()):
+            return member
+    return None
+
+
+def _number_only(annotation: Any) -> bool:
+    """A field that takes numbers (int, float, optional or listed) but no yes/no value."""
+    leaves = set(_flatten_union(annotation))
+    return bool(leaves & {int, float}) and not leaves & {bool, Any}
+
+
+def _yes_no_for_numbers(data: dict[str, Any]) -> list[Problem]:
+    """true/false where a number is expected. pydantic's lax mode reads true as 1 (train.steps=true
+    ran one step, hardware.nodes=true planned one node), so these are refused before it runs."""
+    problems: list[Problem] = []
+
+    def walk(cls: type[BaseModel], node: dict[str, Any], path: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                sub = _section_of(cls, node, key)
+                if sub is not None:
+                    walk(sub, value, f"{path}{key}.")
+            elif (
+                isinstance(value, bool)
+                and key in cls.model_fields
+                and _number_only(cls.model_fields[key].annotation)
+            ):
+                problems.append(
+                    Problem(
+                        f"{path}{key}",
+                        f"invalid value {value!r}: a yes/no value where a number is expected",
+                        f"set {path}{key} to a number",
+                    )
+                )
+
+    walk(RunConfig, data, "")
+    return problems
+
+
 def parse(data: dict[str, Any]) -> tuple[RunConfig | None, list[Problem]]:
+    yes_no = _yes_no_for_numbers(data)
     try:
-        return RunConfig.model_validate(data), []
+        cfg = RunConfig.model_validate(data)
     except ValidationError as err:
-        return None, _pydantic_problems(err, data)
+        flagged = {p.loc for p in yes_no}
+        return None, yes_no + [p for p in _pydantic_problems(err, data) if p.loc not in flagged]
+    return (None, yes_no) if yes_no else (cfg, [])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -234,6 +234,23 @@ CASES = [
     (("hardware.comm_latency_us=inf",), "hardware.comm_latency_us"),
     (("hardware.peak_tflops.fp32=inf",), "hardware.peak_tflops.fp32"),
     (("launch.collective_timeout_s=inf",), "launch.collective_timeout_s"),
+    # --- finite but meaningless figures (1e308 GiB overflowed to a traceback; 1e-300 TFLOP/s planned)
+    (("hardware.memory_per_device_gib=1e308",), "hardware.memory_per_device_gib"),
+    (("hardware.memory_per_device_gib=1e-300",), "hardware.memory_per_device_gib"),
+    (("hardware.device_overhead_gib=1e300",), "hardware.device_overhead_gib"),
+    (("hardware.peak_tflops.fp32=1e-300",), "hardware.peak_tflops.fp32"),
+    (("hardware.peak_tflops.bf16=1e300",), "hardware.peak_tflops.bf16"),
+    (("hardware.intra_node_gbps=1e-320",), "hardware.intra_node_gbps"),
+    (("hardware.inter_node_gbps=1e12",), "hardware.inter_node_gbps"),
+    (("hardware.comm_latency_us=1e308",), "hardware.comm_latency_us"),
+    (("hardware.elementwise_ns=1e200",), "hardware.elementwise_ns"),
+    (("hardware.fsdp_us_per_tensor=1e300",), "hardware.fsdp_us_per_tensor"),
+    # --- a yes/no value where a count is meant (train.steps=true ran one step)
+    (("train.steps=true",), "train.steps"),
+    (("hardware.nodes=true",), "hardware.nodes"),
+    (("strategy=hybrid", "strategy.pp_degree=true"), "strategy.pp_degree"),
+    (("model.hidden_size=false",), "model.hidden_size"),
+    (("optim.lr=true",), "optim.lr"),
     (("launch.monitor_interval_s=nan",), "launch.monitor_interval_s"),
     (("recipe=ctr/tiny", "data.zipf_alpha=inf"), "data.zipf_alpha"),
     # --- more ranks than this machine holds (refused before spawning; launch.oversubscribe=true to force)
@@ -285,6 +302,18 @@ def _validate(overrides):
 def test_corpus_is_large_and_distinct():
     assert len(CASES) >= 150
     assert len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_a_figure_out_of_range_names_its_unit_and_bounds_and_a_yes_no_count_is_refused():
+    (p,) = _validate(["hardware.memory_per_device_gib=1e308"])
+    assert "GiB" in p.msg and "1e-06..100000 GiB" in p.msg and not p.msg.startswith("Value error")
+    (p,) = _validate(["hardware.comm_latency_us=1e308"])
+    assert "us" in p.msg and "0..1e+07" in p.msg
+    (p,) = _validate(["train.steps=true"])
+    assert "yes/no" in p.msg and p.hint == "set train.steps to a number"
+    assert _validate(["hardware.comm_latency_us=0", "hardware.memory_per_device_gib=0.0085"]) == []
+    # a yes/no where yes/no is meant stays accepted
+    assert _validate(["train.compile=true"]) == []
 
 
 def test_degree_product_error_names_all_four_degrees_and_the_world_size():
