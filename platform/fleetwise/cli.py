@@ -609,8 +609,31 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+def take_config_dirs(argv: list[str]) -> list[str]:
+    """`--config-dir DIR` / `--config-dir=DIR` / `-cd DIR` (Hydra's flag, any command, repeatable):
+    the trees are overlaid on conf/ (config/paths.py) through the environment, which the ranks and a
+    sweep's jobs inherit. Returns argv without them."""
+    import os
+
+    from fleetwise.config.paths import EXTRA_DIRS_ENV
+
+    rest, dirs = [], []
+    it = iter(argv)
+    for a in it:
+        if a in ("--config-dir", "-cd"):
+            dirs.append(next(it, ""))
+        elif a.startswith("--config-dir="):
+            dirs.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+    if dirs:
+        found = [os.path.abspath(d) for d in dirs if d]
+        os.environ[EXTRA_DIRS_ENV] = os.pathsep.join([*found, *filter(None, os.environ.get(EXTRA_DIRS_ENV, "").split(os.pathsep))])
+    return rest
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = take_config_dirs(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help", "help"):
         return print_help()
     command, rest = argv[0], argv[1:]

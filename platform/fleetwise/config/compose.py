@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from fleetwise.config.paths import config_dir, group_options, user_config_dir
+from fleetwise.config.paths import config_dir, extra_config_dirs, group_options, user_config_dir
 from fleetwise.config.problems import ConfigError, Problem, did_you_mean
 from fleetwise.config.recipes import apply_strategy_choice
 
@@ -19,12 +19,12 @@ PRIMARY = "config"
 
 
 def search_path_overrides(overrides: list[str]) -> list[str]:
-    """Hydra override adding the user config dir to the search path (when it exists and the user
-    did not set hydra.searchpath)."""
-    user = user_config_dir()
-    if not user.is_dir() or any(o.lstrip("+").startswith("hydra.searchpath=") for o in overrides):
+    """Hydra override adding the `--config-dir` trees and the user config dir to the search path
+    (those that exist, when the user did not set hydra.searchpath)."""
+    dirs = [d for d in (*extra_config_dirs(), user_config_dir()) if d.is_dir()]
+    if not dirs or any(o.lstrip("+").startswith("hydra.searchpath=") for o in overrides):
         return []
-    return [f"hydra.searchpath=[file://{user.resolve()}]"]
+    return [f"hydra.searchpath=[{','.join(f'file://{d.resolve()}' for d in dirs)}]"]
 
 
 def _is_group_override(text: str) -> bool:

@@ -26,10 +26,24 @@ def user_config_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".config" / "fleetwise"
 
 
+EXTRA_DIRS_ENV = "FLEETWISE_EXTRA_CONFIG_DIRS"  # set by `--config-dir`; the ranks inherit it
+
+
+def extra_config_dirs() -> list[Path]:
+    """The trees given with `--config-dir DIR` (Hydra's flag): overlaid on conf/ for every command,
+    searched after it (a user's recipe/mynet.yaml adds the option recipe=mynet)."""
+    return [Path(p) for p in os.environ.get(EXTRA_DIRS_ENV, "").split(os.pathsep) if p]
+
+
+def search_dirs() -> list[Path]:
+    """Every tree config groups are read from: conf/, --config-dir's, then the user's own."""
+    return [config_dir(), *extra_config_dirs(), user_config_dir()]
+
+
 def group_options(group: str) -> list[str]:
     """Options of a config group, e.g. 'recipe' -> ['ctr/tiny', ..., 'resnet/tiny']."""
     options = set()
-    for base in (config_dir(), user_config_dir()):
+    for base in search_dirs():
         root = base / group
         if root.is_dir():
             options.update(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from fleetwise.config.paths import config_dir, user_config_dir
+from fleetwise.config.paths import config_dir, search_dirs
 from fleetwise.config.problems import Problem
 
 DEFAULT_RECIPE = "gpt/tiny"  # conf/config.yaml's defaults list
@@ -40,7 +40,7 @@ def _yaml(path: Path) -> dict[str, Any]:
 
 
 def recipe_file(name: str) -> Path | None:
-    for base in (config_dir(), user_config_dir()):
+    for base in search_dirs():
         path = base / "recipe" / f"{name}.yaml"
         if path.is_file():
             return path

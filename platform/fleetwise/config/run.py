@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
 
 from fleetwise.config.base import Section
 from fleetwise.config.data import DataConfig
@@ -179,3 +179,12 @@ class RunConfig(Section):
     fault: FaultConfig = FaultConfig()
     plan: PlanCheckConfig = PlanCheckConfig()
     auto: AutoConfig = AutoConfig()
+
+    @model_validator(mode="after")
+    def _model_reads_data(self) -> RunConfig:
+        """A model whose planner units depend on its data (your own model: traced on the dataset's
+        items, families/custom) is told the data section; the built-in families' are not."""
+        bind = getattr(self.model, "bind_data", None)
+        if bind is not None:
+            bind(self.data)
+        return self

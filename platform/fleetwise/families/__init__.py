@@ -6,6 +6,7 @@
                     model.py      the nn.Module (obeys fleetwise.models.contract)
                     tp_plan.py    its tensor-parallel plan (families that have one)
                     data.py       its sample source (families with a data source of their own)
+    families/custom/              your own nn.Module and Dataset (`model=custom`): units measured, not written
     families/transformer.py       what GPT and ERNIE share (schema fields, block unit, checks, tokens;
                                   Llama: the tokens and the mp check)
     families/record.py            `Family` and `ModelSpec`
@@ -29,13 +30,13 @@ from __future__ import annotations
 
 import sys
 
-from fleetwise.families import ctr, ernie, gpt, llama, resnet
+from fleetwise.families import ctr, custom, ernie, gpt, llama, resnet
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.plan.units import Unit
 
 # Order matters to users: it is the order of the `model.family` tags in error messages.
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (gpt.FAMILY, ernie.FAMILY, resnet.FAMILY, ctr.FAMILY, llama.FAMILY)
+    f.name: f for f in (gpt.FAMILY, ernie.FAMILY, resnet.FAMILY, ctr.FAMILY, llama.FAMILY, custom.FAMILY)
 }
 
 

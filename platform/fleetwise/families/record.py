@@ -81,10 +81,14 @@ class Family:
         "its layers are not split by fleetwise",
         "set strategy.mp_degree=1 and use dp or sharding",
     )
-    no_pipeline: tuple[str, str] | None = None  # (why, fix) when pp_degree > 1 cannot work
+    # (why, fix) when pp_degree > 1 cannot work / there is nothing to recompute; or a function of
+    # the model section giving it (your own model: what its trace found)
+    no_pipeline: tuple[str, str] | Callable[[Any], tuple[str, str] | None] | None = None
+    no_recompute: tuple[str, str] | Callable[[Any], tuple[str, str] | None] | None = None
     # a check of pp_degree > 1 against the model's settings (Llama: tied embeddings), or None
     pipeline_parallel: Callable[[Any, int], Iterator[Problem]] | None = None
-    no_recompute: tuple[str, str] | None = None  # (why, fix) when there is nothing to recompute
+    # (why, fix) when strategy=ps cannot train the family at all
+    no_parameter_server: tuple[str, str] | None = None
     # Parameter server: the sparse tables that can live on servers (None: the family has none,
     # and the ps runtime cannot train it), the floats of one table row, every parameter's shape.
     sparse_tables: Callable[[Any], list] | None = None
@@ -93,3 +97,10 @@ class Family:
     convolutional: bool = False  # 16-bit GPU runs use channels_last
     # the loss of a model that has learned nothing (uniform guesses): what a run's loss is shown against
     chance_loss: Callable[[Any], float] | None = None
+
+    def pipeline_refusal(self, model: Any) -> tuple[str, str] | None:
+        """(why, fix) when this model cannot be pipelined, else None."""
+        return self.no_pipeline(model) if callable(self.no_pipeline) else self.no_pipeline
+
+    def recompute_refusal(self, model: Any) -> tuple[str, str] | None:
+        return self.no_recompute(model) if callable(self.no_recompute) else self.no_recompute

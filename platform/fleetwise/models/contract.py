@@ -1,8 +1,9 @@
 """The model contract: what the runtime relies on in a model, as a typed Protocol, and a check of a
 built module against it that says what is wrong and how to fix it.
 
-Every model the runtime trains -- a family's (`fleetwise.families.<name>.model`) or, later, a
-user's own nn.Module -- is a plain nn.Module with no parallel code inside. The runtime applies the
+Every model the runtime trains -- a family's (`fleetwise.families.<name>.model`) or a user's own
+nn.Module (`model=custom`, adapted to this contract in place by `fleetwise.families.custom.model`)
+-- is a plain nn.Module with no parallel code inside. The runtime applies the
 layout to it from outside (`fleetwise.runtime.parallelize`), and for that it needs:
 
 - `layers`: an nn.ModuleDict of the repeated blocks, keyed by index ("0", "1", ... in the order

@@ -81,6 +81,15 @@ def describe_data(cfg) -> DatasetInfo:
             "code",
             json.dumps({"tags": {"fleetwise.data.generator": spec["generator"]}, **spec}),
         )
+    elif d.source == "custom":
+        # your own Dataset: named by its target and arguments (its code is the user's)
+        spec = {"generator": d.dataset["_target_"], **{k: v for k, v in d.dataset.items() if k != "_target_"}}
+        h.update(json.dumps(spec, sort_keys=True, default=str).encode())
+        name = d.dataset["_target_"].rsplit(".", 1)[-1]
+        source_type, source = (
+            "code",
+            json.dumps({"tags": {"fleetwise.data.generator": spec["generator"]}, **spec}, default=str),
+        )
     else:
         path = Path(d.path).resolve()
         if d.source == "image_folder":

@@ -49,7 +49,9 @@ def _only(problems):
     return problems[0]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+# model=custom is no built-in: it has no tiny recipe of its own (a user's module, examples/mynet;
+# tests/unit/families/test_custom.py)
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "custom"])
 def test_each_built_in_family_obeys_the_contract(name):
     cfg, problems = compose(f"recipe={name}/tiny")
     assert cfg is not None, problems

@@ -58,3 +58,16 @@ def test_files_above_the_limit_are_sampled(tmp_path, monkeypatch):
     data[0] = 1  # inside the first window
     path.write_bytes(data)
     assert datasets.describe_data(_cfg("token_file", path)).digest != info.digest
+
+
+def test_your_own_dataset_is_named_by_its_target_and_arguments():
+    """data=custom (a Dataset of the user's): named by its target, digested over it and its
+    arguments (it has no path; describing it used to stop the MLflow run)."""
+
+    def cfg(n):
+        data = SimpleNamespace(source="custom", path=None, dataset={"_target_": "mynet.data.Blobs", "n": n})
+        return SimpleNamespace(data=data, model=SimpleNamespace(family="custom"))
+
+    a = datasets.describe_data(cfg(1024))
+    assert a.name == "Blobs" and a.source_type == "code" and "mynet.data.Blobs" in a.source
+    assert a.digest == datasets.describe_data(cfg(1024)).digest != datasets.describe_data(cfg(512)).digest

@@ -59,8 +59,9 @@ def pipeline_split(ctx: Context) -> Iterator[Problem]:
     if pp is None:
         return
     fam = family_of(m)
-    if fam.no_pipeline is not None and pp > 1:
-        why, fix = fam.no_pipeline
+    no_pipeline = fam.pipeline_refusal(m)
+    if no_pipeline is not None and pp > 1:
+        why, fix = no_pipeline
         yield Problem("strategy.pp_degree", f"pp_degree={pp} on {why}", fix)
         return
     if fam.pipeline_parallel is not None and pp > 1:
@@ -75,7 +76,7 @@ def pipeline_split(ctx: Context) -> Iterator[Problem]:
         )
         return
     stages = pp * v
-    if stages > units:
+    if stages > units and stages > 1:  # one stage runs any model, blocks or none
         yield Problem(
             "strategy.pp_degree",
             f"pp_degree({pp}) × virtual_stages({v}) = {stages} stages but the model has {units} layers",
@@ -207,7 +208,7 @@ def sequence_parallel(ctx: Context) -> Iterator[Problem]:
 @rule
 def recompute_supported(ctx: Context) -> Iterator[Problem]:
     s = ctx.collective
-    no_recompute = family_of(ctx.cfg.model).no_recompute
+    no_recompute = family_of(ctx.cfg.model).recompute_refusal(ctx.cfg.model)
     if s is not None and s.recompute != "none" and no_recompute is not None:
         why, fix = no_recompute
         yield Problem("strategy.recompute", why, fix)
@@ -220,6 +221,10 @@ def recompute_supported(ctx: Context) -> Iterator[Problem]:
 def parameter_server(ctx: Context) -> Iterator[Problem]:
     s, m = ctx.cfg.strategy, ctx.cfg.model
     if not isinstance(s, PSStrategy):
+        return
+    refusal = family_of(m).no_parameter_server
+    if refusal is not None:
+        yield Problem("strategy", f"strategy=ps: {refusal[0]}", refusal[1])
         return
     tables = family_of(m).sparse_tables
     distributed = tables is not None and any(t.distributed for t in tables(m))

@@ -1,0 +1,207 @@
+"""Your own model (`model=custom`, families/custom): what validate says about bad input, the units
+the trace measures, the initial values, and the cache.
+
+The model is the README's example (examples/mynet: a residual MLP and a seeded dataset) through
+`--config-dir`; the bad inputs are in tests/helpers/custom_models.py. Each check's reference is
+written here: the parameter count and FLOPs by hand, the initial values by the eager build
+`torch.manual_seed(seed); Net(...)`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers.cli import run_cli
+from helpers.repo import REPO
+
+EXAMPLES = REPO / "examples"
+CONF = EXAMPLES / "mynet" / "my_conf"
+HELPERS = REPO / "tests"
+NO_TP = "~model.tp_plan"
+OWN = ("~model.module.dim", "~model.module.depth", "model.blocks=null", NO_TP)
+
+
+@pytest.fixture(autouse=True)
+def _user_setup(monkeypatch, tmp_path):
+    """As a user runs it: from examples/ with --config-dir mynet/my_conf, a cache of its own."""
+    monkeypatch.chdir(EXAMPLES)
+    monkeypatch.setenv("FLEETWISE_EXTRA_CONFIG_DIRS", str(CONF))
+    monkeypatch.setenv("FLEETWISE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(HELPERS))
+
+
+def problems(*overrides: str):
+    from fleetwise.launcher.preflight import preflight
+
+    return preflight(["recipe=mynet", *overrides]).problems
+
+
+BAD = [
+    # (overrides, the location of a problem, words of its message)
+    (("model.module._target_=nope.Net",), "model.module._target_", "does not import"),
+    (("model.module._target_=helpers.custom_models.NotAModule",), "model.module._target_", "torch.nn.Module"),
+    (("+model.module.bogus=1",), "model.module", "unexpected keyword argument 'bogus'"),
+    (("data.dataset._target_=nope.data.Set",), "data.dataset._target_", "does not import"),
+    (
+        ("data.dataset._target_=helpers.custom_models.TupleItems", "~data.dataset.n"),
+        "data.dataset",
+        "items must be dicts of tensors",
+    ),
+    (("model.label=z",), "model.label", "'z' is not in the dataset's items (x, y)"),
+    (("model.loss._target_=helpers.custom_models.per_sample_loss",), "model.loss", "not a scalar"),
+    (
+        ("+model.tp_plan.trunk=colwise", "+model.tp_plan.nope=rowwise"),
+        "model.tp_plan.nope",
+        "matches no module",
+    ),
+    (("+model.tp_plan.trunk=colwise",), "model.tp_plan.trunk", "ModuleList: colwise splits nn.Linear"),
+    (("model.blocks=embed",), "model.blocks", "not an nn.ModuleList"),
+    (("model.blocks=trunkk",), "model.blocks", "Did you mean 'trunk'"),
+    (
+        ("strategy=mp", "strategy.mp_degree=3", "hardware.devices_per_node=3"),
+        "strategy.mp_degree",
+        "128 output features, which do not divide by mp_degree=3",
+    ),
+    (
+        ("model.module._target_=helpers.custom_models.OwnParameter", *OWN),
+        "model.module",
+        "owns scale but has no reset_parameters()",
+    ),
+    (
+        (
+            "model.module._target_=helpers.custom_models.WithLoss",
+            *OWN,
+            "model.loss=null",
+            "model.inputs=null",
+            "strategy=pp",
+            "strategy.pp_degree=2",
+            "hardware.devices_per_node=2",
+        ),
+        "strategy.pp_degree",
+        "model.blocks is not set",
+    ),  # fmt: skip
+    (("strategy=ps",), "strategy", "out of its scope"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "loc", "words"), BAD, ids=[b[1] + ":" + b[2][:24] for b in BAD])
+def test_validate_explains_bad_input(overrides, loc, words):
+    found = problems(*overrides)
+    assert any(p.loc == loc and words in p.msg and p.hint for p in found), [(p.loc, p.msg) for p in found]
+
+
+def test_every_problem_of_the_module_at_once():
+    found = problems("model.blocks=trunkk", "+model.tp_plan.nope=rowwise", "+model.module.bogus=1")
+    # the module's kwargs are checked before it is built: that problem alone, then the rest
+    assert [p.loc for p in found] == ["model.module"], found
+    found = problems("model.blocks=trunkk", "+model.tp_plan.nope=rowwise")
+    assert {"model.blocks", "model.tp_plan.nope"} <= {p.loc for p in found}, found
+
+
+def test_the_cli_exits_2_without_a_traceback(tmp_path):
+    r = run_cli(
+        "validate", "--config-dir", str(CONF), "recipe=mynet", "model.module._target_=mynet.net.Nett",
+        "model.blocks=trunkk", cwd=EXAMPLES, env={"FLEETWISE_CACHE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "model.module._target_" in r.stdout + r.stderr and "Nett" in r.stdout + r.stderr
+
+
+def _cfg(*overrides: str):
+    from fleetwise.config.validate import load_config
+
+    return load_config(["recipe=mynet", *overrides])
+
+
+def test_units_are_measured_from_the_module():
+    from fleetwise.families import model_units
+
+    cfg = _cfg()
+    units = model_units(cfg.model)
+    features, dim, depth, classes, hidden = 16, 32, 4, 4, 128
+    block = 2 * dim + (dim * hidden + hidden) + (hidden * dim + dim)
+    assert [u.kind for u in units] == ["embedding", *["block"] * depth, "head"]
+    assert sum(u.params for u in units) == features * dim + dim + depth * block + dim * classes + classes
+    # forward FLOPs per sample: 2 per multiply-add of each Linear
+    assert units[0].fwd_flops == 2 * features * dim
+    assert [u.fwd_flops for u in units[1:-1]] == [2 * 2 * dim * hidden] * depth
+    assert units[-1].fwd_flops == 2 * dim * classes
+    # the tensor-parallel plan splits up (weight, bias) and down (weight)
+    assert units[1].params_split == 2 * dim * hidden + hidden
+    # a block's output goes to the next stage: dim floats per sample
+    assert units[1].boundary_elements == dim
+    # saved per sample: at least the LayerNorm input, up's input and output, gelu's output
+    assert units[1].acts["none"].whole >= dim + dim + hidden + hidden
+    assert cfg.model.num_layers == depth
+
+
+def test_second_derivation_reads_the_cache(monkeypatch):
+    from fleetwise.families.custom import derive
+
+    derive._MEMO.clear()  # traced in this test's cache folder
+    first = derive.derived(_cfg().model)
+    derive._MEMO.clear()
+    monkeypatch.setattr(derive, "_derive", lambda *_: pytest.fail("traced again"))
+    again = derive.derived(_cfg().model)
+    assert again.units == first.units and again.chain == first.chain == (("embed",), ("head",))
+    # a second `plan` is as fast as a built-in one: a cached derivation imports neither the
+    # user's module nor torch
+    code = (
+        "import sys; from fleetwise.launcher.preflight import preflight; "
+        "pf = preflight(['recipe=mynet']); assert not pf.problems, pf.problems; "
+        "print(pf.plan.params, 'torch' in sys.modules, 'mynet.net' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=EXAMPLES)
+    assert out.stdout.split() == ["34340", "False", "False"], out.stderr[-2000:]
+
+
+def test_initial_values_are_the_eager_builds():
+    """fleetwise builds on meta and replays each module's reset_parameters; the result is exactly
+    what the user's own constructor gives under the seed -- in every layout (the parity tests)."""
+    import sys
+
+    sys.path.insert(0, str(EXAMPLES))
+    from mynet.net import Net
+
+    from fleetwise.runtime.modeling import build_model
+
+    cfg = _cfg("train.seed=7")
+    ours = build_model(cfg).state_dict()
+    torch.manual_seed(7)
+    eager = Net(features=16, dim=32, depth=4, classes=4).state_dict()
+    assert list(ours) == list(eager)  # the user's own parameter names
+    for name, value in eager.items():
+        assert torch.equal(ours[name], value), name
+
+
+def test_blocks_read_like_the_module_list():
+    from fleetwise.families.custom.model import BlockList
+
+    blocks = BlockList({str(i): torch.nn.Linear(2, 2) for i in range(3)})
+    assert list(blocks) == [blocks["0"], blocks["1"], blocks["2"]]
+    assert blocks[-1] is blocks["2"] and blocks[1] is blocks["1"] and len(blocks) == 3
+    assert blocks[:2] == [blocks["0"], blocks["1"]]
+
+
+def test_forward_that_returns_the_loss():
+    """No model.loss: forward(**batch) returns the loss (here a dict with `loss`, as Hugging Face
+    models return an object with one); the trainer's loss is that tensor."""
+    import numpy as np
+    from helpers.custom_models import WithLoss
+
+    from fleetwise.runtime.modeling import build_model, build_source, model_spec
+
+    cfg = _cfg(
+        "model.module._target_=helpers.custom_models.WithLoss", *OWN, "model.loss=null", "model.inputs=null"
+    )
+    spec, model = model_spec(cfg), build_model(cfg)
+    batch = build_source(cfg).batch(np.arange(8))
+    assert spec.inputs == ("x", "y")
+    loss = spec.loss(model(*[batch[k] for k in spec.inputs]), batch[spec.label])
+    torch.manual_seed(cfg.train.seed)
+    eager = WithLoss()(batch["x"], batch["y"])["loss"]
+    assert loss.shape == () and torch.equal(loss, eager)
