@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST       := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: install demo readme-demo test check test-under-load lint bench clean
+.PHONY: install demo readme-demo test check test-under-load durations lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,18 @@ test-under-load: $(STAMP)
 	@$(PY) -c "while True: pass" & a=$$!; $(PY) -c "while True: pass" & b=$$!; \
 	trap 'kill $$a $$b 2>/dev/null' EXIT INT TERM; \
 	echo "two CPU-bound load processes: $$a $$b"; $(VENV)/bin/pytest $(XDIST) $(PYTEST_ARGS)
+
+# The whole suite, then tests/DURATIONS.md: seconds per test file, slowest first, with the total, the
+# machine, its load and the date (scripts/durations.py). Commit the table: a file that got slower
+# shows in review. Run it on an otherwise idle machine.
+DURATIONS_XML ?= build/junit.xml
+durations: $(STAMP)
+	@mkdir -p $(dir $(DURATIONS_XML))
+	@load="$$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)"; start=$$(date +%s); \
+	$(VENV)/bin/pytest $(XDIST) --junitxml=$(DURATIONS_XML) $(PYTEST_ARGS); rc=$$?; \
+	$(PY) scripts/durations.py $(DURATIONS_XML) --wall $$(( $$(date +%s) - start )) \
+	  $(if $(XDIST),--workers $(TEST_WORKERS)) --load "$$load" > tests/DURATIONS.md; \
+	echo "tests/DURATIONS.md written"; exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform tests scripts
