@@ -66,7 +66,9 @@ def render(report: Path, wall: float | None, workers: int | None, load: str | No
     seconds, counts, tests = file_times(report)
     total = sum(seconds.values())
     rows = sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))
-    date = datetime.datetime.fromtimestamp(report.stat().st_mtime, datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.datetime.fromtimestamp(report.stat().st_mtime, datetime.UTC).strftime(
+        "%Y-%m-%d %H:%M UTC"
+    )
     out = [
         "# Test time per file",
         "",
@@ -84,7 +86,9 @@ def render(report: Path, wall: float | None, workers: int | None, load: str | No
         out.append(f"- load average at the start of the run: {load}")
     out += ["", "| file | tests | seconds | share |", "|---|---:|---:|---:|"]
     for path, s in rows:
-        out.append(f"| {path} | {counts[path]} | {s:,.1f} | {s / total:.1%} |" if total else f"| {path} | 0 | 0 | |")
+        out.append(
+            f"| {path} | {counts[path]} | {s:,.1f} | {s / total:.1%} |" if total else f"| {path} | 0 | 0 | |"
+        )
     out += [f"| **total** | **{sum(counts.values())}** | **{total:,.1f}** | |", ""]
     out += ["## The 15 slowest tests", "", "| test | seconds |", "|---|---:|"]
     out += [f"| {name} | {t:,.1f} |" for t, name in tests[:15]]

@@ -38,4 +38,8 @@ def test_files_are_summed_sorted_and_totalled(tmp_path, monkeypatch):
     assert "- wall time of the run: 25 s (0.4 min)" in table
     assert "- load average at the start of the run: 0.10 0.20 0.30" in table
     slowest = table.split("## The 15 slowest tests")[1]
-    assert slowest.index("test_c[dp] | 30.0") < slowest.index("test_c[mp] | 12.5") < slowest.index("test_d | 4.0")
+    assert (
+        slowest.index("test_c[dp] | 30.0")
+        < slowest.index("test_c[mp] | 12.5")
+        < slowest.index("test_d | 4.0")
+    )
