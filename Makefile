@@ -2,6 +2,7 @@
 #   make demo   create .venv, install, run the demo job
 #   make test   create .venv, install with test extras, run the tests
 #   make check  the fast loop while you work: unit tests + one 2-rank job (a few minutes)
+#   make durations  the whole suite, then tests/DURATIONS.md (seconds per test file; commit it)
 #
 # torch is installed first, pinned (TORCH_SPEC), so that pip takes a local CPU wheel where one
 # exists (pip's find-links / constraints) and never resolves an unpinned `torch` to a multi-GB CUDA
@@ -68,7 +69,8 @@ durations: $(STAMP)
 	@load="$$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)"; start=$$(date +%s); \
 	$(VENV)/bin/pytest $(XDIST) --junitxml=$(DURATIONS_XML) $(PYTEST_ARGS); rc=$$?; \
 	$(PY) scripts/durations.py $(DURATIONS_XML) --wall $$(( $$(date +%s) - start )) \
-	  $(if $(XDIST),--workers $(TEST_WORKERS)) --load "$$load" > tests/DURATIONS.md; \
+	  $(if $(XDIST),--workers $(TEST_WORKERS)) --load "$$load" $(if $(PYTEST_ARGS),--selection '$(PYTEST_ARGS)') \
+	  > tests/DURATIONS.md; \
 	echo "tests/DURATIONS.md written"; exit $$rc
 
 lint: $(STAMP)

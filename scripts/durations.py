@@ -62,7 +62,9 @@ def machine() -> str:
     return f"{cores} cores, {cpu}, Python {platform.python_version()}"
 
 
-def render(report: Path, wall: float | None, workers: int | None, load: str | None) -> str:
+def render(
+    report: Path, wall: float | None, workers: int | None, load: str | None, selection: str | None = None
+) -> str:
     seconds, counts, tests = file_times(report)
     total = sum(seconds.values())
     rows = sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))
@@ -80,6 +82,8 @@ def render(report: Path, wall: float | None, workers: int | None, load: str | No
         f"- tests: {sum(counts.values())} in {len(rows)} files, {total:,.0f} s summed"
         + (f" over {workers} workers" if workers else ""),
     ]
+    if selection:
+        out.append(f"- tests run: `{selection}` (not the whole suite)")
     if wall is not None:
         out.append(f"- wall time of the run: {wall:,.0f} s ({wall / 60:.1f} min)")
     if load:
@@ -101,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wall", type=float, help="the run's wall time in seconds")
     p.add_argument("--workers", type=int, help="pytest-xdist workers of the run")
     p.add_argument("--load", help="the machine's load average when the run started")
+    p.add_argument("--selection", help="the pytest arguments of a run of part of the suite")
     args = p.parse_args(argv)
-    sys.stdout.write(render(args.report, args.wall, args.workers, args.load))
+    sys.stdout.write(render(args.report, args.wall, args.workers, args.load, args.selection))
     return 0
 
 
