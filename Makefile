@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST       := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: install demo readme-demo test check test-under-load durations lint bench clean
+.PHONY: install demo readme-demo test check test-under-load durations test-torch lint bench clean gpu-wheelhouse
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +73,16 @@ durations: $(STAMP)
 	  > tests/DURATIONS.md; \
 	echo "tests/DURATIONS.md written"; exit $$rc
 
+# fleetwise on another torch (scripts/test_torch.py): make check's tests, one real job per engine and a
+# pipelined dry run, in a venv of its own (never $(VENV), the CI pin), with a pass/fail table:
+#   make test-torch TORCH_SPEC=torch==2.11.0          a new .venv-torch-2.11.0 (torch first, then fleetwise[test])
+#   make test-torch TORCH_VENV=/path/to/venv          an existing venv, with whatever torch it has
+TORCH_VENV ?=
+test-torch:
+	$(PYTHON) scripts/test_torch.py --workers $(TEST_WORKERS) \
+	  $(if $(TORCH_VENV),--venv $(TORCH_VENV)) \
+	  $(if $(and $(TORCH_VENV),$(filter file,$(origin TORCH_SPEC))),,--torch-spec "$(TORCH_SPEC)")
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check platform tests scripts
 
@@ -83,3 +93,12 @@ clean:
 # planner accuracy, start-up (+ GPU where CUDA exists). Writes bench/results.json and results.md.
 bench: $(STAMP)
 	$(VENV)/bin/python scripts/bench.py
+
+# The wheels a bare GPU machine (torch preinstalled, no network) needs for scripts/gpu_check.sh:
+# fleetwise and what it imports beyond torch and the image's packages, for Python 3.12 manylinux
+# x86-64 (never torch), into .whl/ (git-ignored), under 64 MiB with the working tree (the build
+# prints the total and fails over it). GPU_WHEELHOUSE_MLFLOW=0 leaves MLflow out (the check's
+# tracking step is then skipped). scripts/gpu_wheelhouse.py says what is carried and why.
+GPU_WHEELHOUSE_MLFLOW ?= 1
+gpu-wheelhouse: $(STAMP)
+	$(PY) scripts/gpu_wheelhouse.py .whl $(if $(filter 0,$(GPU_WHEELHOUSE_MLFLOW)),--no-mlflow,)

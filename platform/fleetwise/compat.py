@@ -4,9 +4,14 @@ fleetwise uses what PyTorch ships, and a few things it needs are private (a lead
 no promise across releases) or appeared in a recent release only. Every such use is here, and
 nowhere else in the package but the dry run's own patches (fleetwise.dryrun.patches), so that a
 new torch release is checked in two files. `CHECKED` at the end says, for each entry, the torch
-versions it was checked on (read in that version's source, and run); on any other version an entry
-takes a public fallback where one exists, or raises `Unsupported` when used -- a clear error naming
-the installed version and the feature, never an AttributeError from inside a rank.
+versions it was checked on (read in that version's source, and run: `make test-torch`); on any
+other version an entry takes a public fallback where one exists (the collectives), finds the
+version's shape where torch has two (the pipeline receive buffers: torch's own stage where it has
+neither), or raises `Unsupported` when used -- a clear error naming the installed version and the
+feature, never an AttributeError from inside a rank: a name torch lacks is a `_Missing`, and a
+function that reads internals is an `_entry`, which turns a missing name or a changed signature
+into `Unsupported` there. (The few names imported at the top have been in torch since 2.0.)
+`validate` refuses a torch older than the oldest version checked (config/rules/torch_version.py).
 
 tests/unit/architecture/test_private_torch.py holds the rule: a private torch name anywhere else in the package
 fails it.
@@ -41,7 +46,10 @@ VERSION = torch.__version__.split("+")[0]
 MINOR = ".".join(VERSION.split(".")[:2])  # "2.13"
 
 
-TESTED = ("2.11", "2.13")  # the versions every entry without a note of its own was checked on
+# The torch versions every entry was checked on (read in each version's source, and run by
+# `make test-torch`: scripts/test_torch.py): the supported range of pyproject.toml and of
+# `validate` (config/rules/torch_version.py SUPPORTED, which states it without importing torch).
+TESTED = ("2.11", "2.12", "2.13", "2.14")
 
 
 class Unsupported(RuntimeError):
@@ -81,31 +89,57 @@ def _find(owner, path: str):
     return found
 
 
+def _entry(feature: str, checked: tuple[str, ...] = TESTED):
+    """Decorates an entry that reads torch internals: on a torch in `checked` it is the function
+    itself (no wrapper, no cost: an AttributeError there is a fleetwise bug and shows as one); on
+    any other torch an AttributeError, ImportError or TypeError from inside it (a private name gone
+    or a signature changed) becomes `Unsupported` naming `feature` and the installed version."""
+
+    def decorate(fn: Callable) -> Callable:
+        if MINOR in checked:
+            return fn
+
+        @functools.wraps(fn)
+        def guarded(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (AttributeError, ImportError, TypeError) as e:
+                raise unsupported(feature, checked) from e
+
+        return guarded
+
+    return decorate
+
+
 # ------------------------------------------------------------------------------------------------
 # Dispatch modes, pytrees, fake tensors (the live-tensor tracker, the dry run's counters), imported
-# above: the same names and behaviour on 2.11 and 2.13 (present since 2.0).
+# above: the same names and behaviour on every version in TESTED (present since 2.0).
 
 
+@_entry("the dispatch-mode stack (memory tracking, the dry run)")
 def dispatch_modes() -> list:
     """The dispatch modes active now, outermost first."""
     return _get_current_dispatch_mode_stack()
 
 
+@_entry("running below every dispatch mode (memory tracking, the dry run)")
 def modes_disabled():
     """A context in which no dispatch mode is active (ops run on real tensors, below every mode)."""
     return _disable_current_modes()
 
 
 # ------------------------------------------------------------------------------------------------
-# Tensors and storages. Checked on 2.11 and 2.13.
+# Tensors and storages.
 
 
+@_entry("telling tensor storages apart (the live-tensor memory tracker)")
 def storage_key(storage) -> int:
     """A key that names one storage while it lives (a tensor's `untyped_storage()` is a new
     Python object per call; the storage it wraps is not)."""
     return storage._cdata
 
 
+@_entry("a DTensor's local shard")
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard as it is held (no autograd view, unlike `to_local()`); others as they are."""
     from torch.distributed.tensor import DTensor
@@ -114,13 +148,13 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 # Multi-tensor kernels (one launch for a list of tensors): what torch.optim and
-# clip_grad_norm_ use themselves. Checked on 2.11 and 2.13.
+# clip_grad_norm_ use themselves.
 foreach_norm = _find(torch, "_foreach_norm")
 foreach_mul_ = _find(torch, "_foreach_mul_")
 foreach_copy_ = _find(torch, "_foreach_copy_")
 
 # ATen's own operators with a leading underscore: the dispatcher's names, not a Python API.
-# Checked on 2.11 and 2.13 (every one below is present on both). Compared by identity: where one
+# Every one below is present on every version in TESTED. Compared by identity: where one
 # is missing, nothing matches it (the attention kernels: the ones present are saved).
 _aten = torch.ops.aten
 SCALAR_READ = _find(_aten, "_local_scalar_dense.default")  # `.item()`, `float(t)`, `bool(t)`
@@ -143,7 +177,7 @@ FUNCTIONAL_ALL_REDUCE = _find(torch.ops, "_c10d_functional.all_reduce.default")
 
 
 # ------------------------------------------------------------------------------------------------
-# Modules. Checked on 2.11 and 2.13.
+# Modules.
 # BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones (fallback: the four public classes)
 BATCH_NORMS = getattr(nn.modules.batchnorm, "_BatchNorm", None) or (
     nn.BatchNorm1d,
@@ -153,6 +187,7 @@ BATCH_NORMS = getattr(nn.modules.batchnorm, "_BatchNorm", None) or (
 )
 
 
+@_entry("activation checkpointing (strategy.recompute)")
 def checkpoint_wrapper(module: nn.Module, **kwargs) -> nn.Module:
     """torch.distributed's activation-checkpoint wrapper (the one torchtitan applies per block)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
@@ -160,20 +195,23 @@ def checkpoint_wrapper(module: nn.Module, **kwargs) -> nn.Module:
     return wrap(module, **kwargs)
 
 
+@_entry("GradScaler's overflow flags (train.precision=fp16)")
 def scaler_found_inf(scaler, optimizer) -> list[torch.Tensor]:
     """GradScaler's found-inf flags of `optimizer` (one per device) after `unscale_`, which torch
-    keeps per optimizer (its ShardedGradScaler reads them the same way). Checked on 2.11 and 2.13."""
+    keeps per optimizer (its ShardedGradScaler reads them the same way)."""
     return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
 
 
+@_entry("restoring the LR schedule on resume")
 def set_last_lr(scheduler, lrs: list[float]) -> None:
     """What an LR scheduler's `get_last_lr()` returns, set after moving it by hand (a resume): torch
-    keeps it in a private field it writes in `step()`. Checked on 2.11 and 2.13."""
+    keeps it in a private field it writes in `step()`."""
     scheduler._last_lr = lrs
 
 
+@_entry("torch.compile's graph counters (train.compile)")
 def compile_counters() -> dict:
-    """torch.compile's counters (`stats`: unique_graphs, `graph_break`: reasons). Checked on 2.11 and 2.13."""
+    """torch.compile's counters (`stats`: unique_graphs, `graph_break`: reasons)."""
     from torch._dynamo.utils import counters
 
     return counters
@@ -192,8 +230,10 @@ def quiet_redistribute_logs() -> None:
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
     """Reduce-scatter a flat `input` into this rank's `output` slice. `dist.reduce_scatter_single`
-    appeared in torch 2.13 (checked on 2.13); before it, `dist.reduce_scatter_tensor` takes the same
-    arguments and does the same (checked on 2.11). Looked up at the call: the dry run patches it."""
+    appeared in torch 2.13 (2.13, 2.14); before it, `dist.reduce_scatter_tensor` takes the same
+    arguments and does the same (2.11, 2.12; from 2.13 a deprecated alias of the other). Looked up
+    at the call: the dry run patches it. gloo jobs take ZeRO-1's all-reduce path: this one runs on
+    NCCL, and on gloo in tests/unit/test_compat_collectives.py, both ways."""
     if hasattr(dist, "reduce_scatter_single"):
         dist.reduce_scatter_single(output, input, group=group)
     else:
@@ -202,17 +242,18 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None)
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
     """All-gather every rank's `input` into the flat `output`: `dist.all_gather_single` from torch
-    2.13 (checked on 2.13), `dist.all_gather_into_tensor` before it (checked on 2.11)."""
+    2.13 (2.13, 2.14), `dist.all_gather_into_tensor` before it (2.11, 2.12)."""
     if hasattr(dist, "all_gather_single"):
         dist.all_gather_single(output, input, group=group)
     else:
         dist.all_gather_into_tensor(output, input, group=group)
 
 
+@_entry("pipelining's split backward (calibrate's zero-bubble probe)")
 def stage_backward_split():
     """Pipelining's backward passes (`stage_backward`, and the zero-bubble split into
     `stage_backward_input` + `stage_backward_weight`), which `fleetwise calibrate` times on their
-    own. Checked on 2.11 and 2.13 (same names and signatures)."""
+    own (the same names and signatures on every version in TESTED)."""
     try:
         from torch.distributed.pipelining import _backward
     except ImportError as e:  # pragma: no cover - a torch without pipelining's backward module
@@ -220,10 +261,11 @@ def stage_backward_split():
     return _backward.stage_backward, _backward.stage_backward_input, _backward.stage_backward_weight
 
 
+@_entry("fleetwise's own tensor-parallel styles (strategy.mp_degree > 1)")
 def tensor_parallel_style() -> type:
     """The base of a tensor-parallel style of fleetwise's own: a torch ParallelStyle written as one
     public method, `apply(module, device_mesh)`. `parallelize_module` calls a style's private
-    `_apply`, its only extension point; checked on 2.11 and 2.13. Built on first use: importing
+    `_apply`, its only extension point. Built on first use: importing
     torch's tensor-parallel package is a cost a job without mp does not pay."""
     global _STYLE
     if _STYLE is None:
@@ -243,30 +285,34 @@ def tensor_parallel_style() -> type:
 _STYLE: type | None = None
 
 
+@_entry("a DTensor shard's rows (ZeRO-1 and the vocabulary-parallel embedding)")
 def local_rows(t) -> tuple[int, int]:
     """(rows, first row) of this rank's shard of a DTensor sharded on dim 0 (torch's own split,
-    uneven shards included). Checked on 2.11 and 2.13."""
+    uneven shards included)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     (rows, *_), (start, *_) = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return rows, start
 
 
+@_entry("resolving a process group by name")
 def resolve_process_group(name: str):
-    """The process group registered under `name` (how c10d ops name their group). Checked on 2.11 and 2.13."""
+    """The process group registered under `name` (how c10d ops name their group)."""
     return dist.distributed_c10d._resolve_process_group(name)
 
 
+@_entry("flattened device-mesh dimensions (FSDP and ZeRO over several dimensions)")
 def flatten_mesh(mesh, dims: tuple[str, ...]):
     """One mesh dimension made of several (`mesh[dims]` flattened, named "a_b"): DeviceMesh has no
-    public way to do it yet. Checked on 2.11 and 2.13 (the same signature)."""
+    public way to do it yet (the same signature on every version in TESTED)."""
     return mesh[dims]._flatten("_".join(dims))
 
 
 # ------------------------------------------------------------------------------------------------
-# torchrun's elastic agent (launcher/agent.py, a process that imports torch anyway). Checked on 2.11 and 2.13.
+# torchrun's elastic agent (launcher/agent.py, a process that imports torch anyway).
 
 
+@_entry("the elastic agent's rendezvous hook (launcher/agent.py)")
 def after_each_rendezvous(hook: Callable[[Any], None]) -> None:
     """Call `hook(worker_group)` after the elastic agent's every rendezvous, before its workers
     start (`SimpleElasticAgent._rendezvous(self, worker_group)`), in this process."""
@@ -281,6 +327,7 @@ def after_each_rendezvous(hook: Callable[[Any], None]) -> None:
     api.SimpleElasticAgent._rendezvous = _rendezvous
 
 
+@_entry("the rendezvous round (launcher/agent.py)")
 def rendezvous_round(worker_group) -> int:
     """The round of the rendezvous `worker_group` was formed in (the dynamic rendezvous handler's
     state), 0 where the handler keeps none."""
@@ -289,14 +336,16 @@ def rendezvous_round(worker_group) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# Distributed checkpoints. Checked on 2.11 and 2.13.
+# Distributed checkpoints.
 
 
+@_entry("reading a checkpoint's metadata")
 def metadata_path(reader, rank: int | None):
     """The path of a FileSystemReader's `.metadata` file for `rank`."""
     return reader._get_metadata_path(rank)
 
 
+@_entry("loading a whole checkpoint in one process (checkpoint export)")
 def load_into_empty(state: dict[str, Any], reader) -> None:
     """Load a whole checkpoint into the empty dict `state` in this one process (no process group):
     what torch's own `dcp_to_torch_save` does, with the reader given."""
@@ -310,32 +359,33 @@ def load_into_empty(state: dict[str, Any], reader) -> None:
 # Pipelining: the receive buffers of a stage (runtime/pipeline_stage.py pools them).
 #
 # torch builds one set of receive buffers per micro-batch when a schedule first runs, in private
-# methods that differ between versions:
-#   2.13: `_setup_forward_recv_info(n, has_backward)` and `_setup_backward_recv_info(n)`;
-#         `_RecvInfo(name, source, buffer, tensor_meta, is_root_arg=)`, `_make_tensor_from_meta(TensorMeta, device)`;
-#         a received activation's requires_grad is set when it is read.
-#   2.11: `_prepare_forward_infra(n, args, kwargs)` (shape inference, then the buffers, then the
-#         send info) and `_prepare_backward_infra(n)`; `_RecvInfo(name, source, buffer)`,
+# methods that differ between versions (two shapes, named after their methods):
+#   "setup" (torch 2.12, 2.13, 2.14): `_setup_forward_recv_info(n, has_backward)` and
+#         `_setup_backward_recv_info(n)`; `_RecvInfo(name, source, buffer, tensor_meta, is_root_arg=)`,
+#         `_make_tensor_from_meta(TensorMeta, device)`; a received activation's requires_grad is set
+#         when it is read.
+#   "prepare" (torch 2.11): `_prepare_forward_infra(n, args, kwargs)` (shape inference, then the
+#         buffers, then the send info) and `_prepare_backward_infra(n)`; `_RecvInfo(name, source, buffer)`,
 #         `_make_tensor_from_meta(meta tensor, device)`; buffers are made requires_grad up front.
 #         Its P2P warm-up (`_get_init_p2p_neighbors_ops`) also links a stage to a neighbour on the
 #         same rank, which gloo refuses: PooledRecvStage drops those ops (ZBV zero bubble).
 # `PooledRecvStage` overrides whichever the installed torch has (found by name and signature, so
 # an unchecked version with one of the two shapes takes it); with neither, `pooled_recv_stage()`
 # is None and the runtime uses torch's own PipelineStage (runtime/pipeline_stage.py, with a note).
-RECV_POOL_CHECKED = ("2.11", "2.13")
+RECV_POOL_CHECKED = TESTED
 
 
 def recv_api() -> str | None:
-    """Which of the two shapes above the installed torch has ("2.13" or "2.11"), or None."""
+    """Which of the two shapes above the installed torch has ("setup" or "prepare"), or None."""
     from torch.distributed.pipelining.stage import PipelineStage
 
     def params(name: str) -> list[str]:
         return list(inspect.signature(getattr(PipelineStage, name)).parameters)[1:]
 
     if hasattr(PipelineStage, "_setup_forward_recv_info") and hasattr(PipelineStage, "_setup_backward_recv_info"):
-        return "2.13" if params("_setup_forward_recv_info") == ["num_microbatches", "has_backward"] else None
+        return "setup" if params("_setup_forward_recv_info") == ["num_microbatches", "has_backward"] else None
     if hasattr(PipelineStage, "_prepare_forward_infra") and hasattr(PipelineStage, "_create_grad_recv_info"):
-        return "2.11" if params("_prepare_forward_infra") == ["num_microbatches", "args", "kwargs"] else None
+        return "prepare" if params("_prepare_forward_infra") == ["num_microbatches", "args", "kwargs"] else None
     return None
 
 
@@ -366,7 +416,7 @@ def pooled_recv_stage() -> type | None:
 
         def _pool_forward(self, first: tuple) -> None:
             # what `get_bwd_send_ops` reads (sources, not buffers), so it never takes a set of its own
-            if api == "2.13":
+            if api == "setup":
                 self._recv_template = tuple(
                     _RecvInfo(i.input_name, i.source, None, i.tensor_meta, is_root_arg=i.is_root_arg)
                     for i in first
@@ -376,7 +426,7 @@ def pooled_recv_stage() -> type | None:
             self.args_recv_info = self.pool_activations(first, self._new_activation_set)
 
         def _new_activation_set(self) -> tuple:
-            if api == "2.13":
+            if api == "setup":
                 return tuple(
                     _RecvInfo(
                         t.input_name, t.source, _make_tensor_from_meta(t.tensor_meta, self.device), t.tensor_meta
@@ -396,7 +446,7 @@ def pooled_recv_stage() -> type | None:
             self.chunks = num_microbatches  # what torch's own setup records
             self.grad_recv_info = self.pool_gradients(lambda: self._create_grad_recv_info(self.act_send_info))
 
-        if api == "2.13":
+        if api == "setup":
 
             def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
                 if self.is_first:  # root inputs: nothing is received
@@ -442,9 +492,10 @@ def pooled_recv_stage() -> type | None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Each entry above and the torch versions it was checked on (read in that version's source, and
-# run: the unit tests and a 2-rank job of each engine and pipeline schedule). 2.12 and 2.14 are
-# not yet checked; the pipeline receive-buffer adapter is chosen by shape, not by version.
+# Each entry above and the torch versions it was checked on: read in that version's source, and
+# run by `make test-torch` (scripts/test_torch.py: the unit tests of `make check`, a real job of
+# each engine, three dry runs). Where a version's internals differ, the entry finds the version's
+# shape by name (the pipeline receive buffers, the collectives), not by version number.
 CHECKED: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
         (
@@ -458,7 +509,7 @@ CHECKED: dict[str, tuple[str, ...]] = {
         ),
         TESTED,
     ),
-    # torch's own from 2.13; the public reduce_scatter_tensor / all_gather_into_tensor before it
+    # torch's own on 2.13, 2.14; the public reduce_scatter_tensor / all_gather_into_tensor on 2.11, 2.12
     "reduce_scatter_single": TESTED,
     "all_gather_single": TESTED,
     "pooled_recv_stage": RECV_POOL_CHECKED,

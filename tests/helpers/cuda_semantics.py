@@ -17,12 +17,14 @@ Why this shape (torch 2.13, CPU build):
   (`MetaRelay`), because fake collectives carry no data: simulated ranks of one pipeline must
   run at the same time.
 - What the stand-in device lacks is supplied here, and only that: a device module (`torch.meta`:
-  current_device, streams, events), device-to-host copies (ones), FSDP2's host copy of offloaded
-  meta shards (which it skips for meta parameters), DDP with a Python all-reduce hook (its C++
-  hook needs a result the fake backend does not produce) and without its data-dependent start-up
-  checks and bucket rebuild. The count of host-device synchronizations is this test's own.
+  current_device, streams, events), device-to-host copies (ones; a GradScaler flag 0), pinned
+  host memory, FSDP2's host copy of offloaded meta shards (which it skips for meta parameters),
+  DDP with a Python all-reduce hook (its C++ hook needs a result the fake backend does not
+  produce) and without its data-dependent start-up checks and bucket rebuild. The count of host-device synchronizations is this test's own.
 - Not covered: checkpoints (DCP writes tensor data, which the device does not hold), and code
-  behind `device.type == "cuda"` tests (pinned offload, DDP device_ids, CUDA memory statistics).
+  behind `device.type == "cuda"` tests (DDP device_ids, CUDA memory statistics, CUDA events).
+  Pinned host memory is: `pin_memory()` marks its copy pinned, and a host-to-device copy waits
+  (a sync) unless it is non-blocking from pinned memory.
 - autocast has no meta kernels: 16-bit runs use it as a no-op; the trainer's precision logic, the
   GradScaler and FSDP's MixedPrecisionPolicy run as configured.
 
@@ -39,13 +41,14 @@ import sys
 import tempfile
 import traceback
 import types
+import weakref
 from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 
-from fleetwise.compat import SCALAR_READ, TorchDispatchMode
+from fleetwise.compat import SCALAR_READ, TorchDispatchMode, storage_key
 from fleetwise.dryrun.fake import HostReads, MetaRelay, join_fake_world
 
 DEVICE = torch.device("meta")
@@ -55,12 +58,30 @@ DEVICE = torch.device("meta")
 SYNCS = {"count": 0}
 # collectives so far (c10d ops: each one a point where a rank waits for its peers)
 COLLECTIVES = {"count": 0}
+# elements copied from the host to the device so far
+H2D = {"elements": 0}
+# storages of host tensors in page-locked ("pinned") memory, which a CPU build has none of
+PINNED: set[int] = set()
+
+
+def pin(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t`'s storage as pinned host memory (until it is freed)."""
+    key = storage_key(t.untyped_storage())
+    PINNED.add(key)
+    weakref.finalize(t.untyped_storage(), PINNED.discard, key)
+    return t
+
+
+def pinned(t: torch.Tensor) -> bool:
+    return storage_key(t.untyped_storage()) in PINNED
 
 
 class DeviceReads(TorchDispatchMode):
-    """Host reads of device data: a scalar read (`.item()`, `float()`, answered by the dry run's
-    HostReads) and a device-to-host copy. Each one is a host-device synchronization on a GPU, and
-    is counted in SYNCS. Collectives are counted in COLLECTIVES."""
+    """Host-device synchronizations, counted in SYNCS: host reads of device data -- a scalar read
+    (`.item()`, `float()`, answered by the dry run's HostReads) and a device-to-host copy -- and
+    host-to-device copies that make the host wait: from pageable memory, or blocking (CUDA stages
+    a pageable copy synchronously; only a non-blocking copy from pinned memory is queued on the
+    stream). `pin_memory()` makes a pinned copy here. Collectives are counted in COLLECTIVES."""
 
     def __init__(self):
         super().__init__()
@@ -74,12 +95,25 @@ class DeviceReads(TorchDispatchMode):
             SYNCS["count"] += 1
             return self.reads.answer(args[0])
         self.reads.note(func, args)
+        if func is torch.ops.aten.is_pinned.default:
+            return pinned(args[0])
+        if func is torch.ops.aten._pin_memory.default:
+            return pin(args[0].clone())
         if func is torch.ops.aten._to_copy.default and args[0].is_meta and str(kwargs.get("device")) == "cpu":
             SYNCS["count"] += 1
             return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
         if func is torch.ops.aten.copy_.default and args[1].is_meta and args[0].device.type == "cpu":
             SYNCS["count"] += 1
-            return args[0].fill_(1)
+            # a GradScaler found-inf flag (offload: on the host) reads 0, as HostReads answers it
+            return args[0].fill_(0 if storage_key(args[0].untyped_storage()) in self.reads.found_inf else 1)
+        if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu":
+            to_device = str(kwargs.get("device")) == "meta"
+            SYNCS["count"] += to_device and not (kwargs.get("non_blocking") and pinned(args[0]))
+            H2D["elements"] += args[0].numel() if to_device else 0
+        if func is torch.ops.aten.copy_.default and args[0].is_meta and args[1].device.type == "cpu":
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            SYNCS["count"] += not (non_blocking and pinned(args[1]))
+            H2D["elements"] += args[1].numel()
         return func(*args, **kwargs)
 
 
@@ -165,7 +199,8 @@ def _ddp_class():
 
 def _offload_host_copy(original):
     """FSDP2 copies an offloaded shard to the host unless the parameter is on meta (it expects meta
-    parameters to be materialised later): make the host copy it makes for a device parameter."""
+    parameters to be materialised later): make the host copy it makes for a device parameter
+    (pinned where its policy pins)."""
 
     def init(self, param, device, *rest):
         original(self, param, device, *rest)
@@ -178,6 +213,8 @@ def _offload_host_copy(original):
                 self.to_sharded_dtensor(local), requires_grad=param.requires_grad
             )
             self._setattr_on_modules(self.sharded_param)
+            if self.pin_memory:  # as FSDP pins the host copy of a device parameter
+                pin(host)
 
     return init
 
@@ -230,8 +267,10 @@ def cuda_semantics(cfg, rank: int, messages: Path):
 def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) -> dict:
     """Build the real Trainer for `rank` of the job the overrides describe and run `steps` steps
     on the stand-in device; returns rank 0's last metrics ({} on other ranks) and, under
-    `syncs_per_step` and `collectives_per_step`, this rank's host-device synchronizations and
-    collectives in each step."""
+    `syncs_per_step`, `collectives_per_step` and `h2d_elements_per_step`, this rank's
+    host-device synchronizations, collectives and elements copied from the host to the device in
+    each step, and under `optimizer_kernels` the update kernels of its optimizers
+    (torch's `fused` or `foreach`, or `default`: torch's choice by the tensors' device)."""
     from fleetwise.config.validate import load_config
     from fleetwise.plan import make_plan
     from fleetwise.runtime.mesh import DistEnv
@@ -244,14 +283,25 @@ def run_rank(rank: int, messages: Path, overrides: list[str], steps: int = 2) ->
     with cuda_semantics(cfg, rank, messages), tempfile.TemporaryDirectory() as run_dir:
         env = DistEnv(rank, world, 0, DEVICE, 0)
         trainer = Trainer(cfg, plan, env, Path(run_dir))
-        syncs, collectives = [], []
+        syncs, collectives, copied = [], [], []
         for step in range(1, steps + 1):
-            before, calls = SYNCS["count"], COLLECTIVES["count"]
+            before, calls, elements = SYNCS["count"], COLLECTIVES["count"], H2D["elements"]
             records = trainer.train_step(step)
             syncs.append(SYNCS["count"] - before)
             collectives.append(COLLECTIVES["count"] - calls)
+            copied.append(H2D["elements"] - elements)
             metrics = records[-1] if records else metrics
-    return {**metrics, "syncs_per_step": syncs, "collectives_per_step": collectives}
+        kernels = {
+            next((k for k in ("fused", "foreach") if opt.defaults.get(k)), "default")
+            for opt in trainer.optimizers.local()
+        }
+    return {
+        **metrics,
+        "syncs_per_step": syncs,
+        "collectives_per_step": collectives,
+        "h2d_elements_per_step": copied,
+        "optimizer_kernels": sorted(kernels),
+    }
 
 
 def ranks_to_run(overrides: list[str]) -> list[int]:

@@ -47,6 +47,14 @@ class Calibration:
     all_gather_gbps: float | None = None  # ring volume (n-1)/n of the output
     inter_node_gbps: float | None = None  # all-reduce between nodes, one rank per node (--nodes N)
     inter_node_latency_us: float | None = None
+    inter_node_backend: str | None = None  # what measured the link: the job's backend (nccl on GPUs)
+    # GPU: the part (torch.cuda.get_device_name), the best GEMM of each precision measured here
+    # (peak_flops is the datasheet's where calibrate/gpus.py knows the part) and each direction of
+    # the pinned host link (host_link_gbps: their harmonic mean)
+    device_name: str = ""
+    measured_peak_flops: dict[str, float] = field(default_factory=dict)
+    host_to_device_gbps: float | None = None
+    device_to_host_gbps: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

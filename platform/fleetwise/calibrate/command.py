@@ -63,17 +63,39 @@ def _problems(args: argparse.Namespace, out: Path) -> list[str]:
     return problems
 
 
+def link_backend_problem(profile_backend: str, cuda: bool) -> str | None:
+    """Why the link between nodes cannot be measured for a profile here, or None. The link is
+    measured with the backend of the jobs that will use the profile: a GPU profile's (nccl) rate
+    between nodes is InfiniBand's or RoCE's through NCCL; timed with gloo over TCP, as this command
+    once did, it was written as the NCCL rate while being another link's."""
+    if profile_backend == "nccl" and not cuda:
+        return (
+            "the profile's backend is nccl, but this machine has no CUDA device: the link between "
+            "nodes is measured with NCCL, on the GPU nodes themselves (gloo over TCP is another link's "
+            "rate); run this command there, or give a gloo profile"
+        )
+    return None
+
+
 def _link_only(link: dict, out: Path, as_json: bool) -> int:
+    import torch
+    import yaml
+
     from fleetwise.calibrate.probes.collectives import inter_node_speed
 
-    speed = inter_node_speed(**link)
-    out.write_text(update_link(out, speed))
+    backend = (yaml.safe_load(out.read_text()) or {}).get("backend", "gloo")
+    problem = link_backend_problem(backend, torch.cuda.is_available())
+    if problem:
+        print(f"✗ fleetwise calibrate: {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    speed = inter_node_speed(**link, backend=backend)
+    out.write_text(update_link(out, speed, backend))
     if as_json:
         print(json.dumps({"measured": speed, "path": str(out)}, indent=2))
     else:
         print(
-            f"✓ between nodes: latency {speed['inter_node_latency_us']:,.0f} µs, bandwidth "
-            f"{speed['inter_node_gbps']:.3f} GB/s; written to {out}"
+            f"✓ between nodes ({backend}): latency {speed['inter_node_latency_us']:,.0f} µs, bandwidth "
+            f"{speed['inter_node_gbps']:.4g} GB/s; written to {out}"
         )
     return EXIT_OK
 

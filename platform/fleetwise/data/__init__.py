@@ -20,7 +20,8 @@ import torch
 
 
 class SampleSource(Protocol):
-    """Global sample indices -> a batch (dict of stacked tensors)."""
+    """Global sample indices -> a batch (dict of stacked tensors). A source that can draw its
+    batches on the device has `to(device)` (ResNet's synthetic images); a GPU job's trainer calls it."""
 
     num_samples: int
 

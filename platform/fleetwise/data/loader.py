@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,14 @@ class StepBatches:
         whole = self.source.batch(self.indices(step))
         b = self.micro_batch_size
         return [{k: v[i * b : (i + 1) * b] for k, v in whole.items()} for i in range(self.num_microbatches)]
+
+    def each_microbatch(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The same micro-batches as `microbatches`, read one at a time: a source that draws on
+        the device holds one micro-batch there at a time, as a GPU job holds one copied from the
+        host (the plan's inputs)."""
+        indices, b = self.indices(step), self.micro_batch_size
+        for i in range(self.num_microbatches):
+            yield self.source.batch(indices[i * b : (i + 1) * b])
 
     def whole(self, step: int) -> dict[str, torch.Tensor]:
         """All of this rank's micro-batches stacked (a pipeline schedule splits them itself)."""

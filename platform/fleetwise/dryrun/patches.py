@@ -3,27 +3,32 @@
 The dry run (and the CUDA-semantics tests, through dryrun/fake.py) runs torch's own code on the
 fake process-group backend and fake tensors; where that differs from a real job in what it holds
 or needs, a function below patches torch in the simulating process only (never in a real rank).
-Each says why, what it measured, and the torch versions it was checked on: all of them on torch
-2.13 (`CHECKED`). On another version the dry run refuses to start (`require_checked_torch`) --
-torch 2.11's pipelining, for one, exchanges stage metadata without the `_send_meta`/`_recv_meta`
-pair that `route_stage_metadata` replaces -- and a patch whose target is missing raises
-`compat.Unsupported` naming it, never an AttributeError.
+Each says why and what it measured. Every one was checked on torch 2.11, 2.12, 2.13 and 2.14
+(`CHECKED`: read in each version's source, and a pipelined hybrid dry run by `make test-torch`,
+whose numbers matched 2.13's to the byte); where torch's internals differ between them, the patch
+finds the version's own shape by name (pipelining's metadata exchange and initialization, the
+reduce-scatter's name), as compat does. On another version `validate` refuses the dry run
+(config/rules/torch_version.py) and the rank refuses to start (`require_checked_torch`, for a
+caller that skipped validation); a patch whose target is missing raises `compat.Unsupported`
+naming it, never an AttributeError.
 
 Private torch names live here and in fleetwise.compat only (tests/unit/architecture/test_private_torch.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._pytree import tree_map_only
 
 from fleetwise import compat
 
-CHECKED = ("2.13",)
+CHECKED = ("2.11", "2.12", "2.13", "2.14")  # config/rules/torch_version.py SUPPORTED
 
 
 def require_checked_torch() -> None:
@@ -51,7 +56,7 @@ def _original(owner, name: str, feature: str):
 def fake_store() -> FakeStore:
     """The store of torch's `fake` process-group backend (every collective succeeds at once, moving
     nothing), from torch's testing package (imported with this module: the rank processes' fork
-    server preloads it). Checked on 2.11 and 2.13."""
+    server preloads it)."""
     return FakeStore()
 
 
@@ -63,16 +68,20 @@ def reduce_scatter_copies_its_input(gloo: bool) -> None:
     4 MB. FSDP's reduce-scatter of a vocabulary-wide root (gpt/tiny, vocab 16k, ZeRO-2 x mp 2, bf16:
     its 4.2 MB fp32 gradients) peaks there: the dry run was 4,203,008 B (20%) below the real run.
     FSDP and ZeRO-1 call it synchronously (runtime/zero1.py), so the copy lives for the call.
-    Patched where they look it up (`torch.distributed` and `distributed_c10d`), in this simulation
-    process only; `gloo` is the simulated job's (a later job in the process sets it again)."""
+    The function both call is `reduce_scatter_single` from torch 2.13 (`reduce_scatter_tensor` is
+    then a deprecated alias that calls it), `reduce_scatter_tensor` before (2.11, 2.12: FSDP and
+    compat.reduce_scatter_single call that one); the copy itself was measured on 2.13. Patched
+    where they look it up (`torch.distributed` and `distributed_c10d`), in this simulation process
+    only; `gloo` is the simulated job's (a later job in the process sets it again)."""
     from torch.distributed import distributed_c10d as c10d
 
     reduce_scatter_copies_its_input.gloo = gloo
-    original = _original(c10d, "reduce_scatter_single", "the dry run's reduce-scatter copy")
+    name = "reduce_scatter_single" if hasattr(c10d, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = _original(c10d, name, "the dry run's reduce-scatter copy")
     if hasattr(original, "original"):  # installed already
         return
 
-    def reduce_scatter_single(output, input, *args, **kwargs):
+    def reduce_scatter(output, input, *args, **kwargs):
         # gloo's copy: allocated under the fake mode, so the live-tensor tracker counts it
         copy = torch.empty_like(input) if reduce_scatter_copies_its_input.gloo else None
         try:
@@ -80,8 +89,9 @@ def reduce_scatter_copies_its_input(gloo: bool) -> None:
         finally:
             del copy
 
-    reduce_scatter_single.original = original
-    c10d.reduce_scatter_single = dist.reduce_scatter_single = reduce_scatter_single
+    reduce_scatter.original = original
+    setattr(c10d, name, reduce_scatter)
+    setattr(dist, name, reduce_scatter)
 
 
 class _Works(list):
@@ -166,28 +176,121 @@ def ddp_bucket_indices_on_the_host() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Pipelining (torch.distributed.pipelining), checked on 2.13.
+# Pipelining (torch.distributed.pipelining).
 
 
 def route_stage_metadata(send: Callable, recv: Callable) -> None:
     """Route PipelineStage's metadata exchange (the pickled shapes a stage sends its neighbour with
-    send_object_list before the first step; torch 2.13's `_send_meta(stage, meta, dst_stage)` and
-    `_recv_meta(stage, src_stage)`) through `send` and `recv`, in this process: the fake backend
-    moves no data (dryrun/fake.py MetaRelay)."""
+    send_object_list before the first step) through `send(stage, meta, dst_stage)` and
+    `recv(stage, src_stage)`, in this process: the fake backend moves no data (dryrun/fake.py
+    MetaRelay). Two shapes, found by name:
+    - torch 2.12 to 2.14: `_send_meta(stage, meta, dst_stage)` and `_recv_meta(stage, src_stage)`,
+      forward and backward metadata: replaced by `send` and `recv`;
+    - torch 2.11: `_shape_inference(args, kwargs)` receives the previous stage's output
+      shapes and sends its own with `dist.recv_object_list` / `dist.send_object_list` (forward
+      only, always from stage - 1 and to stage + 1): during that call, and only there, those two
+      go through `send` and `recv`. What it sends is a tuple of meta tensors, which the relay
+      compares (stand-ins) and which a meta tensor cannot answer: it travels as `_MetaSpec`s."""
     from torch.distributed.pipelining.stage import PipelineStage
 
-    for name in ("_send_meta", "_recv_meta"):
-        _original(PipelineStage, name, "pipeline stage metadata between simulated ranks")
-    PipelineStage._send_meta = send
-    PipelineStage._recv_meta = recv
+    if hasattr(PipelineStage, "_send_meta") and hasattr(PipelineStage, "_recv_meta"):
+        PipelineStage._send_meta = send
+        PipelineStage._recv_meta = recv
+        _vote_over_the_relay()
+        return
+    original = _original(PipelineStage, "_shape_inference", "pipeline stage metadata between simulated ranks")
+    if hasattr(original, "original"):  # installed already: the relay of this call replaces the last
+        original = original.original
+
+    def shape_inference(self, args, kwargs=None):
+        def send_object_list(objects, *_, **__):
+            send(self, _meta_specs(objects[0]), self.stage_index + 1)
+
+        def recv_object_list(objects, *_, **__):
+            objects[0] = _meta_tensors(recv(self, self.stage_index - 1))
+
+        saved = dist.send_object_list, dist.recv_object_list
+        dist.send_object_list, dist.recv_object_list = send_object_list, recv_object_list
+        try:
+            return original(self, args, kwargs)
+        finally:
+            dist.send_object_list, dist.recv_object_list = saved
+
+    shape_inference.original = original
+    PipelineStage._shape_inference = shape_inference
+
+
+def _vote_over_the_relay() -> None:
+    """Let stages on fake ranks infer their shapes from each other, as the relay makes possible.
+    torch 2.14's P2P warm-up (`_PipelineSchedule._warmup_p2p`) refuses dynamic shape inference
+    across ranks of a `fake` process group ("Stage 0 requires dynamic shape inference, which is
+    not supported with a fake process group"): a fake group moves no metadata, and torch cannot
+    know that `route_stage_metadata` relays it. During the warm-up, and only there, the backend
+    of a fake group reads as another name, so the vote runs as in the real job (HostReads answers
+    it "dynamic", dryrun/fake.py) and so does the metadata exchange (over the relay). torch 2.12
+    and 2.13 have no such check: there this changes nothing. Patched in this process only."""
+    from torch.distributed.pipelining import schedules
+
+    base = schedules._PipelineSchedule
+    warmup = getattr(base, "_warmup_p2p", None)
+    if warmup is None or hasattr(warmup, "original"):  # a torch without it, or installed already
+        return
+
+    def warmup_p2p(self, *args, **kwargs):
+        get_backend = dist.get_backend
+
+        def backend(group=None):
+            name = get_backend(group)
+            return "fake (metadata relayed)" if name == "fake" else name
+
+        dist.get_backend = backend
+        try:
+            return warmup(self, *args, **kwargs)
+        finally:
+            dist.get_backend = get_backend
+
+    warmup_p2p.original = warmup
+    base._warmup_p2p = warmup_p2p
+
+
+@dataclasses.dataclass(frozen=True)
+class _MetaSpec:
+    """A meta tensor by what it says, comparable by value (a meta tensor's `==` has no answer)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _meta_specs(tree):
+    return tree_map_only(
+        torch.Tensor, lambda t: _MetaSpec(tuple(t.shape), t.stride(), t.dtype, t.requires_grad), tree
+    )
+
+
+def _meta_tensors(tree):
+    def tensor(s: _MetaSpec) -> torch.Tensor:
+        return torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta").requires_grad_(
+            s.requires_grad
+        )
+
+    return tree_map_only(_MetaSpec, tensor, tree)
 
 
 def wrap_stage_initialization(schedule, wrap: Callable[[Callable], Callable]) -> None:
-    """Replace `schedule`'s one-time stage initialization (the P2P warm-up vote, a metadata forward
-    and backward, messages to the neighbours: torch 2.13's `_initialize_pp_stages`) by
-    `wrap(original)`, on this schedule object only."""
-    original = _original(schedule, "_initialize_pp_stages", "the dry run's pipeline initialization hook")
-    schedule._initialize_pp_stages = wrap(original)
+    """Replace `schedule`'s one-time stage initialization (the P2P warm-up, a metadata forward (and
+    from 2.12 on a backward), messages to the neighbours) by `wrap(original)`, on this schedule object
+    only. The method, called at every step (it returns at once once done): torch 2.12 to 2.14:
+    `_initialize_pp_stages`; torch 2.11: `_initialize_stage` (single-stage schedules) or
+    `_initialize_stages` (multi-stage ones)."""
+    for name in ("_initialize_pp_stages", "_initialize_stages", "_initialize_stage"):
+        if hasattr(schedule, name):
+            setattr(schedule, name, wrap(getattr(schedule, name)))
+            return
+    raise compat.unsupported(
+        f"the dry run's pipeline initialization hook ({type(schedule).__name__})", CHECKED
+    )
 
 
 def microbatch_count(schedule) -> int:
@@ -197,8 +300,9 @@ def microbatch_count(schedule) -> int:
 
 def reschedule(schedule, n: int):
     """A schedule of the same class over the same stages, for `n` micro-batches, that knows its
-    stages are initialized already (checked on 2.13: single-stage schedules keep `_stage` and
-    `_stage_*_initialized`, multi-stage ones `_stages` and `_stages_*_initialized`)."""
+    stages are initialized already (single-stage schedules keep `_stage` and
+    `_stage_*_initialized`, multi-stage ones `_stages` and `_stages_*_initialized`: the same on
+    every version in CHECKED)."""
     stages = schedule._stages if hasattr(schedule, "_stages") else schedule._stage
     new = type(schedule)(
         stages, n_microbatches=n, loss_fn=schedule._loss_fn, scale_grads=schedule.scale_grads
@@ -215,19 +319,24 @@ def reschedule(schedule, n: int):
 
 
 # ------------------------------------------------------------------------------------------------
-# FSDP with CPU offload (dryrun/rank.py "Offload"), checked on 2.13.
+# FSDP with CPU offload (dryrun/rank.py "Offload").
 
 
 def offloaded_fsdp_params(parts) -> list:
     """FSDP's parameters in the modules of `parts` that live on the host (FSDPParam with
-    offload_to_cpu)."""
+    offload_to_cpu). A module's FSDP state holds its parameter groups as a list
+    (`_fsdp_param_groups`, torch 2.12 on) or as one group or None (`_fsdp_param_group`, 2.11)."""
     from torch.distributed.fsdp import FSDPModule
 
     out = []
     for part in parts:
         for m in part.modules():
             if isinstance(m, FSDPModule):
-                for group in m._get_fsdp_state()._fsdp_param_groups:
+                state = m._get_fsdp_state()
+                groups = getattr(state, "_fsdp_param_groups", None)
+                if groups is None:
+                    groups = [g] if (g := state._fsdp_param_group) is not None else []
+                for group in groups:
                     out.extend(fp for fp in group.fsdp_params if fp.offload_to_cpu)
     return out
 
@@ -271,5 +380,3 @@ def fsdp_copies_cross_to_the_host(live_tracker: Callable[[], Any]) -> None:
     foreach_reduce.original = reduce
     _fsdp_param_group.foreach_reduce = foreach_reduce
     FSDPParam.all_gather_inputs = property(all_gather_inputs)
-
-

@@ -161,16 +161,29 @@ def machine_problems(pf: Preflight) -> tuple[list[Problem], str | None]:
         warning = f"{full[1]} (launch.oversubscribe=true)"
     if valid and cfg.launch.nnodes != "1":  # this node must reach node 0
         problems += network_problems(cfg)
-    gpu = gpu_problem(cfg)
+    gpu = gpu_problem(cfg) or device_problem(cfg)
     if gpu:
-        problems.append(
-            Problem(
-                "hardware",
-                gpu.split(". ")[0],
-                "use hardware=cpu here; validate and plan work for any profile",
-            )
-        )
+        problems.append(gpu)
+    problems += tracking_problems(cfg)
     return problems, warning
+
+
+def tracking_problems(cfg: RunConfig) -> list[Problem]:
+    """tracking.enabled needs MLflow in this environment. It is imported only once the job runs
+    (~2.5 s, off the validate/plan path), so without it a job trained to the end and then failed
+    with a traceback; an image with torch but no MLflow (a GPU container) trains with tracking off."""
+    import importlib.util
+
+    if not cfg.tracking.enabled or importlib.util.find_spec("mlflow") is not None:
+        return []
+    return [
+        Problem(
+            "tracking.enabled",
+            "MLflow is not installed in this environment (tracking.enabled=true logs the run to it)",
+            "pip install 'mlflow>=3.1,<4', or train with tracking.enabled=false (metrics.jsonl, the "
+            "console summary and checkpoints need no MLflow)",
+        )
+    ]
 
 
 def resume_problems(cfg: RunConfig) -> list[Problem]:
@@ -183,22 +196,147 @@ def resume_problems(cfg: RunConfig) -> list[Problem]:
     return verify(path, cfg) if path is not None else []
 
 
-def gpu_problem(cfg: RunConfig) -> str | None:
-    """A GPU profile on a machine without (enough) GPUs fails fast, before any process starts."""
-    from fleetwise.launcher.torchrun import nproc_per_node
-
-    if cfg.hardware.device_type != "cuda":
-        return None
+def gpu_count() -> int:
+    """The CUDA devices this process may use: the device files, within CUDA_VISIBLE_DEVICES."""
     found = len(glob.glob("/dev/nvidia[0-9]*"))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         found = min(found, len([d for d in visible.split(",") if d.strip()]))
+    return found
+
+
+def gpu_problem(cfg: RunConfig, found: int | None = None) -> Problem | None:
+    """A GPU profile on a machine without (enough) GPUs fails fast, before any process starts,
+    with the setting that fits this machine: the CPU where it has no GPU, else its device count."""
+    from fleetwise.launcher.torchrun import nproc_per_node
+
+    if cfg.hardware.device_type != "cuda":
+        return None
+    found = gpu_count() if found is None else found
     need = nproc_per_node(cfg)
     if found >= need:
         return None
-    return (
-        f"hardware={cfg.hardware.name} runs {need} CUDA devices per node, but this machine has {found}. "
-        "Train here with hardware=cpu (validate and plan work for any profile)."
+    what = f"hardware={cfg.hardware.name} runs {need} CUDA devices per node, but this machine has {found or 'none'}"
+    if found == 0:
+        return Problem("hardware", what, "use hardware=cpu here; validate and plan work for any profile")
+    if cfg.strategy.name == "ps":
+        return Problem(
+            "strategy.num_trainers",
+            what,
+            f"at most {found} servers and trainers per node here, or hardware=cpu",
+        )
+    nodes = cfg.hardware.nodes
+    return Problem(
+        "hardware.devices_per_node",
+        what,
+        f"hardware.devices_per_node={found} to train on the {found} here (the strategy's degrees then "
+        f"multiply to {found * nodes}); validate and plan work for any device count",
+    )
+
+
+# The GPUs each shipped GPU profile (conf/hardware/) describes, as parts of the names the driver
+# reports ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"). h100 is the SXM5 part (989 TF/s
+# bf16): an H100 PCIe (756) or NVL (835) is not it. Profiles not listed here -- one `fleetwise
+# calibrate` wrote of its machine (hardware=local), or any profile renamed with hardware.name --
+# are taken as they say.
+PROFILE_GPUS = {
+    "v100": ("V100",),
+    "a100": ("A100",),
+    "h100": ("H100 80GB HBM3", "H100 SXM"),
+}
+# An H200 is an H100 SXM's compute (the same GH100 die and clocks: 989 TF/s bf16) with 141 GB
+# of HBM3e: the h100 profile with its memory.
+ALSO_AS = {"H200": "h100"}
+MEMORY_TOLERANCE = 0.1  # an "80 GB" device shows 79.6-80 GiB; a 40 GB A100 is not an 80 GB one
+
+
+def visible_gpus() -> list[tuple[str, float]] | None:
+    """(name, memory in GiB) of each GPU this process may use, as the driver reports them, or None
+    where it cannot tell. From nvidia-smi: torch would import for seconds and make a CUDA context
+    on GPU 0 in the launcher, beside rank 0's."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") >= 3]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    wanted = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
+    gpus = []
+    for index, uuid, name, mib in rows:
+        if (
+            wanted is None
+            or index in wanted
+            or any(uuid.startswith(w) for w in wanted if w.startswith("GPU-"))
+        ):
+            try:
+                gpus.append((name, float(mib) / 1024))
+            except ValueError:
+                continue
+    return gpus
+
+
+def profile_of(gpu: str) -> str | None:
+    """The shipped profile that describes a GPU of this name, or None."""
+    for profile, names in PROFILE_GPUS.items():
+        if any(n in gpu for n in names):
+            return profile
+    return next((p for n, p in ALSO_AS.items() if n in gpu), None)
+
+
+def device_problem(cfg: RunConfig, gpus: list[tuple[str, float]] | None = None) -> Problem | None:
+    """A shipped GPU profile must describe the GPUs that train: plans, memory verdicts and MFU
+    are computed from its figures, so an H100 trained as hardware=a100 reports an MFU 3.2x too
+    high and nothing says so. Compared: the device's name, then its memory."""
+    hw = cfg.hardware
+    if hw.device_type != "cuda" or hw.name not in PROFILE_GPUS:
+        return None
+    gpus = visible_gpus() if gpus is None else gpus
+    if not gpus:
+        return None  # nothing to compare with (no nvidia-smi): gpu_problem counted the devices
+    name = next((n for n, _ in gpus if profile_of(n) != hw.name), gpus[0][0])
+    gib = min(g for _, g in gpus)  # the plan must fit the smallest
+    fits = profile_of(name)
+    if fits != hw.name:
+        what = (
+            f"hardware={hw.name} describes {' / '.join(PROFILE_GPUS[hw.name])} GPUs, but this machine's "
+            f"GPU is {name} ({gib:.1f} GiB): the plan, its memory verdict and the MFU reported would be "
+            "another device's"
+        )
+        rename = f"or, to plan against {hw.name} anyway, give the profile another name: hardware.name={hw.name}-as-given"
+        if fits is None:
+            fix = f"`fleetwise calibrate` measures this machine into a profile of its own (hardware=local); {rename}"
+        else:
+            fix = f"hardware={fits}"
+            if abs(_profile_memory(fits) - gib) > MEMORY_TOLERANCE * gib:
+                fix += f" hardware.memory_per_device_gib={gib:.0f}"
+            fix += f"; {rename}"
+        return Problem("hardware", what, fix)
+    if abs(hw.memory_per_device_gib - gib) > MEMORY_TOLERANCE * hw.memory_per_device_gib:
+        return Problem(
+            "hardware.memory_per_device_gib",
+            f"hardware={hw.name} plans {hw.memory_per_device_gib:g} GiB per device, but this machine's "
+            f"{name} has {gib:.1f} GiB",
+            f"hardware.memory_per_device_gib={gib:.0f}",
+        )
+    return None
+
+
+def _profile_memory(profile: str) -> float:
+    """memory_per_device_gib of a shipped profile (conf/hardware/<profile>.yaml)."""
+    import yaml
+
+    from fleetwise.config.paths import config_dir
+
+    return float(
+        yaml.safe_load((config_dir() / "hardware" / f"{profile}.yaml").read_text())["memory_per_device_gib"]
     )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetwise.config.engine import Engine
+from fleetwise.config.layout import MESH_DIMS, Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
 from fleetwise.families import family_of
@@ -140,12 +141,40 @@ def _notes(job: Job, mem: Memory, timing: StepTime) -> list[str]:
     again = block_recomputes(job.schedule, job.layout.pp, job.chunks)
     if s.recompute != "none" and max(again.values(), default=1) > 1:
         notes.append(_recomputed_twice(job, timing))
+    if cfg.hardware.backend == "nccl":
+        notes.append(communicators_note(job))
     if cfg.optim.warmup_steps > t.steps:
         notes.append(
             f"optim.warmup_steps={cfg.optim.warmup_steps} > train.steps={t.steps}: the warm-up is cut "
             f"short and the learning rate only reaches {t.steps}/{cfg.optim.warmup_steps} of optim.lr"
         )
     return notes
+
+
+def nccl_communicators(layout: Layout) -> dict[str, int]:
+    """The NCCL communicators a rank of `layout` creates at start-up, by group, and their ranks:
+    the world's (runtime/mesh.py binds the device in init_process_group: created at once, not at
+    the first collective), then one per mesh dimension that does not span the world -- torch's
+    DeviceMesh splits the world's communicator once per dimension (ncclCommSplit), a dimension of
+    one rank included; a dimension of all the ranks reuses the world's (torch 2.13's
+    `_init_one_process_group`). Pipeline sends may add a communicator per neighbour pair later."""
+    world = layout.world_size
+    return {"world": world} | {d: n for d, n in zip(MESH_DIMS, layout.shape, strict=True) if n != world}
+
+
+def communicators_note(job: Job) -> str:
+    """What the plan assumes of NCCL's own memory: how many communicators each rank holds, and that
+    their buffers are not in the memory total."""
+    groups = nccl_communicators(job.layout)
+    dims = ", ".join(f"{d} {n}" for d, n in groups.items() if d != "world")
+    overhead = job.cfg.hardware.device_overhead_gib
+    return (
+        f"NCCL: {len(groups)} communicator(s) per rank at start-up (world {groups['world']} rank(s)"
+        + (f"; mesh {dims}" if dims else "")
+        + "); their buffers (NCCL_BUFFSIZE per channel and peer; NVLS on NVSwitch) are outside PyTorch's "
+        f"allocator and not in the memory total: only hardware.device_overhead_gib ({overhead:g} GiB, "
+        "estimated, not measured on a multi-GPU node) leaves room for them"
+    )
 
 
 def _recomputed_twice(job: Job, timing: StepTime) -> str:

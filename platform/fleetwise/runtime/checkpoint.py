@@ -2,7 +2,7 @@
 
 What a checkpoint holds: the model (parameters and buffers), the optimizer state, the step (which
 is also the data position and the LR schedule's position: data and schedule are functions of the
-step), each rank's RNG state, and the resolved config + plan that produced it.
+step), each rank's RNG state, fp16's loss scale, and the resolved config + plan that produced it.
 
 Every rank writes only what it holds (FSDP shards, TP shards, its pipeline stages, its ZeRO-1
 partition) under the model's own parameter names -- no DDP/FSDP/activation-checkpoint prefixes,
@@ -70,6 +70,32 @@ def set_rng_state(state: dict[str, torch.Tensor], rank: int, device: torch.devic
     cuda_key = CUDA_RNG_KEY.format(rank=rank)
     if device.type == "cuda" and cuda_key in state:
         torch.cuda.set_rng_state(state[cuda_key], device)
+
+
+SCALE_KEY, GROWTH_KEY = "amp.scale", "amp.growth_tracker"
+
+
+def scaler_state(scaler) -> dict[str, torch.Tensor]:
+    """fp16's GradScaler: its loss scale and the count of overflow-free steps toward the next
+    growth (its state_dict; the factors and interval come from the config). Without them a resumed
+    job started at 2^16 again and skipped steps backing off to the scale it had. The same on every
+    rank (the trainer agrees on overflows), so DCP stores it once."""
+    if scaler is None:
+        return {}
+    state = scaler.state_dict()  # (reads the scale to the host: a checkpoint waits for the device anyway)
+    return {
+        SCALE_KEY: torch.tensor(state["scale"], dtype=torch.float64),
+        GROWTH_KEY: torch.tensor(state["_growth_tracker"], dtype=torch.int64),
+    }
+
+
+def set_scaler_state(scaler, state: dict[str, torch.Tensor]) -> None:
+    """Take back what `scaler_state` saved (absent: the checkpoint had none, the scaler starts fresh)."""
+    if scaler is None or SCALE_KEY not in state:
+        return
+    scaler.load_state_dict(
+        {**scaler.state_dict(), "scale": float(state[SCALE_KEY]), "_growth_tracker": int(state[GROWTH_KEY])}
+    )
 
 
 class Stateful(Protocol):
@@ -158,6 +184,7 @@ def save(run_dir: Path, step: int, app: Stateful, cfg: RunConfig, layout: Layout
             "saved_at": time.time(),
             "seq": next_seq(run_dir),  # the written order keep-N and resume=auto follow
             "cuda_rng": cfg.hardware.device_type == "cuda",
+            "loss_scale": cfg.train.precision == "fp16",
             "files": _manifest(tmp),
         }
         write_durably(tmp / META, json.dumps(meta, indent=2))
@@ -218,6 +245,8 @@ def load(path: Path, app: Stateful, cfg: RunConfig) -> None:
         state = {k: v for k, v in state.items() if not k.startswith("rng_cuda.")}
     if meta.get("optimizer") != cfg.optim.name:  # a different optimizer starts fresh
         state = {k: v for k, v in state.items() if not k.startswith("state.")}
+    if not meta.get("loss_scale", False):  # not fp16 (or written before the scale was kept)
+        state = {k: v for k, v in state.items() if k not in (SCALE_KEY, GROWTH_KEY)}
     dcp.load(state, storage_reader=VerifiedReader(path))
     app.load_state_dict(state)
 

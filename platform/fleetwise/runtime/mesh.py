@@ -56,7 +56,8 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    group_round = int(os.environ.get(ROUND_VAR, "0"))
+    exported = os.environ.get(ROUND_VAR)
+    group_round = int(exported) if exported is not None else None
     if cfg.hardware.device_type == "cuda":
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
@@ -70,13 +71,31 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
         timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
         dist.init_process_group(
             backend=process_group_backend(cfg),
-            store=attempt_store(rank, world, f"{restart}_{group_round}", timeout),
+            store=attempt_store(rank, world, attempt_prefix(restart, group_round), timeout),
             rank=rank,
             world_size=world,
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
-    return DistEnv(rank, world, local, device, restart, group_round)
+    return DistEnv(rank, world, local, device, restart, group_round or 0)
+
+
+def attempt_prefix(restart: int, group_round: int | None) -> str:
+    """The store prefix of a worker group's attempt (see attempt_store), the same on every node.
+
+    From the rendezvous round alone: every node's agent reads the same round once the group is
+    formed, and a group formed again (a restart, a node coming back) is a new round. Not from the
+    restart count: each node's agent keeps its own. When a rank of node A dies, A's agent restarts
+    its workers and counts 1; node B's agent sees A waiting at the rendezvous
+    (`num_nodes_waiting`) and restarts its workers without counting. With the count in the
+    prefix, A's ranks waited under attempt 1, B's under attempt 0: gloo's connections fail at
+    once, but NCCL's ranks wait for peers that never come until the collective timeout (300 s).
+
+    group_round None: no fleetwise agent exported a round (a plain torchrun), so the restart count
+    is all there is (right on one node)."""
+    if group_round is None:
+        return f"restart_{restart}"
+    return f"round_{group_round}"
 
 
 def process_group_backend(cfg: RunConfig) -> str:
@@ -90,7 +109,7 @@ def process_group_backend(cfg: RunConfig) -> str:
     return backend
 
 
-def attempt_store(rank: int, world: int, restart: int | str, timeout: timedelta) -> dist.Store:
+def attempt_store(rank: int, world: int, attempt: str, timeout: timedelta) -> dist.Store:
     """The rendezvous store of this attempt, under a prefix of its own.
 
     Why: torchrun's c10d rendezvous shares one TCPStore (hosted by the agent) across restarts,
@@ -98,8 +117,8 @@ def attempt_store(rank: int, world: int, restart: int | str, timeout: timedelta)
     therefore find the previous attempt's keys -- among them the listening addresses gloo
     published for its full mesh. A new rank that reads a dead peer's stale address before the
     peer's successor overwrote it fails with "Gloo connectFullMesh failed ... Connection
-    refused" (a race, hence the intermittent failures after a hard exit). A prefix per restart
-    count makes every attempt see only its own keys."""
+    refused" (a race, hence the intermittent failures after a hard exit). A prefix per attempt
+    (`attempt_prefix`) makes every attempt see only its own keys."""
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
@@ -110,7 +129,7 @@ def attempt_store(rank: int, world: int, restart: int | str, timeout: timedelta)
         timeout=timeout,
         wait_for_workers=False,
     )
-    return dist.PrefixStore(f"fleetwise/attempt_{restart}", store)
+    return dist.PrefixStore(f"fleetwise/attempt_{attempt}", store)
 
 
 _GROUPS: dict[tuple[str, ...], dist.ProcessGroup] = {}

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -125,6 +126,8 @@ def parallelize(
         # 2. tensor parallel (Megatron plan; vocab-parallel embedding and LM head)
         if layout.mp > 1:
             parallelize_module(part, mesh["mp"], _existing(part, spec.tp_plan(s.sequence_parallel)))
+            if engine != Engine.FSDP:  # (FSDP makes every parameter a DTensor itself)
+                replicate_rest(part, mesh["mp"])
         # 3. activation checkpointing of each block
         if s.recompute != "none":
             apply_recompute(part, s.recompute)
@@ -144,6 +147,49 @@ def parallelize(
     if layout.pp > 1:
         _build_pipeline(pm, cfg, mesh, device)
     return pm
+
+
+def replicate_rest(part: nn.Module, mesh: DeviceMesh) -> None:
+    """The parameters the tensor-parallel plan left whole -- a learned position embedding, the
+    norms outside sequence parallelism, ERNIE's head transform -- as Replicate DTensors on the mp
+    mesh, so that every parameter of the part is a DTensor (what torch's SequenceParallel does to
+    the norms it takes). Plain tensors beside DTensors break every multi-tensor op over the
+    gradients: fp16's GradScaler unscales them in one call per device and dtype, and failed at the
+    first step of an mp job without FSDP ("got mixed torch.Tensor and DTensor").
+
+    Each such module takes its tensor inputs as Replicate DTensors and hands back local tensors,
+    so its neighbours see what they saw before. A replicated parameter computes on replicated
+    inputs: the same local arithmetic as the plain module, with no communication in forward or
+    backward (its gradient is whole on every mp rank, as before), so the losses and updates equal
+    one process's exactly as much as before. (Unscaling per kind of tensor instead would keep
+    the mixed model and patch one consumer; the next multi-tensor op would meet it again.)"""
+    for module in list(part.modules()):
+        own = list(module.named_parameters(recurse=False))
+        if not own or any(isinstance(p, DTensor) for _, p in own):
+            continue
+        for name, p in own:
+            replicated = DTensor.from_local(p.data, mesh, [Replicate()], run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=p.requires_grad))
+        # (the parameters are done above, this module's own only: distribute_module would visit
+        # its submodules too)
+        distribute_module(module, mesh, _leave, _inputs_replicated, _outputs_local)
+
+
+def _leave(*_args) -> None:
+    """distribute_module's partition_fn when the parameters are distributed already."""
+
+
+def _inputs_replicated(_module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _outputs_local(_module: nn.Module, outputs, _mesh: DeviceMesh):
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
 def compile_blocks(part: nn.Module) -> None:
@@ -211,8 +257,9 @@ def _data_parallel(
     if precision != "fp32":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
     if s.offload:
-        # the default policy pins host memory, which needs an accelerator (fails on CPU-only machines)
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        # the default policy pins host memory (its copies to and from the device then run beside
+        # the kernels), which needs an accelerator: not for a job on the CPU itself
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
     if "mp_policy" in kwargs:
         # BatchNorm keeps fp32 parameters, in units of their own: FSDP casts a unit's parameters
         # but not its buffers, and batch_norm wants weight and running statistics in one dtype

@@ -27,7 +27,7 @@ from fleetwise.runtime.faults import inject_fault
 from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv
 from fleetwise.runtime.modeling import build_source
-from fleetwise.runtime.optim import Optimizers, Zero1Optimizers, foreach_for
+from fleetwise.runtime.optim import Optimizers, Zero1Optimizers, step_kernel
 from fleetwise.runtime.parallelize import DTYPES, ParallelModel, memory_format, parallelize
 
 log = logging.getLogger("fleetwise")
@@ -46,6 +46,9 @@ class Trainer:
         self.coords = layout.coords(env.rank)
         self.model: ParallelModel = parallelize(cfg, self.mesh, env.device, allocate)
         self.optimizers: Optimizers
+        # (only FSDP offloads: runtime/parallelize.py)
+        self.offloaded = self.model.engine == Engine.FSDP and getattr(cfg.strategy, "offload", False)
+        kernel = step_kernel(cfg.hardware.device_type, self.offloaded, cfg.optim.name)
         if self.model.engine == Engine.ZERO1:
             self.optimizers = Zero1Optimizers(
                 self.model.parts,
@@ -56,17 +59,19 @@ class Trainer:
                 working_dtype=DTYPES[cfg.train.precision],
                 # a pipeline schedule's gradients are summed over micro-batches (scale_grads=False)
                 grad_divisor=cfg.train.accumulate_steps if layout.pp > 1 else 1,
-                foreach=foreach_for(cfg.hardware.device_type),
+                kernel=kernel,
                 # gloo: all-reduces instead of its slower reduce-scatter and all-gather (the plan's too)
                 all_reduce=cfg.hardware.backend == "gloo",
             )
         else:
-            self.optimizers = Optimizers(
-                self.model.parts, cfg.optim, cfg.train, foreach_for(cfg.hardware.device_type)
-            )
+            self.optimizers = Optimizers(self.model.parts, cfg.optim, cfg.train, kernel)
         self.pp_group = self.mesh["pp"].get_group() if layout.pp > 1 else None
+        source = build_source(cfg)
+        # a source that can draw on the device does so on a GPU (ResNet's synthetic images): no
+        # host work per step and no copy; on the CPU the host is the device, read as before
+        self.inputs_on_device = env.device.type != "cpu" and hasattr(source, "to")
         self.data = StepBatches(
-            build_source(cfg),
+            source.to(env.device) if self.inputs_on_device else source,
             cfg.train.global_batch_size,
             cfg.train.micro_batch_size,
             cfg.train.accumulate_steps,
@@ -88,8 +93,12 @@ class Trainer:
         self.model.scaler = self.scaler
         if self.scaler is not None:
             # GradScaler creates its scale in the first scale() call, which pipeline stages without
-            # the loss never make; their gradients arrive scaled by the last stage's (equal) scale
-            self.scaler.scale(torch.ones((), device=env.device))
+            # the loss never make; their gradients arrive scaled by the last stage's (equal) scale.
+            # It lives where the gradients do: offloaded ones are on the host, where GradScaler
+            # would otherwise copy its inverse scale and overflow flag with non-blocking
+            # device-to-host copies (pinned, asynchronous) that the host's unscale and fused step
+            # read at once, before the copies land.
+            self.scaler.scale(torch.ones((), device="cpu" if self.offloaded else env.device))
 
     def _take_params(self) -> None:
         """The parameters whose gradients the step norms and clips, by name (fault reports): the
@@ -138,8 +147,8 @@ class Trainer:
             return mean / self.scaler.get_scale() if self.scaler is not None else mean
 
         (part,) = self.model.parts
-        micro = self.data.microbatches(step)
-        n = len(micro)
+        micro = self.data.each_microbatch(step) if self.inputs_on_device else self.data.microbatches(step)
+        n = self.data.num_microbatches
         total = torch.zeros((), device=self.env.device)
         for i, mb in enumerate(micro):
             last = i == n - 1
@@ -156,9 +165,18 @@ class Trainer:
         return total / n
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A batch tensor on the job's device; images in the model's memory format."""
+        """A batch tensor on the job's device; images in the model's memory format.
+
+        A host tensor crosses through page-locked memory, without waiting: CUDA copies pageable
+        memory through a staging buffer while the host waits for the stream, a host-device
+        synchronization per input per micro-batch; from pinned memory the copy is queued on the
+        stream (non_blocking) and the host goes on. The pinned buffer comes from torch's caching
+        host allocator, which reuses it only once the copy is done."""
         fmt = self.image_format if t.dim() == 4 else torch.preserve_format
-        return t.to(self.env.device, memory_format=fmt)
+        device = self.env.device
+        if t.device.type == "cpu" and device.type != "cpu":
+            t = t.pin_memory().to(device, non_blocking=True)
+        return t.to(device, memory_format=fmt)
 
     def _sync_context(self, part, last: bool):
         """Gradient accumulation without redundant communication: DDP all-reduces only on the last
@@ -411,7 +429,8 @@ class Trainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's state under layout-independent names: `model.<param>` (its shards, under
         the model's own names), `state.<param>.<key>` (the optimizer state it holds), the step
-        (which is also the data position and the LR schedule's) and its RNG stream."""
+        (which is also the data position and the LR schedule's), its RNG stream and fp16's loss
+        scale (`amp.*`)."""
         self._build_optimizers()
         return {
             **self.optimizers.model_state(),  # ZeRO-1: the fp32 masters, sharded
@@ -419,6 +438,7 @@ class Trainer:
             "train.step": torch.tensor(self.step),
             "train.skipped": torch.tensor(self.skipped),
             **checkpoint.rng_state(self.env.rank, self.env.device),
+            **checkpoint.scaler_state(self.scaler),
         }
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -429,6 +449,7 @@ class Trainer:
             checkpoint.set_rng_state(state, self.env.rank, self.env.device)
         self.step = int(state["train.step"])
         self.skipped = int(state["train.skipped"])
+        checkpoint.set_scaler_state(self.scaler, state)
         self.optimizers.restore_schedule(self.step)
 
     def resume(self, path: Path) -> None:

@@ -62,7 +62,8 @@ def test_every_measurement_is_a_row_or_describes_the_machine():
     writer's MEASURED) or describes the machine; a new measurement without a row fails here."""
     describes = {
         "device_type", "backend", "cores", "peak_flops", "gemm_flops", "single_thread_flops",
-        "memory_gib", "notes", "has_bf16",
+        "memory_gib", "notes", "has_bf16", "device_name", "measured_peak_flops", "inter_node_backend",
+        "host_to_device_gbps", "device_to_host_gbps",
     }  # fmt: skip
     written_as = {  # Calibration field -> the row the writer fills from it
         "allreduce_latency_us": "comm_latency_us",

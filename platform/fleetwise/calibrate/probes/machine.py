@@ -28,20 +28,25 @@ What is measured (all on the current machine, nothing looked up):
   over many small tensors (the cost per tensor) and a few large ones (the cost per element).
   The efficiency curve and these three host costs are medians of many runs, not the best: the
   planner predicts a training step's median time, and a step meets the machine's noise too;
-- collective latency and bandwidth: all-reduce between 2 processes (gloo on CPU, nccl on GPU) of a
-  4-byte tensor (latency) and of 16 MiB (bandwidth, ring volume 2(n-1)/n of the buffer); and the
-  reduce-scatter of 16 MiB and the all-gather into 16 MiB (ring volume (n-1)/n) that ZeRO-1 and FSDP
-  run instead: gloo's are slower per byte than its all-reduce (a reduce-scatter costs a whole
+- collective latency and bandwidth: all-reduce of a 4-byte tensor (latency) and of large buffers
+  (bandwidth: nccl-tests' bus bandwidth, ring volume 2(n-1)/n of the buffer, less the latency):
+  gloo on CPU between 2 processes at 16 MiB; NCCL on GPU between every GPU of the node at 16, 64
+  and 256 MiB, the best of them (NVLink reaches its rate only past ~100 MiB; 2 GPUs at 16 MiB read
+  a fraction of it); and the reduce-scatter and all-gather (ring volume (n-1)/n) that ZeRO-1 and
+  FSDP run instead: gloo's are slower per byte than its all-reduce (a reduce-scatter costs a whole
   all-reduce or more), NCCL's are not;
 - tensor-parallel overhead (CPU): the same tiny chain with column/row-parallel linears (DTensor) on
   those 2 processes against the plain chain, less its collectives' latency, per forward op; and
   FSDP2 (a unit per block) the same way, per unit pass and parameter tensor; and how much slower
   host work gets when both processes run it in lockstep than when one runs it alone.
 - the link between nodes (`--nodes N --node-rank R --endpoint HOST:PORT`, the same command on
-  every node, HOST being node 0's address): one process per node, gloo over the interface of the
-  route to HOST, all-reduce of 4 bytes (inter_node_latency_us) and of 16 MiB (inter_node_gbps).
-On a GPU the peak is bf16 (and fp32/TF32) on device 0, and the per-op overhead is not charged
-(kernels queue asynchronously behind the GPU's work).
+  every node, HOST being node 0's address): one process per node over the job's backend (NCCL on
+  GPU 0 of each node, gloo on CPUs) on the interface of the route to HOST, all-reduce of 4 bytes
+  (inter_node_latency_us) and of large buffers (inter_node_gbps).
+On a GPU the GEMMs of each precision run on device 0; the profile keeps the part's datasheet peak
+(calibrate/gpus.py) and the curve and matmul efficiency are fractions of it (the best GEMM measured
+is kept beside it); the per-op overhead is not charged (kernels queue asynchronously behind the
+GPU's work); the pinned host link is measured both ways (FSDP's CPU offload crosses it).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from typing import Any
 import torch
 
 from fleetwise.calibrate.calibration import Calibration
+from fleetwise.calibrate.gpus import reference_peaks
 from fleetwise.calibrate.probes.collectives import allreduce_speed, inter_node_speed
 from fleetwise.calibrate.probes.compute import GEMM_SIZES, gemm_curve, gemm_flops, training_gemm_flops
 from fleetwise.calibrate.probes.gpu import gpu_costs
@@ -67,8 +73,9 @@ def _memory_gib(device: torch.device) -> float:
 def measure(*, comm: bool = True, link: dict[str, Any] | None = None) -> Calibration:
     """Measure this machine (CPU, or GPU 0 when CUDA is available); with `link` (inter_node_speed's
     nodes, node_rank, endpoint) first the link between the nodes, run on every node at once."""
-    inter = inter_node_speed(**link) if link else {}
     cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    inter = inter_node_speed(**link, backend=backend) if link else {}
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     notes = []
@@ -89,6 +96,10 @@ def measure(*, comm: bool = True, link: dict[str, Any] | None = None) -> Calibra
             torch.backends.cuda.matmul.allow_tf32 = False
         half = ("bf16" if has_bf16 else "fp16") if cuda else "fp32"
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        measured, name = dict(peak), torch.cuda.get_device_name(device) if cuda else ""
+        if cuda:  # the datasheet's peak, which MFU is a fraction of (not the best GEMM of this run)
+            peak, note = reference_peaks(name, measured)
+            notes += [note] if note else []
         train = training_gemm_flops(device, dtypes[half])
         efficiency = min(1.0, train / peak[half])
         # on a GPU the host's costs hide behind the device's queue: what is measured there is the
@@ -96,15 +107,15 @@ def measure(*, comm: bool = True, link: dict[str, Any] | None = None) -> Calibra
         # shipped GPU profiles set from published figures
         host = gpu_costs(device, dtypes[half], peak[half]) if cuda else cpu_host_costs(peak["fp32"])
         torch.set_num_threads(1)
-        single = gemm_flops(512, device, torch.float32) if not cuda else peak["fp32"]
+        single = gemm_flops(512, device, torch.float32) if not cuda else measured["fp32"]
         if not cuda and cores > 1:
             host["gemm_curve_one_thread"] = gemm_curve(peak["fp32"] / cores, host["op_overhead_us"])
     finally:
         torch.set_num_threads(threads)
     comm_speed = {"allreduce_latency_us": 0.0, "allreduce_gbps": 0.0}
-    backend = "nccl" if cuda else "gloo"
     if comm and (not cuda or torch.cuda.device_count() >= 2):
-        comm_speed = allreduce_speed(backend)
+        # every GPU of the node: the ring an 8-GPU collective runs is not that of 2 GPUs
+        comm_speed = allreduce_speed(backend, world=torch.cuda.device_count() if cuda else 2)
     elif comm:
         notes.append("one GPU: collective latency and bandwidth not measured (profile keeps defaults)")
     return Calibration(
@@ -118,6 +129,8 @@ def measure(*, comm: bool = True, link: dict[str, Any] | None = None) -> Calibra
         memory_gib=_memory_gib(device),
         notes=notes,
         has_bf16=has_bf16 if cuda else False,
+        device_name=name,
+        measured_peak_flops=measured if cuda else {},
         **host,
         **comm_speed,
         **inter,

@@ -95,7 +95,7 @@ class OptimizerStep:
     params: float
     grads: float
     temporaries: float  # the step's own (plan `step_temporaries`)
-    host: float  # offload on a GPU: the offloaded state and the step's temporaries, in host RAM
+    host: float  # offload on a GPU: the offloaded state, in host RAM
 
 
 def optimizer_step(ctx: RankContext, states: ModelStates) -> OptimizerStep:
@@ -105,10 +105,10 @@ def optimizer_step(ctx: RankContext, states: ModelStates) -> OptimizerStep:
     params = states.resting if fsdp else (FP32 * p if engine in (Engine.NONE, Engine.DDP) else states.params)
     grads = (0.0 if ctx.offloaded else FP32 * p / sh) if fsdp else states.grads
     temporaries, host = step_temporaries(ctx), 0.0
-    if (
-        ctx.offloaded
-    ):  # the step runs on the offloaded shards, in host memory (foreach too: the job's device's)
-        host = FP32 * p / sh * (2 + ctx.k) + temporaries
+    if ctx.offloaded:
+        # the step runs on the offloaded shards, in host memory, with torch's fused CPU kernel:
+        # no temporaries (runtime/optim.py step_kernel)
+        host = FP32 * p / sh * (2 + ctx.k)
         temporaries = 0.0
     if engine == Engine.ZERO1:
         # (the reduce-scatter is in place in the gradient buffer); after the update one bucket's
@@ -123,7 +123,7 @@ def step_temporaries(ctx: RankContext) -> float:
     """AdamW's sqrt(exp_avg_sq) and its quotient: on CUDA torch's multi-tensor step makes one for
     every parameter at once; on CPU its per-tensor loop makes two of one tensor at a time
     (runtime/optim.py: build_optimizer's foreach follows the job's device). FSDP and ZeRO-1 step
-    their pieces of each tensor."""
+    their pieces of each tensor. (Offloaded shards step with the fused kernel: none, optimizer_step.)"""
     own = ctx.sh if ctx.engine.shards_optimizer else 1
     if ctx.k != 2:
         return 0.0
