@@ -2,6 +2,7 @@
 #   make demo   create .venv, install, run the demo job
 #   make test   create .venv, install with test extras, run the tests
 #   make check  the fast loop while you work: unit tests + one 2-rank job (a few minutes)
+#   make durations  the whole suite, then tests/DURATIONS.md (seconds per test file; commit it)
 #
 # torch is installed first, pinned (TORCH_SPEC), so that pip takes a local CPU wheel where one
 # exists (pip's find-links / constraints) and never resolves an unpinned `torch` to a multi-GB CUDA
@@ -21,7 +22,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST       := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: install demo readme-demo test check test-under-load test-torch lint bench clean gpu-wheelhouse
+.PHONY: install demo readme-demo test check test-under-load durations test-torch lint bench clean gpu-wheelhouse
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +59,19 @@ test-under-load: $(STAMP)
 	@$(PY) -c "while True: pass" & a=$$!; $(PY) -c "while True: pass" & b=$$!; \
 	trap 'kill $$a $$b 2>/dev/null' EXIT INT TERM; \
 	echo "two CPU-bound load processes: $$a $$b"; $(VENV)/bin/pytest $(XDIST) $(PYTEST_ARGS)
+
+# The whole suite, then tests/DURATIONS.md: seconds per test file, slowest first, with the total, the
+# machine, its load and the date (scripts/durations.py). Commit the table: a file that got slower
+# shows in review. Run it on an otherwise idle machine.
+DURATIONS_XML ?= build/junit.xml
+durations: $(STAMP)
+	@mkdir -p $(dir $(DURATIONS_XML))
+	@load="$$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)"; start=$$(date +%s); \
+	$(VENV)/bin/pytest $(XDIST) --junitxml=$(DURATIONS_XML) $(PYTEST_ARGS); rc=$$?; \
+	$(PY) scripts/durations.py $(DURATIONS_XML) --wall $$(( $$(date +%s) - start )) \
+	  $(if $(XDIST),--workers $(TEST_WORKERS)) --load "$$load" $(if $(PYTEST_ARGS),--selection '$(PYTEST_ARGS)') \
+	  > tests/DURATIONS.md; \
+	echo "tests/DURATIONS.md written"; exit $$rc
 
 # fleetwise on another torch (scripts/test_torch.py): make check's tests, one real job per engine and a
 # pipelined dry run, in a venv of its own (never $(VENV), the CI pin), with a pass/fail table:

@@ -46,6 +46,7 @@ SWEEP = [
 ]
 CHARTS = (Metric.LOSS, Metric.TOKENS_PER_S, Metric.PEAK_BYTES_MAX, Metric.PREDICTED_BYTES)
 WIDTH = 1400
+SEARCH = 'input[placeholder*="Search metric"]'  # the run page's metric search box
 
 
 def chromium() -> str | None:
@@ -143,6 +144,15 @@ class Browser:
             if all(n in text for n in needles) or time.monotonic() > deadline:
                 return text
             time.sleep(0.5)
+
+    def wait_js(self, expression: str, timeout: float = 90.0) -> bool:
+        """Whether `expression` came true on the page within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.evaluate(expression):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.3)
+        return True
 
     def screenshot(self, path: Path, height: int) -> Path:
         shot = self.call(
@@ -252,18 +262,19 @@ def look(store: Path, out: Path, *, port: int | None = None) -> list[str]:
         page = f"{base}/#/experiments/{exp_id}/runs/{job.info.run_id}/model-metrics"
         browser.size(900)
         drawn: set[str] = set()
-        for chart in (*CHARTS, "train/"):
-            browser.open("about:blank")
-            browser.open(page)
-            browser.wait_text(["Model metrics", "memory"], timeout=60)
-            dismiss_overlays(browser)
-            # select what is there: the page keeps the last search of this run across reloads
+        browser.open(page)
+        # the page keeps the last search of this run across reloads, so which charts (and so which
+        # words) it shows depends on it: wait for the search box, not for a chart's name
+        browser.wait_js(f"!!document.querySelector({SEARCH!r})", timeout=60)
+        dismiss_overlays(browser)
+        # one search per chart on the loaded page, each typed over the last (a reload per chart
+        # cost a page load each); the last, "train/", leaves the train/ charts for the screenshot
+        for chart, wanted in [*((c, [c]) for c in CHARTS), ("train/", [Metric.LOSS])]:
             browser.evaluate(
-                "(() => { const i = document.querySelector('input[placeholder*=\"Search metric\"]');"
-                " i.focus(); i.select(); })()"
+                f"(() => {{ const i = document.querySelector({SEARCH!r}); i.focus(); i.select(); }})()"
             )
             browser.call("Input.insertText", text=chart)
-            drawn |= _wait_charts(browser, [chart] if "/" in chart else [], timeout=60)
+            drawn |= _wait_charts(browser, wanted, timeout=60)
         missing = [c for c in CHARTS if c not in drawn]
         if missing:
             failures.append(f"run page: no chart for {missing} (charts drawn: {sorted(drawn)})")

@@ -183,7 +183,9 @@ def _timed(bin_):
 
 def test_calibrate_writes_a_profile_the_planner_uses(fleetwise_bin, tmp_path):
     """`fleetwise calibrate` measures this machine (no comm: the 2-process part is the bench's) and
-    writes a profile that `hardware=local` selects from any directory."""
+    writes a profile that `hardware=local` selects from any directory. With --quick: every probe
+    runs, each with a fifth of its repetitions (the full count only adds samples to the same
+    medians; test_profile.py holds the share)."""
     import yaml
 
     env = {**os.environ, "FLEETWISE_CONFIG_DIR": str(tmp_path)}
@@ -197,7 +199,7 @@ def test_calibrate_writes_a_profile_the_planner_uses(fleetwise_bin, tmp_path):
 
     def calibrate():
         r = subprocess.run(
-            [fleetwise_bin, "calibrate", "--no-comm", "--json"],
+            [fleetwise_bin, "calibrate", "--no-comm", "--quick", "--json"],
             capture_output=True,
             text=True,
             env=env,

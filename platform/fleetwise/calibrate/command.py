@@ -28,6 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p.add_argument("--no-comm", action="store_true", help="skip the 2-process all-reduce measurement")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a fifth of each probe's repetitions: the same keys, noisier (a first look, or a check that "
+        "calibrate runs here)",
+    )
     link = p.add_argument_group(
         "the link between nodes: run the same command on every node at once (one process each)"
     )
@@ -116,7 +122,7 @@ def _summary(cal: Calibration, out: Path, name: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`fleetwise calibrate [--out PATH] [--name NAME] [--json] [--no-comm]`: measure peak matmul,
+    """`fleetwise calibrate [--out PATH] [--name NAME] [--json] [--no-comm] [--quick]`: measure peak matmul,
     per-op overhead and all-reduce speed here, and write a hardware profile (hardware=NAME)."""
     args = _parser().parse_args(argv)
     out = Path(args.out) if args.out else user_config_dir() / "hardware" / f"{args.name}.yaml"
@@ -129,7 +135,10 @@ def main(argv: list[str]) -> int:
     if args.link_only:
         return _link_only(link, out, args.json)
     from fleetwise.calibrate.probes.machine import measure
+    from fleetwise.calibrate.probes.timing import QUICK, set_share
 
+    if args.quick:
+        set_share(QUICK)
     cal = measure(comm=not args.no_comm, link=link if args.nodes > 1 else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(profile_yaml(cal, args.name))

@@ -428,6 +428,35 @@ def test_probes_that_subtract_timings_interleave_them(monkeypatch):
     assert calls == ["a", "b"] * 4
 
 
+def test_quick_runs_a_fifth_of_every_probes_repetitions_and_at_least_three(monkeypatch):
+    """`fleetwise calibrate --quick` (what the e2e test runs): timed and interleaved probes run a
+    fifth of their repetitions, never fewer than three (a median needs samples) nor more than asked;
+    without it, all of them."""
+    from fleetwise.calibrate import command
+    from fleetwise.calibrate.probes import machine, timing
+
+    runs = []
+    monkeypatch.setattr(timing, "_share", 1.0)  # set_share below is undone with the test
+    assert timing.timed(lambda: runs.append(1), reps=50) >= 0 and len(runs) == 1 + 50  # warm-up + reps
+    shares = []
+
+    def fake_measure(**kwargs):
+        shares.append(timing._share)
+        runs.clear()
+        timing.timed(lambda: runs.append(1), reps=50)
+        timing.interleaved([lambda: runs.append("a"), lambda: runs.append("b")], reps=30)
+        timing.timed(lambda: runs.append(2), reps=7)
+        timing.timed(lambda: runs.append(3), reps=2)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(machine, "measure", fake_measure)
+    with pytest.raises(SystemExit):
+        command.main(["--quick", "--no-comm", "--out", "/dev/null"])
+    assert shares == [timing.QUICK] and runs.count(1) == 1 + 10
+    assert runs.count("a") == runs.count("b") == 1 + 6
+    assert runs.count(2) == 1 + 3 and runs.count(3) == 1 + 2
+
+
 def test_zero1_pays_its_hook_per_tensor_and_micro_batch_and_its_copies_per_step(local_profile):
     """ZeRO-1's own host work (runtime/zero1.py), which DDP does not do: a Python gradient hook per
     parameter tensor in every micro-batch's backward (40 µs here) and, once a step, per tensor the

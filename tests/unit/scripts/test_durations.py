@@ -1,0 +1,45 @@
+"""scripts/durations.py: tests/DURATIONS.md sums each test file's tests from a JUnit report, slowest
+file first, with the total and the slowest tests."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from helpers.repo import REPO
+
+spec = importlib.util.spec_from_file_location("durations", REPO / "scripts" / "durations.py")
+durations = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(durations)
+
+# what pytest writes under importlib mode and xdist: dotted class names, no file attribute
+REPORT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="5">
+<testcase classname="tests.unit.plan.test_planner" name="test_a" time="1.25"/>
+<testcase classname="tests.unit.plan.test_planner" name="test_b" time="0.75"/>
+<testcase classname="tests.integration.test_parity.TestLayouts" name="test_c[dp]" time="30.0"/>
+<testcase classname="tests.integration.test_parity.TestLayouts" name="test_c[mp]" time="12.5"/>
+<testcase file="tests/e2e/test_cli.py" classname="tests.e2e.test_cli" name="test_d" time="4.0"/>
+</testsuite></testsuites>
+"""
+
+
+def test_files_are_summed_sorted_and_totalled(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # the dotted names are matched against the files of the checkout
+    xml = tmp_path / "junit.xml"
+    xml.write_text(REPORT)
+    table = durations.render(xml, wall=25.0, workers=2, load="0.10 0.20 0.30")
+    rows = [line for line in table.splitlines() if line.startswith("| tests/")]
+    assert rows[:3] == [
+        "| tests/integration/test_parity.py | 2 | 42.5 | 87.6% |",
+        "| tests/e2e/test_cli.py | 1 | 4.0 | 8.2% |",
+        "| tests/unit/plan/test_planner.py | 2 | 2.0 | 4.1% |",
+    ]
+    assert "| **total** | **5** | **48.5** | |" in table
+    assert "- wall time of the run: 25 s (0.4 min)" in table
+    assert "- load average at the start of the run: 0.10 0.20 0.30" in table
+    slowest = table.split("## The 15 slowest tests")[1]
+    assert (
+        slowest.index("test_c[dp] | 30.0")
+        < slowest.index("test_c[mp] | 12.5")
+        < slowest.index("test_d | 4.0")
+    )
