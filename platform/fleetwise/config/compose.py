@@ -8,7 +8,10 @@ not only the first.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from fleetwise.config.paths import config_dir, extra_config_dirs, group_options, user_config_dir
@@ -98,10 +101,40 @@ def hydra_override_problems(overrides: list[str]) -> list[Problem]:
     return out
 
 
+# One preflight composes the same overrides up to three times (with the launch rules, without them,
+# and for the memory verdict as given), ~0.6 s of Hydra each: inside `composing_once` the first
+# answer is reused (a copy each time: callers may change it).
+_ONCE: dict[tuple[str, ...], tuple[dict[str, Any], list[Problem]]] | None = None
+
+
+@contextlib.contextmanager
+def composing_once() -> Iterator[None]:
+    """Within: compose_partial of overrides already composed answers from memory."""
+    global _ONCE
+    outer = _ONCE
+    if outer is None:
+        _ONCE = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _ONCE = None
+
+
 def compose_partial(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
     """Compose with every override Hydra accepts, and explain the ones it rejects.
 
     Returning the partial config lets validation report its own problems in the same run."""
+    if _ONCE is None:
+        return _compose_partial(overrides)
+    key = tuple(overrides)
+    if key not in _ONCE:
+        _ONCE[key] = _compose_partial(overrides)
+    data, problems = _ONCE[key]
+    return copy.deepcopy(data), list(problems)
+
+
+def _compose_partial(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
     refused = hydra_override_problems(overrides)
     if refused:
         kept = [o for o in overrides if not any(o.lstrip("+~").startswith(p.loc) for p in refused)]

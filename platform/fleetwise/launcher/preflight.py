@@ -41,6 +41,13 @@ def preflight(
 ) -> Preflight:
     """`launching`: the rules about starting processes too (train, dryrun); `dryrun`: the dry run's
     rules instead of the launch section's (config/rules/dryrun.py)."""
+    from fleetwise.config.compose import composing_once
+
+    with composing_once():
+        return _checked(overrides, launching=launching, dryrun=dryrun, enforce_memory=enforce_memory)
+
+
+def _checked(overrides: list[str], *, launching: bool, dryrun: bool, enforce_memory: bool) -> Preflight:
     from fleetwise.launcher import auto
 
     if auto.requested(overrides):  # search, then check the winner like a typed-in layout
