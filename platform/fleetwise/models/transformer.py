@@ -1,4 +1,4 @@
-"""Transformer building blocks shared by GPT and ERNIE, and their language-model loss.
+"""Transformer building blocks shared by GPT, ERNIE and Llama, and their language-model loss.
 
 Plain nn.Modules with no parallel code: tensor parallelism is applied from outside with the
 plans in each family's `tp_plan.py` (their shared parts: `models/tp_plan.py`). Attention keeps q, k and v as separate projections (a fused qkv weight
@@ -76,6 +76,28 @@ class PostLNBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.ln1(x + self.drop(self.attn(x)))
         return self.ln2(x + self.drop(self.mlp(x)))
+
+
+class DecoderLM(nn.Module):
+    """What GPT and Llama share: the model contract's ends (fleetwise.models.contract) and a forward
+    through whichever of them this pipeline stage kept. A subclass builds `embed`, `layers` (a
+    ModuleDict keyed by layer index), `norm` and `output`."""
+
+    first_modules = ("embed",)  # kept only by the first pipeline stage
+    last_modules = ("norm", "output")  # kept only by the last
+    embed: nn.Module | None
+    layers: nn.ModuleDict
+    norm: nn.Module | None
+    output: nn.Module | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] (first stage) or hidden states [b, s, h] -> logits [b, s, V] (last stage) or hidden."""
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from fleetwise.families.gpt.schema import GPTModel
 from fleetwise.models.init import transformer_rule
-from fleetwise.models.transformer import PreLNBlock
+from fleetwise.models.transformer import DecoderLM, PreLNBlock
 
 
 class GPTEmbedding(nn.Module):
@@ -28,10 +28,8 @@ class GPTEmbedding(nn.Module):
         return self.drop(self.tok(tokens) + self.pos(positions))
 
 
-class GPT(nn.Module):
-    # the model contract (fleetwise.models.contract): blocks in `layers`, the ends named here
-    first_modules = ("embed",)  # kept only by the first pipeline stage
-    last_modules = ("norm", "output")  # kept only by the last
+class GPT(DecoderLM):
+    # the model contract (fleetwise.models.contract): the ends and the forward are DecoderLM's
 
     def __init__(self, cfg: GPTModel):
         super().__init__()
@@ -48,12 +46,3 @@ class GPT(nn.Module):
         self.output: nn.Module | None = nn.Linear(h, cfg.padded_vocab_size, bias=False)
         # initial values: fleetwise.models.init (drawn per parameter, after sharding)
         self.init_rule = transformer_rule(cfg.init_std, cfg.num_layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] (first stage) or hidden states [b, s, h] -> logits [b, s, V] (last stage) or hidden."""
-        h = self.embed(x) if self.embed is not None else x
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetwise.families.llama.schema import LlamaModel, RopeScaling
+from fleetwise.models.transformer import DecoderLM
 
 
 class RMSNorm(nn.Module):
@@ -163,10 +164,8 @@ class TiedHead(nn.Module):
         return F.linear(h, self._embedding[0].weight)
 
 
-class Llama(nn.Module):
-    # the model contract (fleetwise.models.contract): blocks in `layers`, the ends named here
-    first_modules = ("embed",)
-    last_modules = ("norm", "output")
+class Llama(DecoderLM):
+    # the model contract (fleetwise.models.contract): the ends and the forward are DecoderLM's
 
     def __init__(self, cfg: LlamaModel):
         super().__init__()
@@ -181,15 +180,6 @@ class Llama(nn.Module):
         )
         # initial values: drawn per parameter, after sharding (fleetwise.models.init)
         self.init_rule = llama_rule(cfg.init_std, cfg.num_layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] (first stage) or hidden states [b, s, h] -> logits [b, s, V] (last stage) or hidden."""
-        h = self.embed(x) if self.embed is not None else x
-        for layer in self.layers.values():
-            h = layer(h)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
 
 
 def llama_rule(std: float, num_layers: int):
