@@ -87,6 +87,9 @@ class Family:
     no_recompute: tuple[str, str] | Callable[[Any], tuple[str, str] | None] | None = None
     # a check of pp_degree > 1 against the model's settings (Llama: tied embeddings), or None
     pipeline_parallel: Callable[[Any, int], Iterator[Problem]] | None = None
+    # the model's chain for a pipeline is checked by tracing it (your own model, whose blocks keep
+    # their own name), not by the model contract's naming checks of `layers` and the ends
+    chain_traced: bool = False
     # (why, fix) when strategy=ps cannot train the family at all
     no_parameter_server: tuple[str, str] | None = None
     # Parameter server: the sparse tables that can live on servers (None: the family has none,

@@ -26,10 +26,7 @@ def build_meta_model(cfg: RunConfig) -> nn.Module:
         model,
         inputs=spec.inputs,
         num_layers=cfg.model.num_layers,
-        # your own model is adapted to the contract by construction (families/custom/model.py) and
-        # its chain checked by its trace; its blocks keep their own name (`trunk`), which the
-        # pipeline checks (state only in `layers` and the first/last modules) would not find
-        pipeline=family.pipeline_refusal(cfg.model) is None and family.name != "custom",
+        pipeline=family.pipeline_refusal(cfg.model) is None and not family.chain_traced,
         tp_paths=_tp_plan_paths(spec),
     )
     return model

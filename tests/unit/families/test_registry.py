@@ -99,7 +99,8 @@ def _dispatches(path, root=PACKAGE) -> list[str]:
         if (
             isinstance(node, ast.Compare)
             and isinstance(node.left, ast.Attribute)
-            and node.left.attr == "family"
+            # `cfg.model.family == "gpt"`, or the registry's record: `family.name != "custom"`
+            and (node.left.attr == "family" or node.left.attr == "name" and _names_a_family(node.left.value))
             # against a family's name (a string), not e.g. a socket address family
             and any(
                 isinstance(c, ast.Constant) and isinstance(c.value, str)
@@ -107,8 +108,16 @@ def _dispatches(path, root=PACKAGE) -> list[str]:
                 for c in ast.walk(comp)
             )
         ):
-            out.append(f"{path.relative_to(root)}:{node.lineno} compares .family")
+            out.append(f"{path.relative_to(root)}:{node.lineno} compares .{node.left.attr}")
     return out
+
+
+def _names_a_family(node: ast.AST) -> bool:
+    """`family`, `fam`, `family_of(...)`, `self.family`: an expression holding a Family record."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+    return name in ("family", "fam", "family_of")
 
 
 def test_nothing_outside_families_dispatches_on_a_family():
@@ -125,10 +134,17 @@ def test_nothing_outside_families_dispatches_on_a_family():
 def test_the_dispatch_check_sees_a_planted_dispatch(tmp_path):
     planted = tmp_path / "plan" / "planted.py"  # outside the source tree: the check reads any file
     planted.parent.mkdir()
-    planted.write_text("def f(m):\n    return isinstance(m, ResNetModel) or m.family == 'gpt'\n")
+    planted.write_text(
+        "def f(m, family):\n"
+        "    return isinstance(m, ResNetModel) or m.family == 'gpt'\n"
+        "def g(family, cfg):\n"
+        "    return family.name != 'custom' or family_of(cfg.model).name in ('llama',)\n"
+    )
     assert _dispatches(planted, root=tmp_path) == [
         "plan/planted.py:2 isinstance on ['ResNetModel']",
         "plan/planted.py:2 compares .family",
+        "plan/planted.py:4 compares .name",
+        "plan/planted.py:4 compares .name",
     ]
 
 

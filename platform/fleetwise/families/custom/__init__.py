@@ -103,6 +103,7 @@ FAMILY = Family(
     tensor_parallel=tensor_parallel,
     no_pipeline=no_pipeline,
     no_recompute=no_recompute,
+    chain_traced=True,
     no_parameter_server=(
         "the parameter server trains the CTR family's sparse tables; your own model is out of its scope",
         "use a collective strategy: dp, sharding, mp, pp or hybrid",
