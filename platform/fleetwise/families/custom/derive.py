@@ -493,7 +493,7 @@ def _trace(m: Any, net, blocks, items: list[dict], loss, batch: int) -> _Trace:
                 t.saved[stack[-1]] = t.saved.get(stack[-1], 0) + x.untyped_storage().nbytes()
         return x
 
-    counter = _OpCounter(t, stack)
+    counter = _op_counter(t, stack)
     flop = FlopCounterMode(display=False)
     real = {k: torch.stack([items[i % len(items)][k] for i in range(batch)]) for k in items[0]}
     with mode:
@@ -540,34 +540,23 @@ def _call_hook(t: _Trace, name: str):
     return hook
 
 
-class _OpCounter:
-    """aten ops per unit (the dry run's per-op host cost), matmul-like ones, elementwise elements."""
+def _op_counter(t: _Trace, stack: list[str]):
+    """A dispatch mode counting aten ops per unit (the dry run's per-op host cost), matmul-like
+    ones, elementwise elements (defined here: families import torch only when a rank calls them)."""
+    import fleetwise.compat as compat
 
-    def __init__(self, t: _Trace, stack: list[str]):
-        import fleetwise.compat as compat
+    class OpCounter(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            unit = stack[-1]
+            t.ops[unit] = t.ops.get(unit, 0) + 1
+            if getattr(func, "__name__", str(func)).startswith(_GEMMS):
+                t.gemms[unit] = t.gemms.get(unit, 0) + 1
+            elif not _is_view(func):
+                t.elementwise[unit] = t.elementwise.get(unit, 0) + _numel(out)
+            return out
 
-        t_ = t
-        stack_ = stack
-
-        class Mode(compat.TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                unit = stack_[-1]
-                t_.ops[unit] = t_.ops.get(unit, 0) + 1
-                name = getattr(func, "__name__", str(func))
-                if name.startswith(_GEMMS):
-                    t_.gemms[unit] = t_.gemms.get(unit, 0) + 1
-                elif not _is_view(func):
-                    t_.elementwise[unit] = t_.elementwise.get(unit, 0) + _numel(out)
-                return out
-
-        self.mode = Mode()
-
-    def __enter__(self):
-        return self.mode.__enter__()
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
+    return OpCounter()
 
 
 def _is_view(func) -> bool:
