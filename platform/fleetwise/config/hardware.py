@@ -68,6 +68,7 @@ GPU_DEFAULTS: dict[str, Any] = {
 # Physically meaningful ranges by a figure's unit (the end of its name): the schema's own > 0 / >= 0
 # let 1e-300 TFLOP/s plan a step of 1e290 s and 1e308 GiB overflow to infinity. Wide on purpose: from
 # a slow CPU's worst to far beyond today's fastest device or link.
+TFLOPS = (1e-6, 1e6, "TFLOP/s")  # 1 MFLOP/s .. 1 EFLOP/s per device
 UNIT_BOUNDS: dict[str, tuple[float, float, str]] = {
     "_gib": (1e-6, 1e5, "GiB"),  # ~1 KiB .. ~100 TiB per device
     "_gbps": (1e-6, 1e6, "GB/s"),  # 1 kB/s .. 1 PB/s
@@ -75,18 +76,14 @@ UNIT_BOUNDS: dict[str, tuple[float, float, str]] = {
     "_us_per_tensor": (0.0, 1e7, "us"),
     "_ns": (0.0, 1e6, "ns"),  # up to 1 ms per element
     "_ns_per_param": (0.0, 1e6, "ns"),
-    "tflops": (1e-6, 1e6, "TFLOP/s"),  # 1 MFLOP/s .. 1 EFLOP/s per device
 }
 
 
-def check_unit_bounds(value: Any, field: str) -> Any:
+def in_range(value: Any, bounds: tuple[float, float, str]) -> Any:
     """A figure outside its unit's meaningful range is refused with the unit and the bound (0 stays
     allowed where the schema allows it: a cost not charged)."""
-    bounds = next((b for suffix, b in UNIT_BOUNDS.items() if field.endswith(suffix)), None)
-    if bounds is None or not isinstance(value, (int, float)) or isinstance(value, bool):
-        return value
     lo, hi, unit = bounds
-    if value > hi or 0 < value < lo:
+    if isinstance(value, float | int) and (value > hi or 0 < value < lo):
         raise ValueError(
             f"{value:g} {unit} is outside the meaningful range {lo:g}..{hi:g} {unit}: give a value in it"
         )
@@ -103,8 +100,8 @@ class PeakTflops(Section):
 
     @field_validator("*")
     @classmethod
-    def _in_range(cls, value: Any, info: ValidationInfo) -> Any:
-        return check_unit_bounds(value, f"{info.field_name}_tflops")
+    def _in_range(cls, value: Any) -> Any:
+        return in_range(value, TFLOPS)
 
 
 class HardwareConfig(Section):
@@ -321,7 +318,8 @@ class HardwareConfig(Section):
     @field_validator("*")
     @classmethod
     def _in_range(cls, value: Any, info: ValidationInfo) -> Any:
-        return check_unit_bounds(value, info.field_name or "")
+        suffix = next((u for u in UNIT_BOUNDS if (info.field_name or "").endswith(u)), None)
+        return value if suffix is None else in_range(value, UNIT_BOUNDS[suffix])
 
     @model_validator(mode="wrap")
     @classmethod
