@@ -1,6 +1,7 @@
 """What GPT and ERNIE share: the transformer schema fields, the block's planner unit, the shape
 and tensor-parallel checks, and the token source (synthetic or a token file). Llama shares the
-token source and the tensor-parallel divisibility check (`mp_divides`).
+token source, GPT's causal-LM source, the chance loss and the tensor-parallel divisibility check
+(`mp_divides`).
 
 Transformer families share one naming scheme: num_layers, hidden_size, num_attention_heads,
 ffn_hidden_size, vocab_size, seq_len.
@@ -8,6 +9,7 @@ ffn_hidden_size, vocab_size, seq_len.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from pydantic import Field
@@ -56,6 +58,16 @@ def token_data_profile(m: TransformerModel, _d) -> dict:
 
 def tokens_per_sample(m: TransformerModel) -> int:
     return m.seq_len
+
+
+def token_chance_loss(m: TransformerModel) -> float:
+    """The loss of uniform guesses over the vocabulary (what a language model's loss is shown against)."""
+    return math.log(m.vocab_size)
+
+
+def causal_lm_source(m: TransformerModel, d):
+    """Rank side: the sample source of a causal LM (GPT, Llama): tokens over the whole vocabulary."""
+    return token_source(m, d, m.vocab_size)[0]
 
 
 def check_shape(m: TransformerModel) -> Iterator[Problem]:

@@ -9,14 +9,13 @@ them (`spec`, `source`), so importing this package never imports torch.
 
 from __future__ import annotations
 
-import math
-
 from fleetwise.families.ernie.schema import ERNIEModel, check
 from fleetwise.families.ernie.units import input_bytes, plan_notes, units
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.families.transformer import (
     TOKEN_SOURCES,
     check_tensor_parallel,
+    token_chance_loss,
     token_data_profile,
     token_source,
     tokens_per_sample,
@@ -70,5 +69,5 @@ FAMILY = Family(
     data_sources=TOKEN_SOURCES,
     data_profile=data_profile,
     tensor_parallel=check_tensor_parallel,
-    chance_loss=lambda m: math.log(m.vocab_size),
+    chance_loss=token_chance_loss,
 )

@@ -8,17 +8,16 @@ rank asks for them (`spec`, `source`), so importing this package never imports t
 
 from __future__ import annotations
 
-import math
-
 from fleetwise.families.gpt.schema import GPTModel
 from fleetwise.families.gpt.units import input_bytes, units
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.families.transformer import (
     TOKEN_SOURCES,
+    causal_lm_source,
     check_shape,
     check_tensor_parallel,
+    token_chance_loss,
     token_data_profile,
-    token_source,
     tokens_per_sample,
 )
 
@@ -31,21 +30,17 @@ def spec(_: GPTModel) -> ModelSpec:
     return ModelSpec(GPT, lm_loss, ("tokens",), gpt_plan)
 
 
-def source(m: GPTModel, d):
-    return token_source(m, d, m.vocab_size)[0]
-
-
 FAMILY = Family(
     name="gpt",
     schema=GPTModel,
     units=units,
     input_bytes=input_bytes,
     spec=spec,
-    source=source,
+    source=causal_lm_source,
     check=check_shape,
     tokens_per_sample=tokens_per_sample,
     data_sources=TOKEN_SOURCES,
     data_profile=token_data_profile,
     tensor_parallel=check_tensor_parallel,
-    chance_loss=lambda m: math.log(m.vocab_size),
+    chance_loss=token_chance_loss,
 )

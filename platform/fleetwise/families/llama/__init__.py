@@ -19,14 +19,19 @@ checkpoint has no `lm_head.weight`.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 from fleetwise.families.llama.hf import prefill
 from fleetwise.families.llama.schema import LlamaModel, check, check_pipeline, check_tensor_parallel, limits
 from fleetwise.families.llama.units import input_bytes, units
 from fleetwise.families.record import Family, ModelSpec
-from fleetwise.families.transformer import TOKEN_SOURCES, token_data_profile, token_source, tokens_per_sample
+from fleetwise.families.transformer import (
+    TOKEN_SOURCES,
+    causal_lm_source,
+    token_chance_loss,
+    token_data_profile,
+    tokens_per_sample,
+)
 
 
 def spec(m: LlamaModel) -> ModelSpec:
@@ -48,10 +53,6 @@ def spec(m: LlamaModel) -> ModelSpec:
     )
 
 
-def source(m: LlamaModel, d):
-    return token_source(m, d, m.vocab_size)[0]
-
-
 def plan_notes(m: LlamaModel) -> list[str]:
     a, g = m.num_attention_heads, m.num_kv_heads
     attention = (
@@ -67,7 +68,7 @@ FAMILY = Family(
     units=units,
     input_bytes=input_bytes,
     spec=spec,
-    source=source,
+    source=causal_lm_source,
     check=check,
     prefill=prefill,
     limits=limits,
@@ -77,5 +78,5 @@ FAMILY = Family(
     data_profile=token_data_profile,
     tensor_parallel=check_tensor_parallel,
     pipeline_parallel=check_pipeline,
-    chance_loss=lambda m: math.log(m.vocab_size),
+    chance_loss=token_chance_loss,
 )
