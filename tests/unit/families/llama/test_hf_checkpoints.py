@@ -122,6 +122,11 @@ def test_bad_directories_are_refused_naming_file_and_tensor(tmp_path, llama_dir,
     assert "model.safetensors.index.json" in e["msg"] and "model-00002-of-" in e["msg"]
     assert directory.is_dir()
 
+    # a file named .safetensors that is not one (a truncated download)
+    (tmp_path / "single" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a")
+    [e] = problems_of(tmp_path / "single")
+    assert "model.safetensors is not a safetensors file" in e["msg"] and "replace" in e["hint"]
+
 
 def test_export_of_an_untrained_import_is_the_input_bit_for_bit(tmp_path, llama_dir):
     """A checkpoint of the imported model (written by DCP as the ranks write theirs) exported back:
