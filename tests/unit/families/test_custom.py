@@ -9,6 +9,7 @@ written here: the parameter count and FLOPs by hand, the initial values by the e
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -205,3 +206,19 @@ def test_forward_that_returns_the_loss():
     torch.manual_seed(cfg.train.seed)
     eager = WithLoss()(batch["x"], batch["y"])["loss"]
     assert loss.shape == () and torch.equal(loss, eager)
+
+
+@pytest.mark.parametrize("cfg_flag,imports_target", [(True, False), (False, True)])
+def test_printing_the_config_calls_nothing(tmp_path, cfg_flag, imports_target):
+    """README: `validate --cfg` and `plan --cfg` call nothing -- a recipe with `_target_` is code, and
+    printing it must not run it. A fresh process with an empty cache; the case without --cfg shows the
+    check sees the import when there is one."""
+    flag = ", '--cfg', 'job'" if cfg_flag else ""
+    code = (
+        "import sys; from fleetwise.cli import main; "
+        f"rcs = [main(['validate', 'recipe=mynet'{flag}]), main(['plan', 'recipe=mynet'{flag}])]; "
+        "print(rcs, 'mynet.net' in sys.modules, 'torch' in sys.modules)"
+    )
+    env = {**os.environ, "FLEETWISE_CACHE_DIR": str(tmp_path / "empty")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=EXAMPLES, env=env)
+    assert out.stdout.splitlines()[-1] == f"[0, 0] {imports_target} {imports_target}", out.stderr[-2000:]
