@@ -49,7 +49,12 @@ def test_explicit_values_that_disagree_are_problems_naming_both(llama_dir):
     directory, _ = llama_dir
     with pytest.raises(ConfigError) as err:
         load_config(
-            ["recipe=llama/tiny", f"model.init_from={directory}", "model.num_layers=3", "model.rms_norm_eps=0.1"]
+            [
+                "recipe=llama/tiny",
+                f"model.init_from={directory}",
+                "model.num_layers=3",
+                "model.rms_norm_eps=0.1",
+            ]
         )
     problems = {p.loc: p for p in err.value.problems}
     assert set(problems) == {"model.num_layers", "model.rms_norm_eps"}  # no tensor-by-tensor echo
@@ -112,7 +117,19 @@ def test_bad_directories_are_refused_naming_file_and_tensor(tmp_path, llama_dir,
     errors = problems_of(tmp_path / "single")
     assert [e["loc"] for e in errors] == ["model.init_from"] * 2
     assert "model.layers.2.mlp.up_proj.weight" in errors[0]["msg"]
-    assert "model.safetensors: tensor model.norm.weight has shape [63], the model needs [64]" in errors[1]["msg"]
+    assert (
+        "model.safetensors: tensor model.norm.weight has shape [63], the model needs [64]" in errors[1]["msg"]
+    )
+
+    # a quantised tensor: the weights are read as floats only
+    write_hf_model(tmp_path / "quant", shard=None)
+    weights = load_file(tmp_path / "quant" / "model.safetensors")
+    weights["model.layers.1.self_attn.q_proj.weight"] = weights["model.layers.1.self_attn.q_proj.weight"].to(
+        torch.int8
+    )
+    save_file(weights, tmp_path / "quant" / "model.safetensors", metadata={"format": "pt"})
+    [e] = problems_of(tmp_path / "quant")
+    assert "tensor model.layers.1.self_attn.q_proj.weight is I8" in e["msg"] and "unquantised" in e["hint"]
 
     # an index naming a shard that is not there
     broken = tmp_path / "broken"
@@ -123,7 +140,7 @@ def test_bad_directories_are_refused_naming_file_and_tensor(tmp_path, llama_dir,
     assert directory.is_dir()
 
     # a file named .safetensors that is not one (a truncated download)
-    (tmp_path / "single" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a")
+    (tmp_path / "single" / "model.safetensors").write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a')
     [e] = problems_of(tmp_path / "single")
     assert "model.safetensors is not a safetensors file" in e["msg"] and "replace" in e["hint"]
 
