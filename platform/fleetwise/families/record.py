@@ -82,11 +82,9 @@ class Family:
         "set strategy.mp_degree=1 and use dp or sharding",
     )
     # (why, fix) when pp_degree > 1 cannot work / there is nothing to recompute; or a function of
-    # the model section giving it (your own model: what its trace found)
+    # the model section giving it (Llama: a tied head; your own model: what its trace found)
     no_pipeline: tuple[str, str] | Callable[[Any], tuple[str, str] | None] | None = None
     no_recompute: tuple[str, str] | Callable[[Any], tuple[str, str] | None] | None = None
-    # a check of pp_degree > 1 against the model's settings (Llama: tied embeddings), or None
-    pipeline_parallel: Callable[[Any, int], Iterator[Problem]] | None = None
     # the model's chain for a pipeline is checked by tracing it (your own model, whose blocks keep
     # their own name), not by the model contract's naming checks of `layers` and the ends
     chain_traced: bool = False

@@ -58,14 +58,11 @@ def pipeline_split(ctx: Context) -> Iterator[Problem]:
     pp = lay.pp if lay else (s.pp_degree if isinstance(s.pp_degree, int) else None)
     if pp is None:
         return
-    fam = family_of(m)
-    no_pipeline = fam.pipeline_refusal(m)
+    no_pipeline = family_of(m).pipeline_refusal(m)
     if no_pipeline is not None and pp > 1:
         why, fix = no_pipeline
         yield Problem("strategy.pp_degree", f"pp_degree={pp} on {why}", fix)
         return
-    if fam.pipeline_parallel is not None and pp > 1:
-        yield from fam.pipeline_parallel(m, pp)
     units = m.num_layers
     v = s.virtual_stages
     if v > 1 and pp == 1:

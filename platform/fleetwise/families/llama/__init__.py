@@ -22,7 +22,7 @@ from __future__ import annotations
 from functools import partial
 
 from fleetwise.families.llama.hf import prefill
-from fleetwise.families.llama.schema import LlamaModel, check, check_pipeline, check_tensor_parallel, limits
+from fleetwise.families.llama.schema import LlamaModel, check, check_tensor_parallel, limits, no_pipeline
 from fleetwise.families.llama.units import input_bytes, units
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.families.transformer import (
@@ -77,6 +77,6 @@ FAMILY = Family(
     data_sources=TOKEN_SOURCES,
     data_profile=token_data_profile,
     tensor_parallel=check_tensor_parallel,
-    pipeline_parallel=check_pipeline,
+    no_pipeline=no_pipeline,
     chance_loss=token_chance_loss,
 )

@@ -154,16 +154,17 @@ def check_tensor_parallel(m: LlamaModel, mp: int) -> Iterator[Problem]:
         )
 
 
-def check_pipeline(m: LlamaModel, pp: int) -> Iterator[Problem]:
-    if m.tie_word_embeddings:
-        yield Problem(
-            "strategy.pp_degree",
-            f"pp_degree={pp} with model.tie_word_embeddings=true: the embedding (first stage) and the "
-            "LM head (last stage) would be one weight on two ranks",
-            "set strategy.pp_degree=1 (and shard with strategy.sharding_degree or split with "
-            "strategy.mp_degree instead), or set model.tie_word_embeddings=false (the head gets a "
-            "weight of its own)",
-        )
+def no_pipeline(m: LlamaModel) -> tuple[str, str] | None:
+    """(why, fix) when this model cannot be pipelined: a tied head would be one weight on two stages."""
+    if not m.tie_word_embeddings:
+        return None
+    return (
+        "a model with model.tie_word_embeddings=true: the embedding (first stage) and the LM head "
+        "(last stage) would be one weight on two ranks",
+        "set strategy.pp_degree=1 (and shard with strategy.sharding_degree or split with "
+        "strategy.mp_degree instead), or set model.tie_word_embeddings=false (the head gets a "
+        "weight of its own)",
+    )
 
 
 LIMITS = {
