@@ -6,18 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers.config import compose
 from torch import nn
-
-
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])

@@ -8,21 +8,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch.distributed as dist
 from helpers.config import compose
 
 from fleetwise.plan import make_plan
 from fleetwise.rundir import write_config, write_plan
 from fleetwise.runtime.checkpoint_files import META, complete_checkpoints
-
-
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def trainer(cfg, run_dir):

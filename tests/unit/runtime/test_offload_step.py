@@ -7,23 +7,13 @@ checks that the trainer of an offloaded job builds the fused one)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from helpers.config import compose
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from fleetwise.runtime.optim import build_optimizer, step_kernel
-
-
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_offloaded_adamw_steps_with_the_fused_kernel_and_elsewhere_as_before():
