@@ -15,6 +15,7 @@ import torch.distributed as dist
 from fleetwise import compat
 from fleetwise.dryrun import patches
 from fleetwise.dryrun.fake import HostReads
+from fleetwise.models.flops import cpu_attention_formulas
 
 _aten = torch.ops.aten
 
@@ -90,24 +91,6 @@ _NOT_COUNTED = {
 }
 
 
-def _cpu_attention_formulas() -> dict:
-    """FLOP formulas for the CPU flash-attention kernels, which torch's registry lacks (it has the
-    CUDA ones): the same counts as torch's flash attention -- forward QK^T and scores.V; backward
-    five such matmuls (the scores recomputed, then the gradients of scores, V, Q and K)."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
-    def forward(query, key, value, *args, out_val=None, **kwargs) -> int:
-        return sdpa_flop_count(query.shape, key.shape, value.shape)
-
-    def backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-        return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
-
-    return {
-        compat.SDPA_CPU: forward,
-        compat.SDPA_CPU_BACKWARD: backward,
-    }
-
-
 _DECOMPOSES: dict = {}  # op -> whether it has a CompositeImplicitAutograd decomposition
 
 
@@ -125,11 +108,15 @@ class Counters(compat.TorchDispatchMode):
       global count divided by the ranks that share it (`_split`)."""
 
     def __init__(self, labels: dict[str, str]):
-        from torch.utils.flop_counter import flop_registry
+        from torch.utils.flop_counter import flop_registry, shape_wrapper
 
         super().__init__()
         self.labels = labels
-        self.formulas = {**flop_registry, **_cpu_attention_formulas()}
+        # torch's formulas (wrapped to take tensors) and the CPU attention kernels' (models/flops.py)
+        self.formulas = {
+            **flop_registry,
+            **{op: shape_wrapper(f) for op, f in cpu_attention_formulas().items()},
+        }
         self.host_reads = HostReads()
         self.flops = 0
         self.paused = False  # pipelining's one-time stage initialization is not a step's work

@@ -140,6 +140,22 @@ def test_units_are_measured_from_the_module():
     assert cfg.model.num_layers == depth
 
 
+def test_attention_flops_are_counted_as_the_dry_run_counts_them():
+    """F.scaled_dot_product_attention runs the CPU flash-attention kernel here, which torch's FLOP
+    registry lacks (FlopCounterMode alone counted 0): the trace uses the dry run's formulas. By hand,
+    per sample and block: q's projection 2·4·4·4 FLOPs, QK^T and scores·V 2 · 2·4·4·4."""
+    from fleetwise.families import model_units
+
+    cfg = _cfg(
+        "model.module._target_=helpers.custom_models.Attentive",
+        "~model.module.dim",
+        "~model.module.depth",
+        NO_TP,
+    )
+    units = model_units(cfg.model)
+    assert [u.fwd_flops for u in units[1:-1]] == [2 * 4 * 4 * 4 + 2 * (2 * 4 * 4 * 4)] * 2
+
+
 def test_second_derivation_reads_the_cache(monkeypatch):
     from fleetwise.families.custom import derive
 

@@ -470,6 +470,7 @@ def _trace(m: Any, net, blocks, items: list[dict], loss, batch: int) -> _Trace:
     from torch.utils.flop_counter import FlopCounterMode
 
     import fleetwise.compat as compat
+    from fleetwise.models.flops import cpu_attention_formulas
 
     t = _Trace(batch, *({} for _ in range(6)), [])
     stack = ["first"]  # the unit running now: first, block<i>, last
@@ -494,7 +495,7 @@ def _trace(m: Any, net, blocks, items: list[dict], loss, batch: int) -> _Trace:
         return x
 
     counter = _op_counter(t, stack)
-    flop = FlopCounterMode(display=False)
+    flop = FlopCounterMode(display=False, custom_mapping=cpu_attention_formulas())
     real = {k: torch.stack([items[i % len(items)][k] for i in range(batch)]) for k in items[0]}
     with mode:
         fake_batch = {k: mode.from_tensor(v) for k, v in real.items()}
