@@ -37,17 +37,13 @@ INSTALL = f"pip install 'torch>={SUPPORTED[0]},<2.{int(SUPPORTED[-1].split('.')[
 
 
 @functools.cache
-def _from_metadata() -> str | None:
+def installed_torch() -> str | None:
+    """The installed torch's version ("2.11.0+cu130"), or None without one. Read once (the auto
+    search checks thousands of candidate configs)."""
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def installed_torch() -> str | None:
-    """The installed torch's version ("2.11.0+cu130"), or None without one. Read once (the auto
-    search checks thousands of candidate configs)."""
-    return _from_metadata()
 
 
 def minor(version: str) -> tuple[int, int]:
