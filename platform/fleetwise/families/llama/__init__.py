@@ -48,7 +48,8 @@ def spec(m: LlamaModel) -> ModelSpec:
         Llama,
         lm_loss,
         ("tokens",),
-        partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
+        # experts are not split over mp ranks (config/rules/moe.py refuses mp_degree > 1 with them)
+        None if m.moe.enabled else partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
         load_weights=load,
     )
 
