@@ -23,12 +23,14 @@ experts that got fewer tokens than the mean.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import Field
 
 from fleetwise.config.base import Section
 from fleetwise.config.problems import Problem
+from fleetwise.plan.units import Acts, Unit
 
 
 class MoE(Section):
@@ -135,3 +137,90 @@ def moe_notes(moe: MoE, num_layers: int, dense_ffn: int) -> list[str]:
         f"balanced by {moe.load_balance}; FLOPs and MFU count the active parameters, assuming balanced "
         "routing (moe/load_max_over_mean in metrics.jsonl measures it)"
     ]
+
+
+def moe_block(dense: Unit, moe: MoE, seq: int, hidden: int, dense_ffn: int, attention_largest: int) -> Unit:
+    """A transformer block's planner unit with its dense SwiGLU MLP (width dense_ffn) replaced by the
+    mixture of experts (fleetwise.models.moe) -- counted as torch runs it, per sample of `seq` tokens:
+
+    - parameters: the router [E, h], E experts' w1, w3 [f, h] and w2 [h, f], the shared experts'
+      SwiGLU (width num_shared·f); of those, the E - top_k experts a token does not use are inactive;
+    - FLOPs on the active ones: the router, top_k experts per token, the shared experts;
+    - what autograd saves (s tokens, k slots each, sk = s·k rows): the routed rows [sk, h] (the
+      experts' input), the four SwiGLU tensors per row, the experts' output rows [sk, h] and their
+      weights [sk] (the weighting multiply's operands); the router's fp32 scores [s, E] (softmax's or
+      sigmoid's output), the chosen weights and their sum (normalize_weights' division), the three
+      int64 index tensors (the chosen experts [s, k], the sort order and the rows' tokens [sk]: 8
+      bytes each, counted as two fp32 elements), a sigmoid router's per-token sum (the balance loss),
+      the capacity mask; the shared experts' four SwiGLU tensors. Balanced routing: sk rows whatever
+      the split among the experts, so the counts hold for every routing of a dropless layer.
+    """
+    s, h, f = seq, hidden, expert_width(moe, dense_ffn)
+    e, k = moe.num_experts, moe.top_k
+    fs = moe.num_shared_experts * f
+    sk = s * k
+    dense_mlp = 3 * hidden * dense_ffn
+    params = h * e + 3 * e * h * f + 3 * h * fs
+    active = h * e + 3 * k * h * f + 3 * h * fs
+    none = dense.saved("none")
+    router_fp32 = (
+        s * e  # scores
+        + ((s * k + s) if moe.normalize_weights else 0)  # the division's operands
+        + 2 * (s * k + 2 * sk)  # int64: chosen experts, sort order, the rows' tokens
+        + (s if moe.score_func == "sigmoid" and moe.load_balance == "aux_loss" else 0)
+        + (sk if moe.capacity_factor is not None else 0)  # the capacity mask
+    )
+    acts_none = replace(
+        none,
+        split=none.split - 4 * s * dense_ffn + 2 * sk * h + 4 * sk * f + sk + 4 * s * fs,
+        fp32=none.fp32 + router_fp32,
+    )
+    sel = dense.saved("selective")
+    acts_selective = replace(
+        sel,
+        # the matmuls' outputs: the router's, the experts' w1, w3 and w2, the shared gate and up
+        split=sel.split - 2 * s * dense_ffn + s * e + 2 * sk * f + sk * h + 2 * s * fs,
+        reduced=sel.reduced - s * h + (s * h if fs else 0),  # o's, the shared down projection's
+    )
+    wgo = dense.weight_grad_outputs
+    return replace(
+        dense,
+        name="moe_block",
+        params_split=dense.params_split - dense_mlp + params,
+        inactive_params=params - active,
+        fwd_flops=dense.fwd_flops - 2 * s * dense_mlp + 2 * s * active,
+        # checkpointed: the recompute ends at the last op whose tensor backward needs, before the
+        # shared experts' down projection (without them, at the index_add back onto the tokens)
+        recompute_skipped_flops=2 * s * fs * h,
+        acts={"none": acts_none, "selective": acts_selective, "full": dense.saved("full")},
+        # the experts' down projection's backward: its input's gradient, then the product's operands'
+        backward_transient=Acts(split=max(2 * sk * f, 2 * s * fs)),
+        weight_grad_outputs=replace(
+            wgo,
+            split=wgo.split - 2 * s * dense_ffn + s * e + 2 * sk * f + 2 * s * fs,
+            partial=wgo.partial + sk * h - s * h + (s * h if fs else 0),
+        ),
+        # counted by hand (not held by a test like the dense block's): router 10, dispatch and
+        # combine 20, the experts 10, the balance loss 8, the step's counts 6; shared SwiGLU 14
+        fwd_ops=dense.fwd_ops - (3 * 4 + 2) + 54 + (14 if fs else 0),
+        fwd_gemms=dense.fwd_gemms - 3 + 1 + 3 + (3 if fs else 0),
+        param_tensors=dense.param_tensors - 3 + 1 + 3 + (3 if fs else 0),
+        largest_split=max(attention_largest, e * h * f, h * fs),
+        fwd_elementwise=dense.fwd_elementwise - 2 * s * dense_ffn + s * e + 2 * sk * f + 2 * sk * h + 2 * s * h
+        + (2 * s * fs + s * h if fs else 0),
+    )
+
+
+MOE_LIMITS = {"num_experts": 1 << 16, "top_k": 1 << 10, "num_shared_experts": 1 << 10, "expert_ffn_size": 1 << 22}
+
+
+def moe_limits(moe: MoE) -> Iterator[Problem]:
+    """Bounds on the section's sizes (what the planner can represent)."""
+    for key, limit in MOE_LIMITS.items():
+        value = getattr(moe, key)
+        if value is not None and value > limit:
+            yield Problem(
+                f"model.moe.{key}",
+                f"model.moe.{key}={value:,} is beyond what fleetwise plans (at most {limit:,})",
+                f"set model.moe.{key} to at most {limit:,}",
+            )

@@ -153,6 +153,9 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         tokens, e, k = flat.shape[0], self.num_experts, self.top_k
         weights, chosen, scores = self.router(flat)
+        # (the balance loss first: what backward needs of the block's last ops -- the shared
+        # experts' -- ends the recompute of a checkpointed block, before their down projection)
+        aux = self._aux_loss(scores, chosen, tokens) if self.aux_coef else None
         slots = chosen.reshape(-1)  # the expert of each (token, slot), token-major
         counts = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, slots, torch.ones_like(slots))
         order = torch.argsort(slots, stable=True)  # slots grouped by expert, in token order
@@ -167,7 +170,6 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
         out = out.view(shape)
-        aux = self._aux_loss(scores, counts, tokens) if self.aux_coef else None
         if self.training and not in_backward():  # (a recompute runs inside the backward)
             self._record(counts, dropped, aux)
         if aux is not None and aux.requires_grad:
@@ -178,12 +180,16 @@ class MoE(nn.Module):
         assert self.capacity_factor is not None
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
-    def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor, tokens: int) -> torch.Tensor:
-        """coef · Σ_i f_i · P_i: f_i = counts_i · E / (tokens · k) (no gradient), P_i the mean of
-        expert i's normalised score (sigmoid scores are normalised per token)."""
+    def _aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, tokens: int) -> torch.Tensor:
+        """coef · Σ_i f_i · P_i: f_i = the slots expert i got · E / (tokens · k) (no gradient), P_i
+        the mean of expert i's normalised score (sigmoid scores are normalised per token)."""
         if not self.router.softmax:
             scores = scores / scores.sum(dim=-1, keepdim=True)
-        share = counts.float() * (self.num_experts / (tokens * self.top_k))
+        slots = chosen.reshape(-1)
+        counts = torch.zeros(self.num_experts, device=scores.device).index_add_(
+            0, slots, torch.ones(slots.shape, device=scores.device)
+        )
+        share = counts * (self.num_experts / (tokens * self.top_k))
         return self.aux_coef * (share * scores.mean(dim=0)).sum()
 
     @torch.no_grad()

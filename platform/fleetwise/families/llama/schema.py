@@ -15,7 +15,7 @@ from pydantic import Field
 
 from fleetwise.config.base import Section
 from fleetwise.config.problems import Problem
-from fleetwise.families.moe import MoE, check_moe
+from fleetwise.families.moe import MoE, check_moe, moe_limits
 from fleetwise.families.transformer import mp_divides
 
 
@@ -191,6 +191,7 @@ def limits(m: LlamaModel) -> Iterator[Problem]:
                 f"{path}={value:,} is beyond what fleetwise plans (at most {limit:,})",
                 f"set {path} to at most {limit:,}",
             )
+    yield from moe_limits(m.moe)
     if m.ffn_hidden_size > 1 << 22:
         yield Problem(
             "model.ffn_dim_multiplier",
