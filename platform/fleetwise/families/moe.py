@@ -48,10 +48,13 @@ class MoE(Section):
         0, ge=0, description="The first k blocks keep a dense MLP (DeepSeek's first_k_dense_replace)."
     )
     interval: int = Field(
-        1, ge=1, description="After those, every n-th block is a MoE block (1: all of them), starting with the first."
+        1,
+        ge=1,
+        description="After those, every n-th block is a MoE block (1: all of them), starting with the first.",
     )
     score_func: Literal["softmax", "sigmoid"] = Field(
-        "softmax", description="Router scores: softmax over the experts (Mixtral) or a sigmoid each (DeepSeek-V3)."
+        "softmax",
+        description="Router scores: softmax over the experts (Mixtral) or a sigmoid each (DeepSeek-V3).",
     )
     normalize_weights: bool = Field(
         True, description="Divide the chosen experts' scores by their sum (Mixtral, DeepSeek-V3)."
@@ -72,7 +75,8 @@ class MoE(Section):
         "num_experts tokens of a micro-batch; the rest are dropped and counted.",
     )
     grouped_mm: bool = Field(
-        True, description="Run the experts as one grouped GEMM where torch has one (else a loop; same numbers)."
+        True,
+        description="Run the experts as one grouped GEMM where torch has one (else a loop; same numbers).",
     )
 
     @property
@@ -86,7 +90,11 @@ def expert_width(moe: MoE, dense_ffn: int) -> int:
 
 def is_moe_layer(moe: MoE, layer: int) -> bool:
     """Whether block `layer` (0-based) has experts instead of a dense MLP."""
-    return moe.enabled and layer >= moe.first_dense_layers and (layer - moe.first_dense_layers) % moe.interval == 0
+    return (
+        moe.enabled
+        and layer >= moe.first_dense_layers
+        and (layer - moe.first_dense_layers) % moe.interval == 0
+    )
 
 
 def moe_layers(moe: MoE, num_layers: int) -> list[int]:
@@ -206,12 +214,22 @@ def moe_block(dense: Unit, moe: MoE, seq: int, hidden: int, dense_ffn: int, atte
         fwd_gemms=dense.fwd_gemms - 3 + 1 + 3 + (3 if fs else 0),
         param_tensors=dense.param_tensors - 3 + 1 + 3 + (3 if fs else 0),
         largest_split=max(attention_largest, e * h * f, h * fs),
-        fwd_elementwise=dense.fwd_elementwise - 2 * s * dense_ffn + s * e + 2 * sk * f + 2 * sk * h + 2 * s * h
+        fwd_elementwise=dense.fwd_elementwise
+        - 2 * s * dense_ffn
+        + s * e
+        + 2 * sk * f
+        + 2 * sk * h
+        + 2 * s * h
         + (2 * s * fs + s * h if fs else 0),
     )
 
 
-MOE_LIMITS = {"num_experts": 1 << 16, "top_k": 1 << 10, "num_shared_experts": 1 << 10, "expert_ffn_size": 1 << 22}
+MOE_LIMITS = {
+    "num_experts": 1 << 16,
+    "top_k": 1 << 10,
+    "num_shared_experts": 1 << 10,
+    "expert_ffn_size": 1 << 22,
+}
 
 
 def moe_limits(moe: MoE) -> Iterator[Problem]:

@@ -51,12 +51,18 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, cfg: MoEConfig):
         super().__init__()
-        self.top_k, self.softmax, self.normalize = cfg.top_k, cfg.score_func == "softmax", cfg.normalize_weights
+        self.top_k, self.softmax, self.normalize = (
+            cfg.top_k,
+            cfg.score_func == "softmax",
+            cfg.normalize_weights,
+        )
         self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)
         # DeepSeek-V3's balancing bias: a buffer (no gradient), the same on every rank (the trainer
         # moves it from the step's token counts over the whole job), saved in checkpoints
         self.expert_bias: torch.Tensor | None
-        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts) if cfg.load_balance == "bias" else None)
+        self.register_buffer(
+            "expert_bias", torch.zeros(cfg.num_experts) if cfg.load_balance == "bias" else None
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, h] -> (weights [T, k] fp32, chosen experts [T, k] int64, scores [T, E] fp32)."""
@@ -72,7 +78,9 @@ class Router(nn.Module):
         return weights, chosen, scores
 
 
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor, grouped: bool):
+def expert_matmul(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor, grouped: bool
+):
     """Rows of x grouped by expert (counts[e] rows of expert e, in order) times w[e]ᵀ: [N, in] with
     w [E, out, in] -> [N, out]."""
     if is_fake(x):
@@ -157,7 +165,9 @@ class MoE(nn.Module):
         # experts' -- ends the recompute of a checkpointed block, before their down projection)
         aux = self._aux_loss(scores, chosen, tokens) if self.aux_coef else None
         slots = chosen.reshape(-1)  # the expert of each (token, slot), token-major
-        counts = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, slots, torch.ones_like(slots))
+        counts = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(
+            0, slots, torch.ones_like(slots)
+        )
         order = torch.argsort(slots, stable=True)  # slots grouped by expert, in token order
         token = order // k
         slot_weights = weights.reshape(-1)[order]
@@ -166,7 +176,9 @@ class MoE(nn.Module):
             kept, dropped = _within_capacity(counts, slots[order], self.capacity(tokens))
             slot_weights = slot_weights * kept
         rows = self.experts(flat[token], counts)
-        out = torch.zeros_like(flat, dtype=rows.dtype).index_add(0, token, rows * slot_weights.unsqueeze(-1).to(rows.dtype))
+        out = torch.zeros_like(flat, dtype=rows.dtype).index_add(
+            0, token, rows * slot_weights.unsqueeze(-1).to(rows.dtype)
+        )
         if self.shared is not None:
             out = out + self.shared(flat)
         out = out.view(shape)

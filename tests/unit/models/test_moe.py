@@ -115,8 +115,12 @@ def test_balance_loss_gradient_is_added_with_the_trainers_scale():
     x = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(4))
 
     def router_grad(scale: float, with_aux: bool) -> torch.Tensor:
-        moe = layer(seed=5, top_k=2, aux_loss_coef=0.5 if with_aux else 0.0,
-                    load_balance="aux_loss" if with_aux else "none").train()
+        moe = layer(
+            seed=5,
+            top_k=2,
+            aux_loss_coef=0.5 if with_aux else 0.0,
+            load_balance="aux_loss" if with_aux else "none",
+        ).train()
         moe.aux_grad_scale = scale
         out = moe(x)
         out.pow(2).mean().backward()
