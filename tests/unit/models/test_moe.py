@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from fleetwise.families.moe import MoE as MoEConfig
 from fleetwise.models.moe import MoE
@@ -143,8 +143,11 @@ def test_balance_loss_gradient_is_added_with_the_trainers_scale():
 def test_recompute_does_not_count_twice_and_eval_counts_nothing():
     moe = layer(top_k=2).train()
     x = torch.randn(2, 5, H, requires_grad=True)
-    out = checkpoint(moe, x, use_reentrant=False)
-    out.sum().backward()  # runs the forward again inside the backward
+    # the whole forward again inside the backward (torch stops a recompute early by default, once
+    # the last tensor backward needs is back: here that would skip the counting anyway)
+    with set_checkpoint_early_stop(False):
+        out = checkpoint(moe, x, use_reentrant=False)
+        out.sum().backward()
     stats = moe.take_stats()
     assert stats[E + 2].item() == 1 and stats[:E].sum().item() == 2 * 10
     assert moe.take_stats() is None  # taken
