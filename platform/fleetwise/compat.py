@@ -178,7 +178,7 @@ FUNCTIONAL_ALL_REDUCE = _find(torch.ops, "_c10d_functional.all_reduce.default")
 
 # ------------------------------------------------------------------------------------------------
 # Mixture of experts (models/moe.py).
-GROUPED_MM_CHECKED = ("2.13",)  # run here on 2.13's CPU build; elsewhere the experts' loop (same numbers)
+_GROUPED_MM_VERSIONS = ("2.13",)  # run here on 2.13's CPU build; elsewhere the experts' loop (same numbers)
 GROUPED_MM = _find(_aten, "_grouped_mm.default")  # selective recompute saves its output like a matmul's
 _GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16,)}
 
@@ -187,7 +187,7 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `grouped_mm` runs these operands: torch 2.13's `torch._grouped_mm` runs on the CPU in
     fp32 and bf16 and on CUDA in bf16 (Hopper or newer); 16-bit operands need 16-byte aligned rows
     (widths a multiple of 8). Everywhere else the experts run as a loop of matmuls."""
-    if MINOR not in GROUPED_MM_CHECKED or not hasattr(torch, "_grouped_mm"):
+    if MINOR not in _GROUPED_MM_VERSIONS or not hasattr(torch, "_grouped_mm"):
         return False
     device = x.device.type
     if x.dtype != w.dtype or x.dtype not in _GROUPED_MM_DTYPES.get(device, ()):
@@ -197,7 +197,7 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     return device != "cuda" or torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
-@_entry("the experts' grouped GEMM (torch._grouped_mm)", GROUPED_MM_CHECKED)
+@_entry("the experts' grouped GEMM (torch._grouped_mm)", _GROUPED_MM_VERSIONS)
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [N, in] (rows grouped by expert; `offsets` [E] int32: where each expert's rows end) times
     each expert's w[e]ᵀ (w [E, out, in]) -> [N, out], in one kernel, differentiable. (Its backward
@@ -558,5 +558,5 @@ CHECKED: dict[str, tuple[str, ...]] = {
     "all_gather_single": TESTED,
     "pooled_recv_stage": RECV_POOL_CHECKED,
     "in_backward": TESTED,  # (torch.utils.checkpoint's own test for a recompute, on every version)
-    **dict.fromkeys(("GROUPED_MM", "grouped_mm_supported", "grouped_mm"), GROUPED_MM_CHECKED),
+    **dict.fromkeys(("GROUPED_MM", "grouped_mm_supported", "grouped_mm"), _GROUPED_MM_VERSIONS),
 }  # fmt: skip

@@ -352,9 +352,11 @@ def moe_ref(tmp_path_factory):
 # llama/moe_tiny (a dense block, then three MoE blocks: 4 experts top-2 + a shared expert, dropless,
 # the balance loss carried by each block's output): dropless routing makes every layout compute
 # the same numbers; the experts' [E, out, in] weights sharded along the experts under ZeRO-3, each
-# block (and its router) recomputed in the backward without counting twice
+# block (and its router) recomputed in the backward without counting twice; a pipeline (the
+# balance losses' gradients on the stages without the loss, scaled as the schedule scales its own)
 MOE_LAYOUTS = {
     "dp2_ddp": (("strategy=dp",), 2),
+    "pp2_1F1B": (("strategy=pp", "strategy.schedule=1F1B"), 2),
     "sharding2_stage3_recompute_full": (
         ("strategy=sharding", "strategy.sharding_stage=3", "strategy.recompute=full"),
         2,

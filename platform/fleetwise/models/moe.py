@@ -163,7 +163,7 @@ class MoE(nn.Module):
         weights, chosen, scores = self.router(flat)
         # (the balance loss first: what backward needs of the block's last ops -- the shared
         # experts' -- ends the recompute of a checkpointed block, before their down projection)
-        aux = self._aux_loss(scores, chosen, tokens) if self.aux_coef else None
+        aux = self.balance_loss(scores, chosen, tokens) if self.aux_coef else None
         slots = chosen.reshape(-1)  # the expert of each (token, slot), token-major
         counts = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(
             0, slots, torch.ones_like(slots)
@@ -183,7 +183,7 @@ class MoE(nn.Module):
             out = out + self.shared(flat)
         out = out.view(shape)
         if self.training and not in_backward():  # (a recompute runs inside the backward)
-            self._record(counts, dropped, aux)
+            self.record_counts(counts, dropped, aux)
         if aux is not None and aux.requires_grad:
             out = _AddAuxLoss.apply(out, aux, self.aux_grad_scale)
         return out
@@ -192,7 +192,7 @@ class MoE(nn.Module):
         assert self.capacity_factor is not None
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
-    def _aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, tokens: int) -> torch.Tensor:
+    def balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor, tokens: int) -> torch.Tensor:
         """coef · Σ_i f_i · P_i: f_i = the slots expert i got · E / (tokens · k) (no gradient), P_i
         the mean of expert i's normalised score (sigmoid scores are normalised per token)."""
         if not self.router.softmax:
@@ -205,7 +205,9 @@ class MoE(nn.Module):
         return self.aux_coef * (share * scores.mean(dim=0)).sum()
 
     @torch.no_grad()
-    def _record(self, counts: torch.Tensor, dropped: torch.Tensor | None, aux: torch.Tensor | None) -> None:
+    def record_counts(
+        self, counts: torch.Tensor, dropped: torch.Tensor | None, aux: torch.Tensor | None
+    ) -> None:
         zero = counts.new_zeros((), dtype=torch.float32)
         extra = torch.stack(
             [
