@@ -18,9 +18,9 @@ computed on another rank, and under activation recompute. The gradient it hands 
 `aux_grad_scale`: the trainer sets it to the scale its own loss's gradient carries (1 / micro-
 batches, fp16's loss scale: runtime/moe.py).
 
-What the trainer reports (runtime/moe.py) is summed per step in `stats`: tokens per expert,
-dropped slots, the auxiliary loss and the forwards counted -- not during a recompute, which runs
-the forward again inside the backward.
+What the trainer reports (runtime/moe.py) is kept in `stats`, a row per forward: tokens per expert,
+dropped slots, the auxiliary loss and 1 (the forward) -- not during a recompute, which runs the
+forward again inside the backward.
 
 Parallel code stays outside, as for the dense blocks: FSDP shards the experts' [E, out, in]
 weights along the experts like any parameter; tensor parallelism of the experts is not done
@@ -154,7 +154,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, hidden, f, cfg.grouped_mm)
         self.shared = SwiGLU(hidden, cfg.num_shared_experts * f) if cfg.num_shared_experts else None
         self.aux_grad_scale = 1.0  # set by the trainer (runtime/moe.py)
-        self.stats: torch.Tensor | None = None  # [E + 3] summed since the trainer took them
+        self.stats: list[torch.Tensor] = []  # a row [E + 3] per forward since the trainer took them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -217,12 +217,13 @@ class MoE(nn.Module):
             ]
         )
         row = torch.cat([counts.float(), extra])
-        self.stats = row if self.stats is None else self.stats + row
+        self.stats.append(row)
 
     def take_stats(self) -> torch.Tensor | None:
-        """The stats summed since the last call (None: no forward ran), and start again."""
-        stats, self.stats = self.stats, None
-        return stats
+        """The rows of the forwards since the last call, [forwards, E + 3] (None: no forward ran),
+        and start again."""
+        stats, self.stats = self.stats, []
+        return torch.stack(stats) if stats else None
 
 
 def _within_capacity(

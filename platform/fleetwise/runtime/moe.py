@@ -2,9 +2,10 @@
 gradient scale, the expert counts of each step summed over the job, the auxiliary-loss-free bias
 update, and the metrics.
 
-Each MoE layer sums its counts over the step's micro-batches (`MoE.stats`: tokens per expert, dropped
-slots, the balance loss, forwards). After the backward the monitor takes them into one
-[layers, experts + 3] matrix per step -- a row per block of the whole model, zero where this rank
+Each MoE layer keeps its counts of each forward (`MoE.stats`: tokens per expert, dropped slots, the
+balance loss, 1). After the backward the monitor sums the last `microbatches` of them (one forward
+per micro-batch: torch's pipeline stage runs one forward more at the job's first step, on
+stand-in inputs, to learn its tensors' shapes) into one [layers, experts + 3] matrix per step -- a row per block of the whole model, zero where this rank
 holds no MoE block (a pipeline stage holds some) -- and sums them over the job with one all-reduce:
 every step with load_balance=bias (each rank then moves its routers' biases identically), else once
 per reading step for all the steps since the last (the trainer's metrics are read then too).
@@ -30,9 +31,19 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 class ExpertMonitor:
     """The MoE layers of this rank's parts and the job's expert counts (see the module's doc)."""
 
-    def __init__(self, parts: list[nn.Module], moe, num_layers: int, device: torch.device, world_size: int):
-        """moe: the model.moe section (fleetwise.families.moe.MoE)."""
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        moe,
+        num_layers: int,
+        microbatches: int,
+        device: torch.device,
+        world_size: int,
+    ):
+        """moe: the model.moe section (fleetwise.families.moe.MoE); microbatches: the forwards of
+        each block in a step on this rank."""
         self.num_experts, self.world_size, self.device = moe.num_experts, world_size, device
+        self.microbatches = microbatches
         self.num_layers = num_layers
         self.bias_rate = moe.bias_update_rate if moe.load_balance == "bias" else None
         self.layers: list[tuple[int, MoE]] = []
@@ -56,7 +67,7 @@ class ExpertMonitor:
         for layer, module in self.layers:
             stats = module.take_stats()
             if stats is not None:
-                step[layer] += stats
+                step[layer] += stats[-self.microbatches :].sum(0)
         self._pending.append(step)
         if self.bias_rate is not None:
             self._reduce()

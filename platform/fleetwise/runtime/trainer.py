@@ -82,7 +82,9 @@ class Trainer:
         self.memory = TensorPeak(env.device)
         moe = getattr(cfg.model, "moe", None)
         self.experts = (
-            ExpertMonitor(self.model.parts, moe, cfg.model.num_layers, env.device, env.world_size)
+            ExpertMonitor(
+                self.model.parts, moe, cfg.model.num_layers, self.data.num_microbatches, env.device, env.world_size
+            )
             if moe is not None and moe.enabled
             else None
         )

@@ -1,4 +1,5 @@
-"""The trainer's expert monitor on one rank: a step's counts taken from the MoE blocks, the
+"""The trainer's expert monitor on one rank: a step's counts taken from the MoE blocks (its
+micro-batches' forwards, not the pipeline stage's shape-learning one), the
 auxiliary-loss-free bias update (DeepSeek-V3's sign rule, by hand), the balance losses' gradient
 scale handed to every block, and the moe/* metrics of each step since the last read."""
 
@@ -19,7 +20,9 @@ def test_monitor_counts_moves_biases_and_reports_each_step():
     )
     assert problems == []
     model = build_model(cfg).train()
-    monitor = ExpertMonitor([model], cfg.model.moe, cfg.model.num_layers, torch.device("cpu"), world_size=1)
+    monitor = ExpertMonitor(
+        [model], cfg.model.moe, cfg.model.num_layers, 1, torch.device("cpu"), world_size=1
+    )
     assert [layer for layer, _ in monitor.layers] == [1, 2, 3]  # block 0 is dense
     monitor.set_grad_scale(0.125)
     assert all(m.aux_grad_scale == 0.125 for m in model.modules() if isinstance(m, MoE))
@@ -29,7 +32,9 @@ def test_monitor_counts_moves_biases_and_reports_each_step():
     for layer, m in monitor.layers:
         m.register_forward_hook(lambda mod, args, out, layer=layer: inputs.__setitem__(layer, args[0]))
     counts = []
-    for _ in range(2):  # two steps, one micro-batch each
+    for i in range(2):  # two steps, one micro-batch each
+        if i == 0:  # a pipeline stage's shape-learning forward at the first step: not counted
+            model(torch.zeros_like(tokens))
         model(tokens).sum().backward()
         step = {}  # tokens per expert, by hand: top-2 of the softmax scores plus the bias
         for layer, m in monitor.layers:
