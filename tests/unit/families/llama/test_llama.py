@@ -286,3 +286,16 @@ def test_bad_moe_configs_are_all_reported_with_fixes():
     assert all(p.hint for p in problems)
     _, problems = compose("recipe=llama/moe_tiny", "model.moe.num_experts=100000")
     assert [p.loc for p in problems] == ["model.moe.num_experts"]
+
+
+def test_hugging_face_weights_in_and_out_are_refused_for_experts(tmp_path):
+    """Hugging Face import and export map dense Llama tensors only: a MoE model is refused before any
+    process starts (validate) and by the exporter, each saying what to do instead."""
+    from fleetwise.families.llama.weights import WeightsError, write_hf_dir
+
+    cfg, _ = compose("recipe=llama/moe_tiny")
+    _, problems = compose("recipe=llama/moe_tiny", f"model.init_from={tmp_path}")
+    refusal = [p for p in problems if p.loc == "model.init_from" and "model.moe" in p.msg]
+    assert len(refusal) == 1 and "model.init_from=null" in refusal[0].hint
+    with pytest.raises(WeightsError, match="mixture of experts.*--format torch"):
+        write_hf_dir(cfg.model, tmp_path / "out", {}, read=None)
