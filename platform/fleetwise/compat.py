@@ -177,6 +177,42 @@ FUNCTIONAL_ALL_REDUCE = _find(torch.ops, "_c10d_functional.all_reduce.default")
 
 
 # ------------------------------------------------------------------------------------------------
+# Mixture of experts (models/moe.py).
+_GROUPED_MM_VERSIONS = ("2.13",)  # run here on 2.13's CPU build; elsewhere the experts' loop (same numbers)
+GROUPED_MM = _find(_aten, "_grouped_mm.default")  # selective recompute saves its output like a matmul's
+_GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16,)}
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `grouped_mm` runs these operands: torch 2.13's `torch._grouped_mm` runs on the CPU in
+    fp32 and bf16 and on CUDA in bf16 (Hopper or newer); 16-bit operands need 16-byte aligned rows
+    (widths a multiple of 8). Everywhere else the experts run as a loop of matmuls."""
+    if MINOR not in _GROUPED_MM_VERSIONS or not hasattr(torch, "_grouped_mm"):
+        return False
+    device = x.device.type
+    if x.dtype != w.dtype or x.dtype not in _GROUPED_MM_DTYPES.get(device, ()):
+        return False
+    if x.dtype != torch.float32 and (x.shape[-1] % 8 or w.shape[-2] % 8):
+        return False
+    return device != "cuda" or torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+@_entry("the experts' grouped GEMM (torch._grouped_mm)", _GROUPED_MM_VERSIONS)
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [N, in] (rows grouped by expert; `offsets` [E] int32: where each expert's rows end) times
+    each expert's w[e]ᵀ (w [E, out, in]) -> [N, out], in one kernel, differentiable. (Its backward
+    needs a gradient with real strides: an expanded one, as `y.sum().backward()` gives, fails.)"""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+
+@_entry("telling a recompute inside the backward from a forward")
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward now (activation recompute runs a block's
+    forward again there: what it counts must not count twice)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# ------------------------------------------------------------------------------------------------
 # Modules.
 # BatchNorm1d/2d/3d, SyncBatchNorm and the lazy ones (fallback: the four public classes)
 BATCH_NORMS = getattr(nn.modules.batchnorm, "_BatchNorm", None) or (
@@ -567,4 +603,6 @@ CHECKED: dict[str, tuple[str, ...]] = {
     "reduce_scatter_single": TESTED,
     "all_gather_single": TESTED,
     "pooled_recv_stage": RECV_POOL_CHECKED,
+    "in_backward": TESTED,  # (torch.utils.checkpoint's own test for a recompute, on every version)
+    **dict.fromkeys(("GROUPED_MM", "grouped_mm_supported", "grouped_mm"), _GROUPED_MM_VERSIONS),
 }  # fmt: skip

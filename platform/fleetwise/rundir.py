@@ -71,6 +71,13 @@ class Metric:
     RSS_PEAK_BYTES_MAX = "memory/rss_peak_bytes_max"
     PREDICTED_BYTES = "memory/predicted_bytes"
     RESERVED_BYTES_MAX = "memory/reserved_bytes_max"  # CUDA: what the caching allocator holds
+    # a mixture of experts (runtime/moe.py), over the whole job: the balance losses added to the
+    # loss (summed over the MoE blocks, a micro-batch's mean; train/loss leaves them out), the
+    # (token, expert) slots dropped over capacity in the step, and the worst block's most loaded
+    # expert's tokens over the mean (1: balanced); per block: `moe_layer_metric`
+    MOE_AUX_LOSS = "moe/aux_loss"
+    MOE_DROPPED = "moe/dropped_tokens"
+    MOE_LOAD = "moe/load_max_over_mean"
     # parameter server jobs
     SAMPLES_PER_S_PER_TRAINER = "perf/samples_per_s_per_trainer"
     SERVER_BYTES_MAX = "memory/server_bytes_max"
@@ -84,6 +91,12 @@ class Metric:
     PS_SPARSE_BYTES_PULLED = "ps/sparse_bytes_pulled"
     PS_SPARSE_ROWS_PULLED = "ps/sparse_rows_pulled"
     PS_STALENESS = "ps/staleness"
+
+
+def moe_layer_metric(layer: int, what: str) -> str:
+    """A MoE block's own metric: `load_max_over_mean`, or `tokens_expert<i>` (tokens routed to expert i
+    in the step, whole job)."""
+    return f"moe/layer{layer}/{what}"
 
 
 class Summary:

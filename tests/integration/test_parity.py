@@ -341,3 +341,38 @@ def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers
     with torch.no_grad():
         diff = (exported(tokens).logits - trained(tokens)).abs().max().item()
     assert diff <= 1e-5, diff
+
+
+@pytest.fixture(scope="module")
+def moe_ref(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe_ref")
+    return run(tmp, "ref", "recipe=llama/moe_tiny", "strategy=dp", *SGD, procs=1), tmp / "ref"
+
+
+# llama/moe_tiny (a dense block, then three MoE blocks: 4 experts top-2 + a shared expert, dropless,
+# the balance loss carried by each block's output): dropless routing makes every layout compute
+# the same numbers; the experts' [E, out, in] weights sharded along the experts under ZeRO-3, each
+# block (and its router) recomputed in the backward without counting twice; a pipeline (the
+# balance losses' gradients on the stages without the loss, scaled as the schedule scales its own)
+MOE_LAYOUTS = {
+    "dp2_ddp": (("strategy=dp",), 2),
+    "pp2_1F1B": (("strategy=pp", "strategy.schedule=1F1B"), 2),
+    "sharding2_stage3_recompute_full": (
+        ("strategy=sharding", "strategy.sharding_stage=3", "strategy.recompute=full"),
+        2,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_layout_equals_single_process(tmp_path, moe_ref, name):
+    overrides, procs = MOE_LAYOUTS[name]
+    got = run(tmp_path, name, "recipe=llama/moe_tiny", *overrides, *SGD, procs=procs)
+    ref, ref_dir = moe_ref
+    assert_same(ref, got, SGD_TOL)
+    # the balance losses and expert counts, summed over the ranks, equal one process's
+    ref = read_metrics(ref_dir)
+    for a, b in zip(read_metrics(tmp_path / name), ref, strict=True):
+        assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
+        counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+        assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]

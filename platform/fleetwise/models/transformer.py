@@ -46,6 +46,19 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) · up(x)) (Shazeer 2020)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
 class PreLNBlock(nn.Module):
     """GPT-2/3 block: x + attn(ln(x)), then x + mlp(ln(x))."""
 

@@ -203,6 +203,7 @@ def _plan(job: Job, mem: Memory, timing: StepTime, stages: list[dict[str, Any]],
     cfg, layout, t, hw = job.cfg, job.layout, job.cfg.train, job.cfg.hardware
     flops_per_step = model_flops_per_step(cfg, job.chunks)
     params = sum(count * u.params for c in job.chunks for u, count in unit_groups(c))
+    active = sum(count * u.active_params for c in job.chunks for u, count in unit_groups(c))
     peak = hw.peak_flops(t.precision)
     step = timing.step
     tokens = family_of(cfg.model).tokens_per_sample(cfg.model)
@@ -236,4 +237,5 @@ def _plan(job: Job, mem: Memory, timing: StepTime, stages: list[dict[str, Any]],
         time_s=timing.time_s(),
         stages=stages,
         notes=notes,
+        active_params=int(active) if active != params else None,
     )

@@ -74,9 +74,15 @@ class Plan:
     # "end of backward" | "optimizer step" | "the fullest server" | "a trainer", "parts": {name: bytes}},
     # the parts adding up to memory_bytes["total"]
     memory_peak: dict[str, Any] = field(default_factory=dict)
+    # a mixture of experts: the parameters one token uses (FLOPs and MFU count these); None for a
+    # dense model (then left out of the JSON: every parameter is active)
+    active_params: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["active_params"] is None:
+            del out["active_params"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:

@@ -144,7 +144,8 @@ def _job_rows(t: Table, cfg: RunConfig, plan: Plan) -> None:
             f"global {b['global_batch_size']} = micro {b['micro_batch_size']} × accumulate "
             f"{b['accumulate_steps']} × trainers {ps['num_trainers']}",
         )
-    t.add_row("params", count(plan.params))
+    active = f" ({count(plan.active_params)} active a token)" if plan.active_params is not None else ""
+    t.add_row("params", count(plan.params) + active)
 
 
 def _memory_rows(t: Table, plan: Plan) -> None:

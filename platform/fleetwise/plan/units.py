@@ -108,10 +108,17 @@ class Unit:
     # extra gradient of (at most) this size is briefly alive. A test compares with torch.
     largest_split: int = 0
     largest_whole: int = 0
+    # of the parameters, those a token does not use: a mixture of experts' experts it is not
+    # routed to (top_k of num_experts are). Memory counts every parameter, FLOPs the active ones.
+    inactive_params: int = 0
 
     @property
     def params(self) -> int:
         return self.params_split + self.params_whole
+
+    @property
+    def active_params(self) -> int:
+        return self.params - self.inactive_params
 
     def largest_on_rank(self, mp: int) -> float:
         return max(self.largest_split / mp, self.largest_whole)

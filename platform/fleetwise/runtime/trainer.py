@@ -27,6 +27,7 @@ from fleetwise.runtime.faults import inject_fault
 from fleetwise.runtime.memory import TensorPeak, rss_peak_bytes
 from fleetwise.runtime.mesh import DistEnv
 from fleetwise.runtime.modeling import build_source
+from fleetwise.runtime.moe import ExpertMonitor
 from fleetwise.runtime.optim import Optimizers, Zero1Optimizers, step_kernel
 from fleetwise.runtime.parallelize import DTYPES, ParallelModel, memory_format, parallelize
 
@@ -79,6 +80,14 @@ class Trainer:
             layout.data_parallel_size,
         )
         self.memory = TensorPeak(env.device)
+        moe = getattr(cfg.model, "moe", None)
+        self.experts = (
+            ExpertMonitor(
+                self.model.parts, moe, cfg.model.num_layers, self.data.num_microbatches, env.device, env.world_size
+            )
+            if moe is not None and moe.enabled
+            else None
+        )
         self._take_params()
         self.skipped = 0
         self.step = 0
@@ -129,6 +138,12 @@ class Trainer:
     def forward_backward(self, step: int) -> torch.Tensor | None:
         """Run all micro-batches of the step; returns this rank's mean loss (None off the last stage)."""
         spec = self.model.spec
+        if self.experts is not None:
+            # the balance losses' gradient carries the loss's scale: a pipeline schedule's losses
+            # are each back-propagated whole (the gradients divided by the micro-batches after),
+            # here each is divided first; fp16 scales both
+            scale = 1.0 if self.model.schedule is not None else 1.0 / self.data.num_microbatches
+            self.experts.set_grad_scale(scale * (self.scaler.get_scale() if self.scaler is not None else 1.0))
         if self.model.schedule is not None:
             batch = self.data.whole(step)
             args = [self._to_device(batch[k]) for k in spec.inputs] if self.model.has_first else []
@@ -207,6 +222,8 @@ class Trainer:
         extra = [t for ts in self.optimizers.engine_tensors().values() for t in ts]
         with self.memory.measure(self.model.parts, self.optimizers.local(), self.model.stages, extra):
             loss = self.forward_backward(step)
+            if self.experts is not None:
+                self.experts.after_backward()  # load_balance=bias: the biases move here
             self.optimizers.reduce_grads()  # ZeRO-1: reduce-scatter into the masters' .grad
             inject_fault(self.cfg.fault, self.env.rank, step, self.env.restart, self.named_params)
             if self.scaler:
@@ -384,7 +401,12 @@ class Trainer:
             dim=1,
         ).tolist()
         bad = next((i for i, row in enumerate(reduced) if row[0] < 1), None)
-        records = [] if self.env.rank != 0 else [self._metrics(r, reduced[i]) for i, r in enumerate(steps)]
+        experts = self.experts.read() if self.experts is not None else [{}] * len(steps)  # (a collective)
+        records = (
+            []
+            if self.env.rank != 0
+            else [{**self._metrics(r, reduced[i]), **experts[i]} for i, r in enumerate(steps)]
+        )
         if bad is not None:
             self._append(records[: bad + 1])
             raise self._non_finite(bad, steps, table)

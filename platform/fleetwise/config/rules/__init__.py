@@ -4,12 +4,13 @@ module per section, and the data files a config names (datafiles.py).
 A rule takes a `Context` (the config and, when it could be derived, its layout; context.py) and
 yields `Problem`s naming the config path, the values and a fix. Every rule runs, so a user sees
 every mistake at once; they run in the order their modules are imported below (strategy, model,
-train, launch, dryrun, torch_version), which is the order problems are listed in.
+moe, train, launch, dryrun, torch_version), which is the order problems are listed in.
 
     context.py    Context, @rule, RULES; the batch arithmetic rules and `resolve` share
     limits.py     bounds on sizes, names and addresses, checked before every other rule
     strategy.py   degrees, tensor and pipeline parallelism, sharding, the parameter server
     model.py      each model family's own shapes
+    moe.py        a mixture of experts against the layout and the rest of the config
     train.py      the batch triad, precision, backend, data source, optimizer
     datafiles.py  the data files a config names (token files, image folders and arrays)
     launch.py     launch, fault and checkpoint; the elastic resize of a config
@@ -23,7 +24,7 @@ from fleetwise.config.rules.context import RULES, Context, Rule, rule
 
 # The rule modules register themselves on import, in this order.
 # isort: off
-from fleetwise.config.rules import strategy, model, train, launch, dryrun, torch_version  # noqa: F401
+from fleetwise.config.rules import strategy, model, moe, train, launch, dryrun, torch_version  # noqa: F401
 # isort: on
 
 __all__ = ["RULES", "Context", "Rule", "rule"]

@@ -24,6 +24,7 @@ from functools import partial
 from fleetwise.families.llama.hf import prefill
 from fleetwise.families.llama.schema import LlamaModel, check, check_tensor_parallel, limits, no_pipeline
 from fleetwise.families.llama.units import input_bytes, units
+from fleetwise.families.moe import moe_notes
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.families.transformer import (
     TOKEN_SOURCES,
@@ -48,7 +49,8 @@ def spec(m: LlamaModel) -> ModelSpec:
         Llama,
         lm_loss,
         ("tokens",),
-        partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
+        # experts are not split over mp ranks (config/rules/moe.py refuses mp_degree > 1 with them)
+        None if m.moe.enabled else partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
         load_weights=load,
     )
 
@@ -59,7 +61,7 @@ def plan_notes(m: LlamaModel) -> list[str]:
         f"grouped-query attention: {a} query heads share {g} kv heads" if g != a else "multi-head attention"
     )
     tied = ", LM head tied to the embedding" if m.tie_word_embeddings else ""
-    return [f"{attention}; SwiGLU width {m.ffn_hidden_size}{tied}"]
+    return [f"{attention}; SwiGLU width {m.ffn_hidden_size}{tied}", *moe_notes(m.moe, m.num_layers, m.ffn_hidden_size)]
 
 
 FAMILY = Family(

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetwise.families.llama.schema import LlamaModel, RopeScaling
-from fleetwise.models.transformer import DecoderLM
+from fleetwise.families.moe import expert_width, is_moe_layer
+from fleetwise.models.moe import GroupedExperts, MoE, Router
+from fleetwise.models.transformer import DecoderLM, SwiGLU
 
 
 class RMSNorm(nn.Module):
@@ -111,28 +113,21 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) · up(x)) (Shazeer 2020)."""
-
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.gate = nn.Linear(hidden, ffn, bias=False)
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
 class Block(nn.Module):
-    """Pre-norm block: x + attn(rms(x)), then x + mlp(rms(x))."""
+    """Pre-norm block: x + attn(rms(x)), then x + mlp(rms(x)); the MLP is a mixture of experts in
+    the blocks model.moe names (fleetwise.models.moe)."""
 
-    def __init__(self, cfg: LlamaModel, inv_freq: list[float]):
+    def __init__(self, cfg: LlamaModel, inv_freq: list[float], layer: int):
         super().__init__()
-        self.ln1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        h = cfg.hidden_size
+        self.ln1 = RMSNorm(h, cfg.rms_norm_eps)
         self.attn = Attention(cfg, inv_freq)
-        self.ln2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.ln2 = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoE(h, cfg.moe, expert_width(cfg.moe, cfg.ffn_hidden_size))
+            if is_moe_layer(cfg.moe, layer)
+            else SwiGLU(h, cfg.ffn_hidden_size)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -173,7 +168,7 @@ class Llama(DecoderLM):
         h, v = cfg.hidden_size, cfg.vocab_size
         inv_freq = inverse_frequencies(cfg.head_width, cfg.rope_theta, cfg.rope_scaling)
         self.embed: nn.Module | None = TokenEmbedding(v, h)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, inv_freq) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, inv_freq, i) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = RMSNorm(h, cfg.rms_norm_eps)
         self.output: nn.Module | None = (
             TiedHead(self.embed.tok) if cfg.tie_word_embeddings else nn.Linear(h, v, bias=False)
@@ -185,12 +180,17 @@ class Llama(DecoderLM):
 def llama_rule(std: float, num_layers: int):
     """N(0, std) for every matrix (Hugging Face's Llama init: initializer_range), the two residual
     output projections scaled by 1/sqrt(2·layers) as GPT-2 and Megatron do (the residual stream
-    does not grow with depth); RMSNorm weights start at one."""
+    does not grow with depth) -- the experts' and shared experts' down projections too; RMSNorm
+    weights start at one, the routers' balancing biases at zero."""
 
     def rule(mname: str, module: nn.Module, attr: str, shape, g: torch.Generator) -> torch.Tensor:
         if isinstance(module, RMSNorm):
             return torch.ones(shape)
-        scale = 1 / math.sqrt(2 * num_layers) if mname.endswith(("attn.wo", "mlp.down")) else 1.0
+        if isinstance(module, Router) and attr == "expert_bias":
+            return torch.zeros(shape)
+        residual = mname.endswith(("attn.wo", "mlp.down", "mlp.shared.down"))
+        residual = residual or (isinstance(module, GroupedExperts) and attr == "w2")
+        scale = 1 / math.sqrt(2 * num_layers) if residual else 1.0
         return torch.randn(shape, generator=g) * (std * scale)
 
     return rule

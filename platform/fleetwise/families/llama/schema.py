@@ -15,6 +15,7 @@ from pydantic import Field
 
 from fleetwise.config.base import Section
 from fleetwise.config.problems import Problem
+from fleetwise.families.moe import MoE, check_moe, moe_limits
 from fleetwise.families.transformer import mp_divides
 
 
@@ -68,6 +69,10 @@ class LlamaModel(Section):
     init_std: float = Field(
         0.02, gt=0, description="Std of the normal weight init (Llama's initializer_range)."
     )
+    moe: MoE = Field(
+        default_factory=MoE,
+        description="Mixture of experts in place of the dense MLPs (num_experts 0: none; fleetwise.families.moe).",
+    )
     init_from: str | None = Field(
         None,
         description="A Hugging Face model directory (config.json + *.safetensors) to start from: its "
@@ -97,6 +102,7 @@ class LlamaModel(Section):
 
 
 def check(m: LlamaModel) -> Iterator[Problem]:
+    yield from check_moe(m.moe, m.num_layers)
     if m.init_from is not None:
         from fleetwise.families.llama.hf import check_weights
 
@@ -185,6 +191,7 @@ def limits(m: LlamaModel) -> Iterator[Problem]:
                 f"{path}={value:,} is beyond what fleetwise plans (at most {limit:,})",
                 f"set {path} to at most {limit:,}",
             )
+    yield from moe_limits(m.moe)
     if m.ffn_hidden_size > 1 << 22:
         yield Problem(
             "model.ffn_dim_multiplier",

@@ -16,6 +16,7 @@ f the SwiGLU width):
 from __future__ import annotations
 
 from fleetwise.families.llama.schema import LlamaModel
+from fleetwise.families.moe import is_moe_layer, moe_block
 from fleetwise.plan.units import Acts, Unit
 
 
@@ -135,7 +136,14 @@ def units(m: LlamaModel) -> list[Unit]:
         largest_split=0 if tied else h * v,
         largest_whole=h,
     )
-    return [emb] + [block(m) for _ in range(m.num_layers)] + [head]
+    dense = block(m)
+    blocks = [
+        moe_block(dense, m.moe, s, h, m.ffn_hidden_size, h * m.num_attention_heads * m.head_width)
+        if is_moe_layer(m.moe, i)
+        else dense
+        for i in range(m.num_layers)
+    ]
+    return [emb, *blocks, head]
 
 
 def input_bytes(m: LlamaModel) -> int:

@@ -120,6 +120,11 @@ def write_hf_dir(
             f"it holds a model of family {m.family!r}: --format hf writes Llama-family models "
             "(export it with --format torch)"
         )
+    if m.moe.enabled:
+        raise WeightsError(
+            "it holds a mixture of experts (model.moe): --format hf does not write experts yet "
+            "(export it with --format torch)"
+        )
     tensors = []  # (hf name, fleetwise name, shape, dtype written, dtype stored)
     for hf, (name, shape) in expected_tensors(m).items():
         found = stored.get(name)

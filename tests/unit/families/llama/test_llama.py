@@ -205,3 +205,97 @@ def test_strategy_auto_searches_only_the_layouts_llama_allows():
     assert {c.strategy["pp_degree"] for c in ranked} == {1}
     cfg, problems = compose(*tiny, *out.layout_overrides)
     assert problems == [] and cfg.strategy.mp_degree in (1, 2)
+
+
+# Mixtral 8x7B (mistralai/Mixtral-8x7B-v0.1): the model card's 46.7B parameters, 12.9B active a
+# token (Mistral's announcement); exactly, from its config.json, by hand below
+MIXTRAL_TOTAL, MIXTRAL_ACTIVE = 46_702_792_704, 12_879_925_248
+
+
+def test_mixtral_has_the_published_total_and_active_parameter_counts():
+    import torch
+
+    from fleetwise.runtime.modeling import build_meta_model
+
+    cfg, problems = compose("recipe=llama/mixtral_8x7b")
+    assert problems == [], problems
+    layers, h, heads, kv, d, f, v, experts, k = 32, 4096, 32, 8, 128, 14336, 32000, 8, 2
+    m = cfg.model
+    shape = (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.head_width, m.ffn_hidden_size)
+    assert shape == (layers, h, heads, kv, d, f)
+    assert (m.vocab_size, m.moe.num_experts, m.moe.top_k) == (v, experts, k)
+    attention = 2 * h * heads * d + 2 * h * kv * d
+    block = attention + h * experts + 2 * h  # + router + two norms
+    assert layers * (block + experts * 3 * h * f) + 2 * v * h + h == MIXTRAL_TOTAL
+    assert layers * (block + k * 3 * h * f) + 2 * v * h + h == MIXTRAL_ACTIVE
+    units = model_units(m)
+    assert total_params(m) == MIXTRAL_TOTAL
+    assert sum(u.active_params for u in units) == MIXTRAL_ACTIVE
+    with torch.device("meta"):
+        model = build_meta_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == MIXTRAL_TOTAL
+    # FLOPs count the active parameters: 2 per multiply-add of every active matrix, plus attention
+    s = m.seq_len
+    matmuls = MIXTRAL_ACTIVE - 2 * layers * h - h - v * h  # less the norms and the embedding lookup
+    assert sum(u.fwd_flops for u in units) == 2 * s * matmuls + layers * 4 * s * s * heads * d
+    from fleetwise.plan.planner import make_plan
+
+    assert make_plan(cfg).active_params == MIXTRAL_ACTIVE
+
+
+def test_moe_tiny_matches_its_units_and_keeps_its_first_block_dense():
+    from fleetwise.runtime.modeling import build_model
+
+    cfg, problems = compose("recipe=llama/moe_tiny", "model.moe.interval=2")
+    assert problems == [], problems
+    model = build_model(cfg)
+    units = model_units(cfg.model)
+    groups = [[model.embed], *([b] for b in model.layers.values()), [model.norm, model.output]]
+    counted = [sum(p.numel() for g in group for p in g.parameters()) for group in groups]
+    assert counted == [u.params for u in units]
+    # blocks 1 and 3 are MoE (first_dense_layers=1, interval=2): a router [4, 64], 4 experts of
+    # width 64 (3 matrices each), a shared expert of width 64; a token uses 2 of the 4 experts
+    names = {n for n, _ in model.named_parameters()}
+    assert [f"layers.{i}.mlp.router.gate.weight" in names for i in range(4)] == [False, True, False, True]
+    moe_params = 4 * 64 + 4 * 3 * 64 * 64 + 3 * 64 * 64
+    dense = units[1].params
+    assert units[2].params - dense == moe_params - 3 * 64 * 192
+    assert units[2].params - units[2].active_params == 2 * 3 * 64 * 64
+
+
+def test_bad_moe_configs_are_all_reported_with_fixes():
+    _, problems = compose(
+        "recipe=llama/moe_tiny",
+        "model.moe.top_k=5",  # of 4 experts
+        "model.moe.first_dense_layers=4",  # of 4 blocks
+        "model.moe.aux_loss_coef=0",
+        "strategy=mp",
+        "strategy.mp_degree=2",
+        "train.compile=true",
+    )
+    by_loc = {p.loc: p for p in problems}
+    assert set(by_loc) == {
+        "model.moe.top_k",
+        "model.moe.first_dense_layers",
+        "model.moe.aux_loss_coef",
+        "strategy.mp_degree",
+        "train.compile",
+    }, problems
+    assert "top_k=5" in by_loc["model.moe.top_k"].msg and "at most 4" in by_loc["model.moe.top_k"].hint
+    assert "strategy.sharding_degree" in by_loc["strategy.mp_degree"].hint
+    assert all(p.hint for p in problems)
+    _, problems = compose("recipe=llama/moe_tiny", "model.moe.num_experts=100000")
+    assert [p.loc for p in problems] == ["model.moe.num_experts"]
+
+
+def test_hugging_face_weights_in_and_out_are_refused_for_experts(tmp_path):
+    """Hugging Face import and export map dense Llama tensors only: a MoE model is refused before any
+    process starts (validate) and by the exporter, each saying what to do instead."""
+    from fleetwise.families.llama.weights import WeightsError, write_hf_dir
+
+    cfg, _ = compose("recipe=llama/moe_tiny")
+    _, problems = compose("recipe=llama/moe_tiny", f"model.init_from={tmp_path}")
+    refusal = [p for p in problems if p.loc == "model.init_from" and "model.moe" in p.msg]
+    assert len(refusal) == 1 and "model.init_from=null" in refusal[0].hint
+    with pytest.raises(WeightsError, match="mixture of experts.*--format torch"):
+        write_hf_dir(cfg.model, tmp_path / "out", {}, read=None)

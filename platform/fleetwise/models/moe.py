@@ -1,0 +1,237 @@
+"""The mixture-of-experts layer (its config and rules: fleetwise.families.moe): a router, routed
+SwiGLU experts run as one grouped GEMM (or a loop), optional shared experts.
+
+tokens x [T, h] -> router scores [T, E] (fp32) -> the top_k experts of each token (chosen on the
+scores plus the load-balancing bias, weighted by the scores alone) -> the (token, slot) pairs
+sorted by expert (stable: token order within an expert) -> each expert's SwiGLU on its rows ->
+weighted and summed back onto their tokens (index_add) -> + the shared experts' SwiGLU of x.
+
+Dropless by default: every row is computed, so a token's output does not depend on the other
+tokens of its micro-batch and every layout computes the same numbers. With a capacity factor,
+the rows beyond an expert's capacity get weight 0 (dropped: their token keeps its residual and its
+other experts) and are counted.
+
+The auxiliary loss reaches the gradients without passing through the trainer's loss: the block's
+output carries it (`_AddAuxLoss`, an identity whose backward hands the loss its gradient,
+DeepSeek's and torchtitan's device), so it works under pipeline parallelism, where the loss is
+computed on another rank, and under activation recompute. The gradient it hands is
+`aux_grad_scale`: the trainer sets it to the scale its own loss's gradient carries (1 / micro-
+batches, fp16's loss scale: runtime/moe.py).
+
+What the trainer reports (runtime/moe.py) is kept in `stats`, a row per forward: tokens per expert,
+dropped slots, the auxiliary loss and 1 (the forward) -- not during a recompute, which runs the
+forward again inside the backward.
+
+Parallel code stays outside, as for the dense blocks: FSDP shards the experts' [E, out, in]
+weights along the experts like any parameter; tensor parallelism of the experts is not done
+(config/rules/moe.py refuses mp_degree > 1 with experts).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fleetwise.compat import grouped_mm, grouped_mm_supported, in_backward, is_fake
+from fleetwise.models.transformer import SwiGLU
+
+# `cfg` below is the model.moe section (fleetwise.families.moe.MoE; models/ sits below families/
+# in the import order, so it is read by its fields here)
+MoEConfig = Any
+
+STAT_DROPPED, STAT_AUX, STAT_FORWARDS = -3, -2, -1  # the last columns of a `stats` row, after the experts'
+
+
+class Router(nn.Module):
+    """Scores of every expert for every token, the top_k chosen and their weights."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.top_k, self.softmax, self.normalize = (
+            cfg.top_k,
+            cfg.score_func == "softmax",
+            cfg.normalize_weights,
+        )
+        self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)
+        # DeepSeek-V3's balancing bias: a buffer (no gradient), the same on every rank (the trainer
+        # moves it from the step's token counts over the whole job), saved in checkpoints
+        self.expert_bias: torch.Tensor | None
+        self.register_buffer(
+            "expert_bias", torch.zeros(cfg.num_experts) if cfg.load_balance == "bias" else None
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, h] -> (weights [T, k] fp32, chosen experts [T, k] int64, scores [T, E] fp32)."""
+        logits = self.gate(x).float()
+        scores = torch.softmax(logits, dim=-1) if self.softmax else torch.sigmoid(logits)
+        choice = scores.detach()  # the choice is not differentiable; only the weights are
+        if self.expert_bias is not None:
+            choice = choice + self.expert_bias
+        chosen = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen, scores
+
+
+def expert_matmul(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor, grouped: bool
+):
+    """Rows of x grouped by expert (counts[e] rows of expert e, in order) times w[e]ᵀ: [N, in] with
+    w [E, out, in] -> [N, out]."""
+    if is_fake(x):
+        # the dry run's tensors hold no counts: the balanced split the planner assumes, as one bmm
+        # (the same FLOPs and saved tensors as the grouped GEMM)
+        return _balanced(x, w)
+    if grouped and grouped_mm_supported(x, w):
+        return grouped_mm(x, w, offsets)
+    return expert_loop(x, w, counts)
+
+
+def expert_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM as one matmul per expert (reads the counts on the host)."""
+    chunks = x.split(counts.tolist())
+    return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(chunks)])
+
+
+def _balanced(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    n, e = x.shape[0], w.shape[0]
+    if n % e == 0:
+        return torch.bmm(x.view(e, n // e, -1), w.transpose(-2, -1)).view(n, -1)
+    sizes = [n // e + (1 if i < n % e else 0) for i in range(e)]
+    return torch.cat([F.linear(chunk, w[i]) for i, chunk in enumerate(x.split(sizes))])
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with their weights stacked: w1 (gate) and w3 (up) [E, f, h], w2 (down)
+    [E, h, f] -- each expert's slice laid out as an nn.Linear weight (Mixtral's w1, w3, w2)."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, grouped: bool):
+        super().__init__()
+        self.grouped = grouped
+        self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # where each expert's rows end
+
+        def mm(a, w):
+            return expert_matmul(a, w, counts, offsets, self.grouped)
+
+        return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """out, unchanged; in backward the auxiliary loss gets the gradient `scale` (the trainer's loss
+    scale), as if it had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.dtype = scale, aux.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, dtype=ctx.dtype, device=grad.device), None
+
+
+class MoE(nn.Module):
+    """The MLP of a MoE block: routed experts (+ shared experts), [b, s, h] -> [b, s, h]."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, ffn: int):
+        """ffn: the width of one expert."""
+        super().__init__()
+        f = ffn
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.capacity_factor = cfg.capacity_factor
+        self.aux_coef = cfg.aux_loss_coef if cfg.load_balance == "aux_loss" else 0.0
+        self.router = Router(hidden, cfg)
+        self.experts = GroupedExperts(cfg.num_experts, hidden, f, cfg.grouped_mm)
+        self.shared = SwiGLU(hidden, cfg.num_shared_experts * f) if cfg.num_shared_experts else None
+        self.aux_grad_scale = 1.0  # set by the trainer (runtime/moe.py)
+        self.stats: list[torch.Tensor] = []  # a row [E + 3] per forward since the trainer took them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        tokens, e, k = flat.shape[0], self.num_experts, self.top_k
+        weights, chosen, scores = self.router(flat)
+        # (the balance loss first: what backward needs of the block's last ops -- the shared
+        # experts' -- ends the recompute of a checkpointed block, before their down projection)
+        aux = self.balance_loss(scores, chosen, tokens) if self.aux_coef else None
+        slots = chosen.reshape(-1)  # the expert of each (token, slot), token-major
+        counts = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(
+            0, slots, torch.ones_like(slots)
+        )
+        order = torch.argsort(slots, stable=True)  # slots grouped by expert, in token order
+        token = order // k
+        slot_weights = weights.reshape(-1)[order]
+        dropped = None
+        if self.capacity_factor is not None:
+            kept, dropped = _within_capacity(counts, slots[order], self.capacity(tokens))
+            slot_weights = slot_weights * kept
+        rows = self.experts(flat[token], counts)
+        out = torch.zeros_like(flat, dtype=rows.dtype).index_add(
+            0, token, rows * slot_weights.unsqueeze(-1).to(rows.dtype)
+        )
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        out = out.view(shape)
+        if self.training and not in_backward():  # (a recompute runs inside the backward)
+            self.record_counts(counts, dropped, aux)
+        if aux is not None and aux.requires_grad:
+            out = _AddAuxLoss.apply(out, aux, self.aux_grad_scale)
+        return out
+
+    def capacity(self, tokens: int) -> int:
+        assert self.capacity_factor is not None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+    def balance_loss(self, scores: torch.Tensor, chosen: torch.Tensor, tokens: int) -> torch.Tensor:
+        """coef · Σ_i f_i · P_i: f_i = the slots expert i got · E / (tokens · k) (no gradient), P_i
+        the mean of expert i's normalised score (sigmoid scores are normalised per token)."""
+        if not self.router.softmax:
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        slots = chosen.reshape(-1)
+        counts = torch.zeros(self.num_experts, device=scores.device).index_add_(
+            0, slots, torch.ones(slots.shape, device=scores.device)
+        )
+        share = counts * (self.num_experts / (tokens * self.top_k))
+        return self.aux_coef * (share * scores.mean(dim=0)).sum()
+
+    @torch.no_grad()
+    def record_counts(
+        self, counts: torch.Tensor, dropped: torch.Tensor | None, aux: torch.Tensor | None
+    ) -> None:
+        zero = counts.new_zeros((), dtype=torch.float32)
+        extra = torch.stack(
+            [
+                dropped.float() if dropped is not None else zero,
+                aux.detach().float() if aux is not None else zero,
+                torch.ones_like(zero),
+            ]
+        )
+        row = torch.cat([counts.float(), extra])
+        self.stats.append(row)
+
+    def take_stats(self) -> torch.Tensor | None:
+        """The rows of the forwards since the last call, [forwards, E + 3] (None: no forward ran),
+        and start again."""
+        stats, self.stats = self.stats, []
+        return torch.stack(stats) if stats else None
+
+
+def _within_capacity(
+    counts: torch.Tensor, sorted_experts: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1.0 for the sorted slots within their expert's first `capacity`, else 0.0; how many are
+    not), from the position of each slot in its expert's run."""
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(sorted_experts.numel(), device=counts.device) - starts[sorted_experts]
+    kept = position < capacity
+    return kept.float(), (~kept).sum()
