@@ -121,36 +121,46 @@ def test_refused_credentials_exit_2_before_launch(tmp_path, server, user, passwo
     assert not run_dir.exists()  # nothing started, nothing spooled
 
 
-def _environments(marker: str) -> dict[int, dict[str, str]]:
-    """Environment of torchrun and the ranks (live processes whose command line mentions `marker`;
-    the launcher itself, `fleetwise train`, holds the credentials and is not one of them)."""
-    found = {}
+def _environments(marker: str) -> dict[int, tuple[bool, dict[str, str]]]:
+    """pid -> (is a rank, environment) of torchrun's agent (a live process whose command line
+    mentions `marker`) and every process under it: the fork server, the ranks forked from it (their
+    command line is the server's), multiprocessing's resource tracker. The launcher itself,
+    `fleetwise train`, holds the credentials and is not one of them."""
+    procs = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-            agents = ("torch.distributed.run", "fleetwise.launcher.agent", "worker")
-            if marker not in cmdline or not any(m in cmdline for m in agents):
-                continue
+            status = (proc / "status").read_text()
             raw = (proc / "environ").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        found[int(proc.name)] = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        env = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+        procs[int(proc.name)] = (ppid, cmdline, env)
+    agents = {p for p, (_, cmd, _) in procs.items() if marker in cmd and "fleetwise.launcher.agent" in cmd}
+    found, frontier = {}, set(agents)
+    while frontier:
+        for pid in frontier:
+            ppid, cmd, env = procs[pid]
+            parent_cmd = procs.get(ppid, (0, "", {}))[1]
+            found[pid] = ("multiprocessing.forkserver" in parent_cmd, env)
+        frontier = {p for p, (ppid, _, _) in procs.items() if ppid in frontier and p not in found}
     return found
 
 
 def test_run_lands_and_credentials_stay_in_the_launcher(tmp_path, server):
     run_dir = tmp_path / "run"
     proc = train(tmp_path, server, USER, PASSWORD, f"run.dir={run_dir}")
-    envs: dict[int, dict[str, str]] = {}
+    seen: dict[int, tuple[bool, dict[str, str]]] = {}
     while proc.poll() is None:  # sample the ranks' and torchrun's environments while they live
-        envs |= _environments(str(run_dir))
+        seen |= _environments(str(run_dir))
         time.sleep(0.5)
     out, err = proc.communicate()
     assert proc.returncode == 0, err[-3000:]
-    workers = [e for e in envs.values() if "LOCAL_RANK" in e]
-    assert len({e["LOCAL_RANK"] for e in workers}) == 2, "did not catch both ranks alive"
+    assert sum(rank for rank, _ in seen.values()) == 2, "did not catch both ranks alive"
+    envs = {pid: env for pid, (_, env) in seen.items()}
     assert all("PATH" in e for e in envs.values())  # the rest of the environment passes
     assert all(
         "MLFLOW_TRACKING_USERNAME" not in e and "MLFLOW_TRACKING_PASSWORD" not in e for e in envs.values()
