@@ -35,6 +35,9 @@ class ModelSpec:
     # values (Llama's model.init_from), or None
     load_weights: Callable[[Any], None] | None = None
     label: str = "labels"
+    # batch keys passed by keyword when the batch has them (Llama: `positions` of packed documents,
+    # data=jsonl); not through a pipeline schedule, which validate refuses for such data
+    optional_inputs: tuple[str, ...] = ()
 
 
 def _no_problems(*_: Any) -> Iterator[Problem]:

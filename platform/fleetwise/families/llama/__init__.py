@@ -50,6 +50,7 @@ def spec(m: LlamaModel) -> ModelSpec:
         ("tokens",),
         partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
         load_weights=load,
+        optional_inputs=("positions",),  # packed documents (data=jsonl): data/jsonl.py
     )
 
 
@@ -74,7 +75,7 @@ FAMILY = Family(
     limits=limits,
     tokens_per_sample=tokens_per_sample,
     plan_notes=plan_notes,
-    data_sources=TOKEN_SOURCES,
+    data_sources=(*TOKEN_SOURCES, "jsonl"),  # jsonl: fine-tuning documents (data/jsonl.py)
     data_profile=token_data_profile,
     tensor_parallel=check_tensor_parallel,
     no_pipeline=no_pipeline,
