@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fleetwise.config.jsonl import Document, parse_line, read_lines
+from fleetwise.config.jsonl import Document, parse_line, read_lines, tokenizer_path
 
 log = logging.getLogger("fleetwise")
 IGNORE = -100  # the label the loss skips
@@ -139,6 +139,11 @@ class PackedJsonl:
             int((learned < 1).sum()),
             self.encoder.eos,
         )
+
+    @classmethod
+    def of(cls, d, init_from: str | None, seq_len: int) -> PackedJsonl:
+        """The source of a `data` section (data.tokenizer, else model.init_from's tokenizer.json)."""
+        return cls(d.path, tokenizer_path(d.tokenizer, init_from), seq_len)
 
     def _document(self, i: int, raw: bytes) -> Document:
         doc = parse_line(raw)

@@ -101,6 +101,9 @@ class Family:
     convolutional: bool = False  # 16-bit GPU runs use channels_last
     # the loss of a model that has learned nothing (uniform guesses): what a run's loss is shown against
     chance_loss: Callable[[Any], float] | None = None
+    # its checkpoints export as a Hugging Face model directory (`checkpoint export --format hf`;
+    # logged beside the MLflow model: tracking/models.py)
+    exports_hf: bool = False
 
     def pipeline_refusal(self, model: Any) -> tuple[str, str] | None:
         """(why, fix) when this model cannot be pipelined, else None."""

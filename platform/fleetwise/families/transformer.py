@@ -118,10 +118,9 @@ def token_source(m: TransformerModel, d, vocab_size: int):
         base = TokenFile(d.path, m.seq_len)
         return base, base.space_id
     if d.source == "jsonl":  # Llama's fine-tuning documents, packed (families/llama: data_sources)
-        from fleetwise.config.jsonl import tokenizer_path
         from fleetwise.data.jsonl import PackedJsonl
 
-        return PackedJsonl(d.path, tokenizer_path(d.tokenizer, m.init_from), m.seq_len), None
+        return PackedJsonl.of(d, m.init_from, m.seq_len), None
     return SyntheticTokens(vocab_size, m.seq_len, d.seed, d.num_samples), None
 
 

@@ -243,7 +243,9 @@ def log_model(
                 serialization_format="pickle",
             )
             result.update(kind="weights", eval_loss=loss)
-            if cfg.model.family == "llama":
+            from fleetwise.families import family_of
+
+            if family_of(cfg.model).exports_hf:
                 result["hf_uri"] = _log_hf_dir(checkpoint, cfg, run_id)
     result["model_uri"] = info.model_uri
     if register_as and info.registered_model_version is not None:

@@ -80,4 +80,5 @@ FAMILY = Family(
     tensor_parallel=check_tensor_parallel,
     no_pipeline=no_pipeline,
     chance_loss=token_chance_loss,
+    exports_hf=True,
 )
