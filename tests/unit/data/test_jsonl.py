@@ -169,3 +169,32 @@ def test_bad_lines_are_listed_by_number_and_nothing_starts(tmp_path, packed, cap
     )
     [e] = json.loads(capsys.readouterr().out)["errors"]
     assert e["loc"] == "model.vocab_size" and "120 tokens" in e["msg"] and "model.vocab_size=120" in e["hint"]
+
+
+def test_with_the_launchers_index_a_rank_reads_only_its_rows_lines(tmp_path, packed):
+    """The launcher's packing index (run directory) tells a rank where its rows' lines are: with
+    every other line garbled in place (same size and time), row 1 still reads; a source without the
+    index builds one from the whole file and meets the garbled line."""
+    import os
+
+    from fleetwise.config.validate import load_config
+    from fleetwise.data.jsonl import write_index
+    from fleetwise.rundir import DATA_INDEX_FILE
+    from fleetwise.runtime.modeling import build_source
+
+    source, *_, hf = packed
+    expected = source.batch(torch.arange(3).numpy())
+    data = write_jsonl(tmp_path / "train.jsonl", DOCS)
+    args = ["recipe=llama/tiny", f"model.init_from={hf}", "data=jsonl", f"data.path={data}"]
+    cfg, plain = load_config([*args, f"run.dir={tmp_path / 'run'}"]), load_config(args)  # before the garbling
+    (tmp_path / "run").mkdir()
+    write_index(tmp_path / "run" / DATA_INDEX_FILE, cfg.data, cfg.model.init_from, cfg.model.seq_len)
+    before = data.stat()
+    lines = data.read_bytes().split(b"\n")
+    data.write_bytes(b"\n".join(x if i == 2 else b"#" * len(x) for i, x in enumerate(lines)))  # row 1: line 3
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+    row = build_source(cfg).batch(torch.tensor([1]).numpy())
+    for key in ("tokens", "labels", "positions"):
+        assert torch.equal(row[key][0], expected[key][1]), key
+    with pytest.raises(ValueError, match=r"train.jsonl:1: invalid JSON"):
+        build_source(plain).batch(torch.tensor([1]).numpy())
