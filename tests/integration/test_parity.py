@@ -346,7 +346,8 @@ def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers
 def test_llama_jsonl_fine_tuning_sharded_and_tensor_parallel_equals_single_process(tmp_path):
     """data=jsonl (packed documents, prompt tokens masked, a tokenizer built in the test): ZeRO-3 × 2
     with tensor parallel 2 and sequence parallelism -- each data rank reading its own rows, the
-    positions passing through FSDP and TP into every block -- equals one process, and learns."""
+    positions passing through FSDP and TP into every block -- equals one process, and learns; every
+    rank took the launcher's packing index."""
     from helpers.tokenizers_tiny import write_jsonl, write_tokenizer
 
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "question", "what", "is", "two", "plus", "answer", "four"]
@@ -369,5 +370,7 @@ def test_llama_jsonl_fine_tuning_sharded_and_tensor_parallel_equals_single_proce
     got = run(tmp_path, "zero3_mp2_sp", *base, *layout, procs=4)
     assert_same(ref, got, SGD_TOL)
     assert ref[0][-1] < ref[0][0] - 0.3, ref[0]  # it learns
-    log = (tmp_path / "ref" / "logs" / "rank_0.log").read_text()
-    assert "data=jsonl: 48 documents -> " in log and "end-of-sequence id 2" in log
+    for run_dir, rank in (("ref", 0), ("zero3_mp2_sp", 3)):  # the launcher's packing index, not the whole file
+        log = (tmp_path / run_dir / "logs" / f"rank_{rank}.log").read_text()
+        assert "data=jsonl: 48 documents -> " in log and "end-of-sequence id 2" in log
+        assert f"packing index read from {tmp_path / run_dir / 'data_index.npz'}" in log
