@@ -1,6 +1,6 @@
 """fleetwise benchmarks: the platform against plain PyTorch, the planner against reality.
 
-    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu,auto,multihost,scale,large] [--quick]
+    python scripts/bench.py [--suite overhead,compute,pipeline,planner,startup,gpu,auto,multihost,scale,large,hf] [--quick]
                             [--reps 3] [--out bench]          (make bench runs all suites)
                             [--model 'gpt d=768 L=6'] [--ranks 2]   (the overhead suite: only these rows)
 
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 PY = sys.executable
 WARMUP = 3  # steps excluded from step times: 1-2 carry the exact memory tracker, 3 settles
-SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu", "auto", "multihost", "scale", "large")  # fmt: skip
+SUITES = ("overhead", "compute", "pipeline", "planner", "startup", "gpu", "auto", "multihost", "scale", "large", "hf")  # fmt: skip
 TARGETS = {
     "overhead_ratio": 1.02,
     "memory_error": 0.10,
@@ -46,7 +46,9 @@ TARGETS = {
     "total_s": 600,
     "auto_within": 0.10,  # strategy=auto: the chosen layout's measured step within 10 % of the best measured
     "auto_spearman": 0.8,  # rank correlation of planned and measured step times over the top 5
+    "hf_ratio": 1.0,  # fleetwise's Llama tokens/s over transformers' LlamaForCausalLM (issue 41)
 }
+HF_REPS = 5  # interleaved repetitions of the hf suite (at least 5: issue 41; 2 with --quick)
 # The overhead suite: two tiny models (tens of ms a step, where fixed per-step costs dominate) and a
 # GPT whose step takes >= 0.5 s here (6 layers, d=768: 42.5M parameters in the blocks), where they
 # can neither hide nor dominate. model -> (overrides, steps, quick steps); WARMUP steps are excluded.
@@ -359,6 +361,22 @@ class Bench:
                 }
             ]
         }
+
+    def hf(self) -> dict:
+        """fleetwise's Llama against transformers' LlamaForCausalLM, same weights and batch, training
+        steps taking turns (scripts/bench_hf.py): one process, and both FSDP2-wrapped on 2 ranks."""
+        rows = []
+        reps, steps = (2, 1) if self.quick else (max(HF_REPS, self.reps), 4)
+        for ranks in (1, 2):
+            out = self.tmp / f"hf{ranks}.json"
+            cmd = [PY, str(SCRIPTS / "bench_hf.py"), str(out), "--reps", str(reps), "--steps", str(steps)]
+            if ranks > 1:
+                cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *cmd[1:]]
+            self.sh(cmd, env=self.env | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))})
+            r = json.loads(out.read_text())
+            r["met"] = r["ratio_median"] >= TARGETS["hf_ratio"]
+            rows.append(r)
+        return {"rows": rows}
 
     def pipeline(self) -> dict:
         rows = []
@@ -824,6 +842,18 @@ def markdown(results: dict) -> str:
                            f"{ok(r['met'])} ≥ {r['least_headroom']:.0%}", f"{r['wall_s']:.0f}"] for r in lg["rows"]]))  # fmt: skip
         for name, why in lg["refused"].items():
             out.append(f"\n{name}: not simulated: {why[0] if why else ''}")
+    if "hf" in s:
+        out.append(f"\n## fleetwise's Llama against transformers' LlamaForCausalLM (target: tokens/s ratio ≥ "
+                   f"{TARGETS['hf_ratio']:.1f}, median of interleaved repetitions)\n")  # fmt: skip
+        out.append(table(["ranks", "model", "fleetwise tok/s", "transformers tok/s", "ratio (min-max)", "reps × steps",
+                          "first loss (fleetwise / transformers)", "load", "met"],
+                         [[str(r["ranks"]) + (" (FSDP2)" if r["ranks"] > 1 else ""),
+                           f"L={r['model']['num_hidden_layers']} d={r['model']['hidden_size']} b={r['model']['batch']} "
+                           f"s={r['model']['seq_len']} V={r['model']['vocab_size']}",
+                           f"{r['tokens_per_s']['fleetwise']:,.0f}", f"{r['tokens_per_s']['transformers']:,.0f}",
+                           f"{r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})", f"{r['reps']} × {r['steps']}",
+                           f"{r['first_loss']['fleetwise']:.5f} / {r['first_loss']['transformers']:.5f}",
+                           f"{r['load_average']:.1f}", ok(r["met"])] for r in s["hf"]["rows"]]))  # fmt: skip
     for name, err in results.get("errors", {}).items():
         out.append(f"\n**suite {name} failed**: {err.splitlines()[0]}")
     return "\n".join(out) + "\n"

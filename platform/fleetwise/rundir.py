@@ -15,6 +15,8 @@ the typed plan and every metric name are defined here once, so both sides agree 
     logs/rank_N.log    per-rank logs; logs/launcher.log: torchrun's own
     checkpoints/       DCP checkpoints (runtime/checkpoint_files.py)
     model/             the final weights (DCP shards) of a job without checkpoints, for MLflow
+    data_index.npz     data=jsonl: which lines each packed row holds (data/jsonl.py), so that a
+                       rank reads and tokenizes only its own rows' lines
 
 Nothing here imports torch.
 """
@@ -43,6 +45,7 @@ LOGS_DIR = "logs"
 LAUNCHER_LOG = "launcher.log"
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_DIR = "model"  # the final weights as DCP shards, when no checkpoint holds them
+DATA_INDEX_FILE = "data_index.npz"  # data=jsonl: the packing index every rank reads
 # `fleetwise dryrun`'s pipeline metadata relay (dryrun/fake.py MetaRelay), in its temporary run
 # directory: the stages' metadata files, and which stages run (dryrun/parent.py stand_ins)
 PIPELINE_META_DIR = "pipeline_meta"
@@ -186,6 +189,10 @@ def write_run_dir(run_dir: Path, cfg: RunConfig, plan: Plan, argv: list[str]) ->
     write_config(run_dir, cfg)
     write_plan(run_dir, plan)
     atomic_write(run_dir / COMMAND_FILE, shlex.join(["fleetwise", "train", *argv]) + "\n")
+    if cfg.data.source == "jsonl":  # built once here, not by every rank from the whole file
+        from fleetwise.data.jsonl import write_index
+
+        write_index(run_dir / DATA_INDEX_FILE, cfg.data, getattr(cfg.model, "init_from", None), cfg.model.seq_len)
 
 
 def write_auto_search(run_dir: Path, search: dict) -> Path:

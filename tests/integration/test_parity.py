@@ -376,3 +376,36 @@ def test_moe_layout_equals_single_process(tmp_path, moe_ref, name):
         assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
         counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
         assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+
+
+def test_llama_jsonl_fine_tuning_sharded_and_tensor_parallel_equals_single_process(tmp_path):
+    """data=jsonl (packed documents, prompt tokens masked, a tokenizer built in the test): ZeRO-3 × 2
+    with tensor parallel 2 and sequence parallelism -- each data rank reading its own rows, the
+    positions passing through FSDP and TP into every block -- equals one process, and learns; every
+    rank took the launcher's packing index."""
+    from helpers.tokenizers_tiny import write_jsonl, write_tokenizer
+
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "question", "what", "is", "two", "plus", "answer", "four"]
+    g = torch.Generator().manual_seed(0)
+
+    def some(k):
+        return " ".join(words[i] for i in torch.randint(0, len(words), (k,), generator=g).tolist())
+
+    docs = [
+        {"prompt": f"question: {some(4)}", "response": f" answer: {some(3)}"} if i % 2 else {"text": some(3 + i % 9)}
+        for i in range(48)
+    ]
+    write_tokenizer(tmp_path / "tok")
+    data = write_jsonl(tmp_path / "train.jsonl", docs)
+    base = ("recipe=llama/tiny", "data=jsonl", f"data.path={data}", f"data.tokenizer={tmp_path / 'tok'}", *SGD,
+            "train.global_batch_size=8")
+    ref = run(tmp_path, "ref", *base, procs=1)
+    layout = ("strategy=hybrid", "strategy.sharding_degree=2", "strategy.sharding_stage=3", "strategy.mp_degree=2",
+              "strategy.sequence_parallel=true")
+    got = run(tmp_path, "zero3_mp2_sp", *base, *layout, procs=4)
+    assert_same(ref, got, SGD_TOL)
+    assert ref[0][-1] < ref[0][0] - 0.3, ref[0]  # it learns
+    for run_dir, rank in (("ref", 0), ("zero3_mp2_sp", 3)):  # the launcher's packing index, not the whole file
+        log = (tmp_path / run_dir / "logs" / f"rank_{rank}.log").read_text()
+        assert "data=jsonl: 48 documents -> " in log and "end-of-sequence id 2" in log
+        assert f"packing index read from {tmp_path / run_dir / 'data_index.npz'}" in log

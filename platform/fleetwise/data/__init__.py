@@ -13,10 +13,12 @@ click logs).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # not at run time: the launcher reads a source's index without torch (data/jsonl.py)
+    import torch
 
 
 class SampleSource(Protocol):

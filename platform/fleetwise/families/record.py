@@ -35,6 +35,9 @@ class ModelSpec:
     # values (Llama's model.init_from), or None
     load_weights: Callable[[Any], None] | None = None
     label: str = "labels"
+    # batch keys passed by keyword when the batch has them (Llama: `positions` of packed documents,
+    # data=jsonl); not through a pipeline schedule, which validate refuses for such data
+    optional_inputs: tuple[str, ...] = ()
 
 
 def _no_problems(*_: Any) -> Iterator[Problem]:
@@ -98,6 +101,9 @@ class Family:
     convolutional: bool = False  # 16-bit GPU runs use channels_last
     # the loss of a model that has learned nothing (uniform guesses): what a run's loss is shown against
     chance_loss: Callable[[Any], float] | None = None
+    # its checkpoints export as a Hugging Face model directory (`checkpoint export --format hf`;
+    # logged beside the MLflow model: tracking/models.py)
+    exports_hf: bool = False
 
     def pipeline_refusal(self, model: Any) -> tuple[str, str] | None:
         """(why, fix) when this model cannot be pipelined, else None."""

@@ -117,6 +117,10 @@ def token_source(m: TransformerModel, d, vocab_size: int):
     if d.source == "token_file":
         base = TokenFile(d.path, m.seq_len)
         return base, base.space_id
+    if d.source == "jsonl":  # Llama's fine-tuning documents, packed (families/llama: data_sources)
+        from fleetwise.data.jsonl import PackedJsonl
+
+        return PackedJsonl.of(d, m.init_from, m.seq_len), None
     return SyntheticTokens(vocab_size, m.seq_len, d.seed, d.num_samples), None
 
 

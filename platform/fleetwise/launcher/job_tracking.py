@@ -236,4 +236,5 @@ class JobTracking:
         reg = (
             f", registered as {cfg.tracking.register_as} v{logged['version']}" if "version" in logged else ""
         )
-        self.tracker.notify(f"model logged ({what}{note}{reg}): {logged['model_uri']}")
+        hf = f"; Hugging Face directory: {logged['hf_uri']}" if "hf_uri" in logged else ""
+        self.tracker.notify(f"model logged ({what}{note}{reg}): {logged['model_uri']}{hf}")

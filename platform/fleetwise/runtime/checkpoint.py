@@ -329,17 +329,18 @@ def export(checkpoint: Path, out: Path) -> Path:
     return out
 
 
-def export_hf(checkpoint: Path, out: Path, dtype: str | None = None) -> list[Path]:
+def export_hf(checkpoint: Path, out: Path, dtype: str | None = None, cfg=None) -> list[Path]:
     """A checkpoint of a Llama-family model as a Hugging Face model directory (config.json,
     safetensors shards, index; families/llama/weights.py), streamed: each tensor is read from the
     checkpoint alone (no process group) when its turn comes, so one tensor is in memory at a time.
+    cfg: the run's config, for a run's final weights (<run_dir>/model holds none; a checkpoint does).
     Raises WeightsError (a model of another family, a tensor missing or of the wrong shape)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from fleetwise.families.llama.weights import WeightsError, write_hf_dir
     from fleetwise.rundir import read_config
 
-    m = read_config(checkpoint).model
+    m = (cfg if cfg is not None else read_config(checkpoint)).model
     stored = {
         key[len("model.") :]: (tuple(meta.size), meta.properties.dtype)
         for key, meta in read_metadata(checkpoint / ".metadata").state_dict_metadata.items()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from fleetwise.config.run import RunConfig
 from fleetwise.families import ModelSpec, family_of
 from fleetwise.models.contract import check_model
+from fleetwise.rundir import DATA_INDEX_FILE
 
 
 def model_spec(cfg: RunConfig) -> ModelSpec:
@@ -68,5 +71,9 @@ def build_model(cfg: RunConfig) -> nn.Module:
 
 def build_source(cfg: RunConfig):
     """The sample source for the model family and data config (see fleetwise.data and the
-    family's own `data` module)."""
-    return family_of(cfg.model).source(cfg.model, cfg.data)
+    family's own `data` module). A source that packs from an index takes the launcher's, from the
+    run directory (data=jsonl: `read_index`)."""
+    source = family_of(cfg.model).source(cfg.model, cfg.data)
+    if hasattr(source, "read_index") and cfg.run.dir is not None:
+        source.read_index(Path(cfg.run.dir) / DATA_INDEX_FILE)
+    return source

@@ -171,8 +171,10 @@ class Trainer:
                 with self.autocast():
                     # the output (a language model's logits) is not kept: bound to a name it would
                     # stay alive through the whole backward, which needs only what autograd saved
+                    extra = {k: self._to_device(mb[k]) for k in spec.optional_inputs if k in mb}
                     loss = self.model.loss(
-                        part(*[self._to_device(mb[k]) for k in spec.inputs]), self._to_device(mb[spec.label])
+                        part(*[self._to_device(mb[k]) for k in spec.inputs], **extra),
+                        self._to_device(mb[spec.label]),
                     )
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()

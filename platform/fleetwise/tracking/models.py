@@ -13,6 +13,13 @@ given, a single-process one or a sharded one in a distributed job.
 The evaluation: the loss of the final weights (eval mode, no grad, fp32) on the first
 min(global_batch_size, 32) samples of the job's data source, logged as `eval/loss` at the last step.
 A fresh process that loads the logged model reproduces it on the same batch (`eval_batch`).
+
+A Llama-family model logged with its weights also gets its Hugging Face directory (config.json,
+safetensors shards and index: what `fleetwise checkpoint export --format hf` writes, streamed tensor
+by tensor) as the run's artifact directory `hf_model`, beside the model, for
+`transformers.AutoModelForCausalLM.from_pretrained` after `mlflow.artifacts.download_artifacts`.
+A model above model_max_bytes gets neither copy: its reference points at the checkpoint, which
+`checkpoint export --format hf` turns into the directory where it is needed.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 from fleetwise.rundir import CONFIG_FILE, PLAN_FILE
 
 MODEL_NAME = "model"  # runs:/<run_id>/model
+HF_ARTIFACT = "hf_model"  # a Llama-family model's Hugging Face directory, an artifact of the run
 EVAL_METRIC = "eval/loss"
 EVAL_SAMPLES_MAX = 32
 FP32 = 4
@@ -57,7 +65,9 @@ def evaluate(model, cfg, batch: dict) -> float:
     spec = model_spec(cfg)
     model.eval()
     with torch.no_grad():
-        out = model(*[batch[k] for k in spec.inputs])
+        # packed documents (data=jsonl) are evaluated as they trained: with their positions
+        extra = {k: batch[k] for k in spec.optional_inputs if k in batch}
+        out = model(*[batch[k] for k in spec.inputs], **extra)
         return float(spec.loss(out, batch[spec.label]))
 
 
@@ -233,7 +243,24 @@ def log_model(
                 serialization_format="pickle",
             )
             result.update(kind="weights", eval_loss=loss)
+            from fleetwise.families import family_of
+
+            if family_of(cfg.model).exports_hf:
+                result["hf_uri"] = _log_hf_dir(checkpoint, cfg, run_id)
     result["model_uri"] = info.model_uri
     if register_as and info.registered_model_version is not None:
         result["version"] = int(info.registered_model_version)
     return result
+
+
+def _log_hf_dir(checkpoint: Path, cfg, run_id: str) -> str:
+    """The checkpoint exported as a Hugging Face directory, logged as the run's `hf_model` artifacts."""
+    import mlflow
+
+    from fleetwise.runtime.checkpoint import export_hf
+
+    with tempfile.TemporaryDirectory(prefix="fleetwise-hf-") as tmp:
+        out = Path(tmp) / HF_ARTIFACT
+        export_hf(checkpoint, out, cfg=cfg)
+        mlflow.log_artifacts(str(out), artifact_path=HF_ARTIFACT)
+    return f"runs:/{run_id}/{HF_ARTIFACT}"

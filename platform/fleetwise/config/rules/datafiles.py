@@ -5,6 +5,8 @@ File formats (written by `fleetwise tokenize` or by users):
   {"dtype": "uint16", "vocab_size": 256, "num_tokens": N}.
 - image_array: `.npz` with `images` (N, H, W, C) uint8 and `labels` (N,) integers.
 - image_folder: one sub-folder per class holding .png/.jpg/.jpeg files (class index = sorted order).
+- jsonl: one {"text": …} or {"prompt": …, "response": …} object per line (config/jsonl.py), and the
+  tokenizer.json it is read with.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def token_meta_path(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
-def check_data_file(source: str, path: Path, model: ModelConfig) -> Iterator[Problem]:
+def check_data_file(source: str, path: Path, model: ModelConfig, data=None) -> Iterator[Problem]:
     if not path.exists():
         yield Problem(
             "data.path",
@@ -34,7 +36,9 @@ def check_data_file(source: str, path: Path, model: ModelConfig) -> Iterator[Pro
             "check data.path (relative paths resolve against the directory you launch from)",
         )
         return
-    if source == "token_file":
+    if source == "jsonl":
+        yield from _check_jsonl(path, model, data)
+    elif source == "token_file":
         yield from _check_tokens(path, model)
     elif source == "image_array":
         yield from _check_image_array(path, model)
@@ -154,4 +158,60 @@ def _check_image_folder(path: Path, model: ResNetModel) -> Iterator[Problem]:
             "data.path",
             f"no {'/'.join(IMAGE_SUFFIXES)} files under {str(path)!r}",
             "put images in <path>/<class>/*.png",
+        )
+
+
+def _check_jsonl(path: Path, model, data) -> Iterator[Problem]:
+    """Every bad line, by number (up to MAX_BAD_LINES, the rest counted), and the tokenizer."""
+    from fleetwise.config.jsonl import MAX_BAD_LINES, parse_line, read_lines, tokenizer_path
+
+    fix = 'write one JSON object per line: {"text": "..."} or {"prompt": "...", "response": "..."}'
+    if path.is_dir():
+        yield Problem("data.path", f"data=jsonl {str(path)!r} is a folder", "point data.path at a .jsonl file")
+        return
+    lines = read_lines(path)
+    if not lines:
+        yield Problem("data.path", f"{str(path)!r} has no lines", fix)
+    bad = [(i + 1, err) for i, raw in enumerate(lines) if isinstance(err := parse_line(raw), str)]
+    for number, err in bad[:MAX_BAD_LINES]:
+        yield Problem("data.path", f"{path}:{number}: {err}", fix)
+    if len(bad) > MAX_BAD_LINES:
+        more = ", ".join(str(n) for n, _ in bad[MAX_BAD_LINES : MAX_BAD_LINES + 10])
+        yield Problem(
+            "data.path",
+            f"{path}: {len(bad) - MAX_BAD_LINES} more bad lines (of {len(bad)} in {len(lines)}), "
+            f"from line {more}{', …' if len(bad) > MAX_BAD_LINES + 10 else ''}",
+            fix,
+        )
+    yield from _check_tokenizer(tokenizer_path(data.tokenizer, getattr(model, "init_from", None)), model)
+
+
+def _check_tokenizer(path: Path | None, model) -> Iterator[Problem]:
+    if path is None:
+        yield Problem(
+            "data.tokenizer",
+            "data=jsonl needs a tokenizer: data.tokenizer is null and model.init_from is not set",
+            "set data.tokenizer=/path/to/tokenizer.json (or its folder), or model.init_from=<Hugging Face dir>",
+        )
+        return
+    if not path.is_file():
+        yield Problem(
+            "data.tokenizer",
+            f"no tokenizer file {str(path)!r}",
+            "point data.tokenizer at a tokenizer.json (the `tokenizers` library's format, as Hugging Face "
+            "model folders ship it)",
+        )
+        return
+    from tokenizers import Tokenizer  # local: only data=jsonl configs pay for it
+
+    try:
+        vocab = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported, not raised
+        yield Problem("data.tokenizer", f"cannot read {str(path)!r} as a tokenizer.json: {exc}", "check the file")
+        return
+    if vocab > model.vocab_size:
+        yield Problem(
+            "model.vocab_size",
+            f"the tokenizer {str(path)!r} has {vocab} tokens but model.vocab_size={model.vocab_size}",
+            f"set model.vocab_size={vocab} (or more), or use the model's own tokenizer",
         )

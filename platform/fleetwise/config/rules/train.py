@@ -109,12 +109,14 @@ def data_source(ctx: Context) -> Iterator[Problem]:
         return
     if d.source == "custom":  # your own Dataset: checked with the model (families/custom/derive.py)
         return
+    if d.source == "jsonl":
+        yield from _jsonl_pipeline(ctx)
     if not d.path:
         yield Problem("data.path", f"data.source={d.source} needs a path", "set data.path=/path/to/data")
         return
     from fleetwise.config.rules.datafiles import check_data_file  # local: only file-backed configs pay for it
 
-    yield from check_data_file(d.source, Path(d.path), m)
+    yield from check_data_file(d.source, Path(d.path), m, d)
 
 
 @rule
@@ -126,6 +128,20 @@ def optimizer_schedule(ctx: Context) -> Iterator[Problem]:
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         yield Problem(
             "optim.betas", f"betas={list(o.betas)} must lie in [0, 1)", "e.g. optim.betas=[0.9,0.95]"
+        )
+
+
+def _jsonl_pipeline(ctx: Context) -> Iterator[Problem]:
+    """Packed documents carry their positions beside the tokens into every block; a pipeline
+    schedule passes the hidden states alone between stages."""
+    pp = ctx.layout.pp if ctx.layout else ctx.cfg.strategy.pp_degree if ctx.collective else 1
+    if isinstance(pp, int) and pp > 1:
+        yield Problem(
+            "strategy.pp_degree",
+            f"data=jsonl packs documents with per-document positions and attention masks, which do not "
+            f"pass between pipeline stages; pp_degree={pp}",
+            "set strategy.pp_degree=1 and shard instead (strategy=sharding, strategy.mp_degree for tensor "
+            "parallelism), or train on data=token_file",
         )
 
 

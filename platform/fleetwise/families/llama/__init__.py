@@ -52,6 +52,7 @@ def spec(m: LlamaModel) -> ModelSpec:
         # experts are not split over mp ranks (config/rules/moe.py refuses mp_degree > 1 with them)
         None if m.moe.enabled else partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
         load_weights=load,
+        optional_inputs=("positions",),  # packed documents (data=jsonl): data/jsonl.py
     )
 
 
@@ -76,9 +77,10 @@ FAMILY = Family(
     limits=limits,
     tokens_per_sample=tokens_per_sample,
     plan_notes=plan_notes,
-    data_sources=TOKEN_SOURCES,
+    data_sources=(*TOKEN_SOURCES, "jsonl"),  # jsonl: fine-tuning documents (data/jsonl.py)
     data_profile=token_data_profile,
     tensor_parallel=check_tensor_parallel,
     no_pipeline=no_pipeline,
     chance_loss=token_chance_loss,
+    exports_hf=True,
 )

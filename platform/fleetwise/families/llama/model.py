@@ -68,13 +68,26 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 def rotary_tables(
-    inv_freq: list[float], seq_len: int, like: torch.Tensor
+    inv_freq: list[float], seq_len: int, like: torch.Tensor, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position × frequency, [seq_len, head_dim] (each frequency twice: one per half)."""
+    """cos and sin of position × frequency, [seq_len, head_dim] (each frequency twice: one per half);
+    with `positions` [b, s] (packed documents: each restarts at 0), [b, 1, s, head_dim]."""
     freq = torch.tensor(inv_freq, dtype=torch.float32, device=like.device)
-    angles = torch.arange(seq_len, device=like.device, dtype=torch.float32)[:, None] * freq
+    if positions is None:
+        angles = torch.arange(seq_len, device=like.device, dtype=torch.float32)[:, None] * freq
+    else:
+        angles = positions.to(device=like.device, dtype=torch.float32)[:, None, :, None] * freq
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask of packed documents, [b, 1, s, s] (True: may attend): a token
+    sees the earlier tokens of its own document only. A document starts where its position is 0."""
+    doc = (positions == 0).cumsum(-1)
+    s = positions.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,15 +114,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """positions [b, s]: packed documents (data=jsonl): rotary positions restart per document,
+        and an explicit block-diagonal causal mask (`document_mask`) keeps attention inside each;
+        SDPA with a boolean mask (FlexAttention would skip the masked blocks, but needs compile to
+        be fast and runs eagerly on a CPU only with a warning). None: one causal sequence."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a/mp query and kv/mp kv heads
         q, k, v = (proj(x).view(b, s, -1, self.head_dim) for proj in (self.wq, self.wk, self.wv))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rotary_tables(self.inv_freq, s, q)
+        cos, sin = rotary_tables(self.inv_freq, s, q, positions)
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=self.gqa)
+        mask = None if positions is None else document_mask(positions.to(q.device))
+        out = F.scaled_dot_product_attention(
+            q, k, v.transpose(1, 2), attn_mask=mask, is_causal=mask is None, enable_gqa=self.gqa
+        )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -129,8 +149,9 @@ class Block(nn.Module):
             else SwiGLU(h, cfg.ffn_hidden_size)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # positions by keyword: the tensor-parallel plan lays out the attention's positional input only
+        x = x + self.attn(self.ln1(x), positions=positions)
         return x + self.mlp(self.ln2(x))
 
 
@@ -175,6 +196,19 @@ class Llama(DecoderLM):
         )
         # initial values: drawn per parameter, after sharding (fleetwise.models.init)
         self.init_rule = llama_rule(cfg.init_std, cfg.num_layers)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """DecoderLM's forward; with `positions` [b, s] (packed documents, ModelSpec.optional_inputs)
+        every block attends within documents only. Not under a pipeline (validate refuses it: the
+        positions would have to travel between stages with the hidden states)."""
+        if positions is None:
+            return super().forward(x)
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h, positions)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
 
 def llama_rule(std: float, num_layers: int):
