@@ -33,9 +33,36 @@ JOB = (
 )
 
 
+def plant_orphan(root: Path) -> str:
+    """A run of the store whose launcher was SIGKILLed an hour ago (tracking.json: its dead pid, its
+    last heartbeat), left RUNNING: the next `fleetwise train` on the store marks it KILLED."""
+    from helpers.tracking_support import make_run_dir, write_steps
+
+    from fleetwise.tracking.run_tracker import RunTracker
+    from fleetwise.tracking.spool import load_state, save_state
+
+    run_dir = make_run_dir(root, "orphan")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root.resolve() / 'mlflow.db'}")
+        t = RunTracker(
+            run_dir, experiment="orphans", run_name="orphan", params={}, tags={}, artifacts=[], system_metrics=False
+        )
+        run_id = t.start()
+        write_steps(run_dir, range(1, 3))
+        t.poll()
+        t._lock.release()  # as the kernel does for a killed process
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    state = load_state(run_dir)
+    state.launcher_pid, state.heartbeat_ms = dead.pid, state.heartbeat_ms - 3_600_000
+    save_state(run_dir, state)
+    return run_id
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
+    orphan = plant_orphan(root)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     r = subprocess.run(
         [str(Path(sys.executable).parent / "fleetwise"), "train", *JOB, f"run.dir={root / 'run'}"],
@@ -51,6 +78,7 @@ def job(tmp_path_factory):
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("fleetwise").experiment_id])
+    r.orphan = orphan
     return root, uri, client, run, r
 
 
@@ -109,6 +137,13 @@ def test_logged_model_reproduces_the_eval_loss_in_a_fresh_process(job):
     # the loss of a trained model, not of a fresh one: below the first step's training loss
     first = client.get_metric_history(run.info.run_id, "train/loss")[0].value
     assert eval_loss < first
+
+
+def test_the_run_of_a_killed_launcher_is_marked_killed_by_the_next_train(job):
+    _, _, client, _, r = job
+    orphan = client.get_run(r.orphan)
+    assert orphan.info.status == "KILLED" and "fleetwise.last_seen" in orphan.data.tags
+    assert f"run {r.orphan}" in r.stderr and "marked KILLED" in r.stderr
 
 
 def test_model_has_signature_config_and_registry_version(job):
