@@ -3,8 +3,9 @@ job: a tiny GPT under ZeRO-3 on 2 ranks (so the logged weights are consolidated 
 checkpoints at steps 2 and 3, logging to a local sqlite store in a temp dir.
 
 A fresh Python process (no state of the launcher) loads what was logged and must reproduce the
-run's `eval/loss` on the same batch: the registered weights (mlflow.pytorch), and the pyfunc that
-only references the sharded checkpoint (what a model above tracking.model_max_bytes gets).
+run's `eval/loss` on the same batch: the registered weights (safetensors, through
+`fleetwise.load_model("models:/...")`), and the pyfunc that only references the sharded checkpoint
+(what a model above tracking.model_max_bytes gets). Neither is a pickle.
 """
 
 from __future__ import annotations
@@ -93,15 +94,16 @@ def fresh_process(root: Path, uri: str, script: str) -> dict:
 
 
 LOAD_AND_EVALUATE = """
-import json, sys, torch, yaml, mlflow, mlflow.pytorch, mlflow.pyfunc
+import json, sys, torch, yaml, mlflow, mlflow.pyfunc
+import fleetwise
 from fleetwise.config.run import RunConfig
 from fleetwise.models.transformer import lm_loss
 from fleetwise.tracking.models import eval_batch
 
 uri = sys.argv[1] if len(sys.argv) > 1 else "models:/{name}/1"
-model = mlflow.pytorch.load_model(uri)
+model = fleetwise.load_model(uri)
 files = mlflow.artifacts.download_artifacts(uri)
-cfg = RunConfig.model_validate(yaml.safe_load(open(files + "/extra_files/config.yaml")))
+cfg = RunConfig.model_validate(yaml.safe_load(open(files + "/data/fleetwise/config.yaml")))
 batch = eval_batch(cfg)
 model.eval()
 with torch.no_grad():
@@ -116,6 +118,7 @@ def test_logged_model_reproduces_the_eval_loss_in_a_fresh_process(job):
     root, uri, client, run, r = job
     eval_loss = run.data.metrics["eval/loss"]
     assert "model logged (weights" in r.stderr and f"registered as {NAME} v1" in r.stderr
+    assert "pickle" not in (r.stdout + r.stderr).lower()  # MLflow's warning about pickled models
     # what a model above tracking.model_max_bytes gets: a pyfunc referencing the sharded checkpoint
     from fleetwise.tracking.models import log_model
 
@@ -160,8 +163,10 @@ def test_model_has_signature_config_and_registry_version(job):
     assert (str(inp.type), inp.shape) == ("int64", (-1, 32))  # tokens [batch, seq_len]
     assert (str(out.type), out.shape) == ("float32", (-1, 32, 256))  # logits [batch, seq, vocab]
     files = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1", dst_path=str(root / "v1")))
-    assert "strategy:" in (files / "extra_files" / "config.yaml").read_text()
-    assert json.loads((files / "extra_files" / "plan.json").read_text())["world_size"] == 2
+    assert "strategy:" in (files / "data" / "fleetwise" / "config.yaml").read_text()
+    assert json.loads((files / "data" / "fleetwise" / "plan.json").read_text())["world_size"] == 2
+    assert (files / "data" / "fleetwise" / "model.safetensors").exists()
+    assert not [p for p in files.rglob("*") if p.suffix in (".pkl", ".pt", ".pth")]  # nothing to unpickle
 
 
 def test_checkpoint_export_logs_a_model_of_that_step(job):
