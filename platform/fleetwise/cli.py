@@ -633,6 +633,9 @@ def take_config_dirs(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fleetwise.tracking.store import adopt_uri_credentials
+
+    adopt_uri_credentials()  # a tracking URI's user:password@ leaves the URI before anything runs
     argv = take_config_dirs(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help", "help"):
         return print_help()

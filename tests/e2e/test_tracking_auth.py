@@ -2,9 +2,10 @@
 (one per module; it needs Flask-WTF, from the test extras), credentials from
 MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD.
 
-- right credentials: the job's run lands (metrics, artifacts, model), and the password appears
-  nowhere: not in params, tags, artifacts, the run directory, the console, nor in the environment
-  of torchrun or any rank (read from /proc while the job runs);
+- right credentials, given in the URI (http://user:password@host): the job's run lands (metrics,
+  artifacts, model), and the password appears nowhere: not in params, tags, artifacts, any file of
+  the run directory (tracking.json, logs), the console, nor in the environment or command line of
+  torchrun or any rank (read from /proc while the job runs);
 - wrong or missing credentials: exit 2 before anything starts, one clear line, no traceback.
 """
 
@@ -122,7 +123,7 @@ def test_refused_credentials_exit_2_before_launch(tmp_path, server, user, passwo
 
 
 def _environments(marker: str) -> dict[int, dict[str, str]]:
-    """Environment of torchrun and the ranks (live processes whose command line mentions `marker`;
+    """Environment (and, as "cmdline", the command line) of torchrun and the ranks (live processes whose command line mentions `marker`;
     the launcher itself, `fleetwise train`, holds the credentials and is not one of them)."""
     found = {}
     for proc in Path("/proc").iterdir():
@@ -136,13 +137,15 @@ def _environments(marker: str) -> dict[int, dict[str, str]]:
             raw = (proc / "environ").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        found[int(proc.name)] = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+        env = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+        found[int(proc.name)] = env | {"cmdline": cmdline}
     return found
 
 
 def test_run_lands_and_credentials_stay_in_the_launcher(tmp_path, server):
     run_dir = tmp_path / "run"
-    proc = train(tmp_path, server, USER, PASSWORD, f"run.dir={run_dir}")
+    in_uri = server.replace("http://", f"http://{USER}:{PASSWORD}@")
+    proc = train(tmp_path, in_uri, None, None, f"run.dir={run_dir}")
     envs: dict[int, dict[str, str]] = {}
     while proc.poll() is None:  # sample the ranks' and torchrun's environments while they live
         envs |= _environments(str(run_dir))
@@ -155,6 +158,7 @@ def test_run_lands_and_credentials_stay_in_the_launcher(tmp_path, server):
     assert all(
         "MLFLOW_TRACKING_USERNAME" not in e and "MLFLOW_TRACKING_PASSWORD" not in e for e in envs.values()
     )
+    assert not [v for e in envs.values() for v in e.values() if PASSWORD in v]  # nor the URI, nor argv
 
     os.environ.update(MLFLOW_TRACKING_USERNAME=USER, MLFLOW_TRACKING_PASSWORD=PASSWORD)
     try:

@@ -280,7 +280,12 @@ def test_repeated_values_are_sent_as_their_runs_ends_and_every_step_is_recoverab
 
 
 def test_a_dead_server_costs_seconds_is_reported_once_and_keeps_the_spool(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{refused_port()}")
+    # credentials in the URI: they leave it for MLflow's own variables, never written or said
+    port = refused_port()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://fw-user:S3cret%40in-uri@127.0.0.1:{port}")
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(key, "restored-after-the-test")
+        monkeypatch.delenv(key)
     run_dir = make_run_dir(tmp_path, "run-dead")
     messages = Messages()
     t = tracker(run_dir, messages)
@@ -295,6 +300,15 @@ def test_a_dead_server_costs_seconds_is_reported_once_and_keeps_the_spool(tmp_pa
     assert "fleetwise sync" in messages[-1] and t.warning == messages[-1]
     state = load_state(run_dir)
     assert state.run_id is None and state.final["status"] == "FINISHED" and is_behind(run_dir)
+    import os
+
+    assert state.tracking_uri == os.environ["MLFLOW_TRACKING_URI"] == f"http://127.0.0.1:{port}"
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == (
+        "fw-user",
+        "S3cret@in-uri",
+    )
+    written = [p.read_text() for p in run_dir.rglob("*") if p.is_file()]
+    assert not [t for t in written + list(messages) if "S3cret" in t]
 
 
 def test_sync_delivers_what_a_crashed_launcher_left_and_skips_a_live_one(store, tmp_path):
