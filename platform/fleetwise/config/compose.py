@@ -65,9 +65,11 @@ def compose_config(overrides: list[str]) -> dict[str, Any]:
     return data
 
 
-# Hydra's own settings a user may override (documented in the README): where outputs go, the
-# launcher and sweeper plugins, and the config search path. Everything else under hydra.* is
-# refused: `+hydra.callbacks.x._target_=...` would make `train` instantiate any importable callable.
+# Hydra's own settings a user may override (documented in the README): where outputs go, and the
+# launcher and sweeper plugins. Everything else under hydra.* is refused: `+hydra.callbacks.x._target_=...`
+# would make `train` instantiate any importable callable. Other config trees come through
+# `--config-dir` only: hydra.searchpath took any path (file:///etc was scanned for 9 s) and its
+# pkg:// entries import a package.
 HYDRA_OVERRIDES = (
     "hydra.run.dir",
     "hydra.sweep.dir",
@@ -76,7 +78,6 @@ HYDRA_OVERRIDES = (
     "hydra/launcher",
     "hydra.sweeper.",
     "hydra/sweeper",
-    "hydra.searchpath",
     "hydra.job.chdir",
 )
 
@@ -89,13 +90,25 @@ def hydra_override_problems(overrides: list[str]) -> list[Problem]:
             continue
         if any(key == a.rstrip(".") or (a.endswith(".") and key.startswith(a)) for a in HYDRA_OVERRIDES):
             continue
+        if key == "hydra.searchpath":
+            out.append(
+                Problem(
+                    key,
+                    f"override {text!r} points Hydra at other config trees, which fleetwise takes only "
+                    "through --config-dir (a searchpath may name any directory, and a pkg:// entry imports "
+                    "a package)",
+                    "give each tree of your own config groups as --config-dir DIR (repeat it for several), "
+                    "e.g. fleetwise validate --config-dir my_conf recipe=mynet",
+                )
+            )
+            continue
         out.append(
             Problem(
                 key,
                 f"override {text!r} changes Hydra's own configuration, which fleetwise does not allow "
                 "(callbacks and other hydra.* targets would run arbitrary code at train time)",
                 "allowed: hydra.run.dir, hydra.sweep.dir/subdir, hydra/launcher=… and hydra.launcher.*, "
-                "hydra/sweeper and hydra.sweeper.*, hydra.searchpath, hydra.job.chdir",
+                "hydra/sweeper and hydra.sweeper.*, hydra.job.chdir; other config trees: --config-dir DIR",
             )
         )
     return out

@@ -268,6 +268,9 @@ CASES = [
     (("hydra.job.name=x",), "hydra.job.name"),
     (("++hydra.verbose=true",), "hydra.verbose"),
     (("hydra.output_subdir=null",), "hydra.output_subdir"),
+    # other config trees only through --config-dir (file:///etc was scanned for 9 s; pkg:// imports)
+    (("hydra.searchpath=[file:///etc]",), "hydra.searchpath"),
+    (("hydra.searchpath=[pkg://os]",), "hydra.searchpath"),
     # --- parameter-server RPC address (it unpickles what it receives)
     (("recipe=ctr/tiny", "strategy.server_address=0.0.0.0"), "strategy.server_address"),
     (("recipe=ctr/tiny", "strategy.server_address=10.1.2.3"), "strategy.server_address"),
