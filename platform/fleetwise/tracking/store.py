@@ -112,7 +112,7 @@ def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
         return uri, None, None
     userinfo, host = parts.netloc.rsplit("@", 1)
     user, _, password = userinfo.partition(":")
-    plain = urllib.parse.urlunsplit(parts._replace(netloc=host))
+    plain = urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
     return plain, urllib.parse.unquote(user) or None, urllib.parse.unquote(password) if password else None
 
 
