@@ -484,4 +484,17 @@ def test_a_killed_launchers_run_is_marked_killed_by_the_next_command_at_its_last
         assert load_state(run_dir).closed
     assert store.get_run(runs["other-host-alive"][0]).info.status == "RUNNING"
     assert store.get_run(live_id).info.status == "RUNNING"  # its launcher (this process) lives
+
+    # `fleetwise ui` does the same before it serves the store
+    from rich.console import Console
+
+    from fleetwise.tracking.commands import _reap_local
+    from fleetwise.tracking.store import tracking_uri
+
+    other_id, other_dir, _ = runs["other-host-alive"]
+    _orphan(other_dir, pid=1, host="elsewhere", seen_ms=hour_ago)
+    with open(tmp_path / "ui.txt", "w") as said:
+        _reap_local(tracking_uri(), Console(file=said))
+    assert "marked KILLED" in (tmp_path / "ui.txt").read_text()
+    assert store.get_run(other_id).info.status == "KILLED"
     live.finish("FINISHED")
