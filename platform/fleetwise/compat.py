@@ -334,6 +334,51 @@ def after_each_rendezvous(hook: Callable[[Any], None]) -> None:
     api.SimpleElasticAgent._rendezvous = _rendezvous
 
 
+@_entry("starting the ranks as a function (launcher/agent.py)")
+def launch_ranks_with(transform: Callable[[Any, Any, list], tuple[Callable, tuple]]) -> None:
+    """Let `transform(config, entrypoint, args) -> (function, args)` turn the command torchrun's
+    main (`torch.distributed.run`) would start as each worker into a function it starts instead
+    (torch's multiprocessing start; the transform sets `config.start_method`)."""
+    from torch.distributed import run
+
+    launch = run.elastic_launch
+
+    def elastic_launch(config, entrypoint):
+        def start(*args):
+            fn, fn_args = transform(config, entrypoint, list(args))
+            return launch(config=config, entrypoint=fn)(*fn_args)
+
+        return start
+
+    run.elastic_launch = elastic_launch
+
+
+@_entry("every failed rank in a failed group's report (launcher/agent.py)")
+def report_every_failed_worker() -> None:
+    """A group of workers started as a function reports its first failed process only (torch's
+    `MultiprocessContext._poll`), where one started as a command reports every process that has
+    failed: often a peer's "connection closed", seen before the rank that died and caused it.
+    Add every other worker that has exited with an error (its exit code, its error file) to the
+    report, as the command form does; launcher/failure.py then picks the cause among them."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    poll = api.MultiprocessContext._poll
+
+    def _poll(self):
+        result = poll(self)
+        if result is None or not result.failures:
+            return result
+        for local_rank, proc in enumerate(self._pc.processes):
+            if local_rank not in result.failures and proc.exitcode not in (None, 0):
+                result.failures[local_rank] = api.ProcessFailure(
+                    local_rank=local_rank, pid=proc.pid, exitcode=proc.exitcode,
+                    error_file=self.error_files[local_rank],
+                )  # fmt: skip
+        return result
+
+    api.MultiprocessContext._poll = _poll
+
+
 @_entry("the rendezvous round (launcher/agent.py)")
 def rendezvous_round(worker_group) -> int:
     """The round of the rendezvous `worker_group` was formed in (the dynamic rendezvous handler's
@@ -511,7 +556,8 @@ CHECKED: dict[str, tuple[str, ...]] = {
             "SCALAR_READ", "AMP_UNSCALE", "SDPA_CPU", "SDPA_CPU_BACKWARD", "SDPA_KERNELS",
             "FUNCTIONAL_REDUCE_SCATTER", "FUNCTIONAL_ALL_REDUCE", "BATCH_NORMS", "checkpoint_wrapper",
             "scaler_found_inf", "set_last_lr", "compile_counters", "quiet_redistribute_logs",
-            "resolve_process_group", "flatten_mesh", "after_each_rendezvous", "rendezvous_round",
+            "resolve_process_group", "flatten_mesh", "after_each_rendezvous", "launch_ranks_with",
+            "report_every_failed_worker", "rendezvous_round",
             "metadata_path", "load_into_empty", "stage_backward_split", "tensor_parallel_style", "local_rows",
             "local_box",
         ),

@@ -15,3 +15,16 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict
     return subprocess.run(
         [str(exe), *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=full_env
     )
+
+
+def cli_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """The console script's own `main(args)` in this test process: (exit code, stdout, stderr). No
+    interpreter start and no imports again -- and a dry run's fork server (torch and the runtime
+    imported once, fleetwise/dryrun/parent.py) serves every dry run of the process. For commands
+    that start no job (a job's ranks belong in their own processes: run_cli)."""
+    from fleetwise.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -3,6 +3,9 @@ like NCCL's, refuse every tensor that is not on the job's device.
 
     python tests/helpers/cuda_semantics.py RANK MESSAGES_DIR OVERRIDES...   (prints the rank-0 metrics as JSON)
 
+or, as the tests run it, `forked_rank` in a process forked from a server that imported this module
+(and torch) once.
+
 Why this shape (torch 2.13, CPU build):
 - The process group is `init_process_group("meta:fake", store=FakeStore())`: its only backend is for
   the job's device type, so a host (CPU) tensor in a collective fails exactly as under NCCL ("No
@@ -314,6 +317,26 @@ def ranks_to_run(overrides: list[str]) -> list[int]:
     return [
         r for r in range(layout.world_size) if all(v == 0 for k, v in layout.coords(r).items() if k != "pp")
     ]
+
+
+def forked_rank(rank: int, messages: Path, overrides: list[str], steps: int, log: Path, result: Path) -> None:
+    """`run_rank` in a process of its own, forked from a fork server that imported this module: its
+    output into `log`, its metrics as JSON into `result`; it ends without teardown (exit 1 on an
+    exception, whose traceback and a one-line summary are the log's last lines)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    try:
+        out = run_rank(rank, messages, overrides, steps=steps)
+    except Exception as err:
+        traceback.print_exc()
+        print(f"FAILED rank {rank}: {type(err).__name__}: {err}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+    result.write_text(json.dumps(out))
+    os._exit(0)  # the fake group needs no teardown
 
 
 if __name__ == "__main__":

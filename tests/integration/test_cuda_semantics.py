@@ -6,17 +6,16 @@ accepts and NCCL refuses at the first step of the first multi-GPU run."""
 
 from __future__ import annotations
 
+import functools
 import json
-import subprocess
-import sys
+import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
-from helpers.repo import REPO
 
 pytestmark = pytest.mark.slow
 
-HARNESS = REPO / "tests" / "helpers" / "cuda_semantics.py"  # run as a script, one process per rank
 BASE = ("recipe=gpt/tiny", "hardware=a100", "train.global_batch_size=8", "train.micro_batch_size=2")
 SHARDING = ("strategy=sharding", "hardware.devices_per_node=2")
 PP = ("strategy=pp", "hardware.devices_per_node=2")
@@ -50,24 +49,45 @@ CASES = {
 }  # fmt: skip
 
 
+@functools.cache
+def _fork_server():
+    """The simulated ranks start from a fork server that imported torch, the harness and the trainer
+    once per test process (a new interpreter per rank paid ~5 s of CPU in imports)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        ["helpers.cuda_semantics", "fleetwise.runtime.trainer", "torch.distributed.pipelining"]
+    )
+    return ctx
+
+
 def simulate(tmp_path: Path, overrides: tuple[str, ...]) -> dict:
     """Run the simulated ranks (rank 0 and its pipeline peers) side by side; rank 0's metrics."""
-    from helpers.cuda_semantics import ranks_to_run
+    from helpers.cuda_semantics import forked_rank, ranks_to_run
 
     args = [*BASE, *overrides]
+    steps = int(os.environ.get("HARNESS_STEPS", "2"))
+    ctx = _fork_server()
     procs = {
-        r: subprocess.Popen(
-            [sys.executable, str(HARNESS), str(r), str(tmp_path), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        r: ctx.Process(
+            target=forked_rank,
+            args=(r, tmp_path, args, steps, tmp_path / f"rank_{r}.log", tmp_path / f"rank_{r}.json"),
         )
         for r in ranks_to_run(args)
     }
-    out = {r: p.communicate(timeout=600) for r, p in procs.items()}
-    failed = {r: err.strip().splitlines()[-1] for r, (_, err) in out.items() if procs[r].returncode}
+    for p in procs.values():
+        p.start()
+    for p in procs.values():
+        p.join(timeout=600)
+    for p in procs.values():
+        if p.exitcode is None:
+            p.kill()
+    failed = {
+        r: ((tmp_path / f"rank_{r}.log").read_text().strip().splitlines() or ["(no output)"])[-1]
+        for r, p in procs.items()
+        if p.exitcode != 0
+    }
     assert not failed, failed
-    return json.loads(out[0][0].strip().splitlines()[-1])
+    return json.loads((tmp_path / "rank_0.json").read_text())
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.cli import run_cli
+from helpers.cli import cli_in_process, run_cli
 from helpers.runs import read_metrics
 from helpers.shared_layouts import SH2_MP2_BF16_VOCAB16K
 
@@ -87,7 +87,7 @@ LAYOUTS["sh2_mp2_bf16_vocab16k"] = (SH2_MP2_BF16_VOCAB16K, 4)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_dryrun_peak_matches_the_real_run(tmp_path, name):
+def test_dryrun_peak_matches_the_real_run(tmp_path, capsys, name):
     overrides, procs = LAYOUTS[name]
     base = ("train.steps=2",) if overrides[0].startswith("recipe=") else GPT
     args = (*base, *overrides, f"hardware.devices_per_node={procs}")
@@ -98,9 +98,9 @@ def test_dryrun_peak_matches_the_real_run(tmp_path, name):
         return read_metrics(tmp_path / run)[-1]["memory/peak_bytes_max"]
 
     real = real_peak("real")
-    r = run_cli("dryrun", *args, "--ranks", "all", "--json", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout)
+    code, stdout, stderr = cli_in_process(capsys, "dryrun", *args, "--ranks", "all", "--json")
+    assert code == 0, stderr[-3000:]
+    out = json.loads(stdout)
     assert [x["rank"] for x in out["ranks"]] == list(range(procs))
     simulated = max(x["memory_bytes"]["peak"] for x in out["ranks"])
     if abs(simulated / real - 1) > 0.02:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.cli import run_cli
+from helpers.cli import cli_in_process
 from helpers.shared_layouts import SH2_MP2_BF16_VOCAB16K
 
 GPT = ("recipe=gpt/tiny", "optim=adamw")
@@ -342,16 +342,16 @@ KNOWN: dict[tuple[str, str], float] = {
 }
 
 
-def _dryrun(tmp_path, *args):
-    r = run_cli("dryrun", *GPT, *args, "--json", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout)["ranks"]
+def _dryrun(capsys, *args):
+    code, out, err = cli_in_process(capsys, "dryrun", *GPT, *args, "--json")
+    assert code == 0, err[-3000:]
+    return json.loads(out)["ranks"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_planner_matches_the_dry_run(tmp_path, name):
-    ranks = _dryrun(tmp_path, *LAYOUTS[name])
+def test_planner_matches_the_dry_run(capsys, name):
+    ranks = _dryrun(capsys, *LAYOUTS[name])
     for x in ranks:
         cmp = x["planner"]
         print(
@@ -380,7 +380,7 @@ def test_planner_matches_the_dry_run(tmp_path, name):
         # the same job on CPU devices: host and device are one memory, and everything counts in the
         # peak -- the device peak plus the offloaded state, at least (its own step, not at once)
         on_cpu = [a for a in LAYOUTS[name] if not a.startswith(("hardware=", "train.precision="))]
-        cpu = _dryrun(tmp_path, *on_cpu, "hardware=cpu")
+        cpu = _dryrun(capsys, *on_cpu, "hardware=cpu")
         for g, c in zip(ranks, cpu, strict=True):
             assert c["host_memory_bytes"] is None and "host_memory_bytes" not in c["planner"]
             assert c["memory_bytes"]["optimizer"] == g["host_memory_bytes"]["optimizer"]
@@ -395,7 +395,7 @@ def test_planner_matches_the_dry_run(tmp_path, name):
         # zero bubble 8+10 / 6+8), scaled to the job's count, equals simulating all of them; and so
         # do 2 and 3 blocks a chunk scaled to 7
         assert all(x["microbatches"]["scaled"] or x["layers"]["scaled"] for x in ranks)
-        exact = _dryrun(tmp_path, *LAYOUTS[name], "--exact")
+        exact = _dryrun(capsys, *LAYOUTS[name], "--exact")
         for a, b in zip(ranks, exact, strict=True):
             assert not b["microbatches"]["scaled"]
             assert a["memory_bytes"]["peak"] == b["memory_bytes"]["peak"]
@@ -404,11 +404,12 @@ def test_planner_matches_the_dry_run(tmp_path, name):
 
 
 @pytest.mark.slow
-def test_llama_planner_matches_the_dry_run(tmp_path):
+def test_llama_planner_matches_the_dry_run(capsys):
     """Llama's units (grouped-query attention, SwiGLU, RMSNorm, Qwen 3's q/k norms) on pipeline 2 ×
     tensor parallel 2 (sequence parallel) × ZeRO-3 2, the same targets as the GPT table (measured:
     memory -0.5% / +0.9%, FLOPs exact, mp bytes +0.6% / +0.7%)."""
-    r = run_cli(
+    code, out, err = cli_in_process(
+        capsys,
         "dryrun",
         "recipe=llama/tiny",
         "model.qk_norm=true",
@@ -420,10 +421,9 @@ def test_llama_planner_matches_the_dry_run(tmp_path):
         "strategy.sharding_stage=3",
         "hardware.devices_per_node=8",
         "--json",
-        cwd=tmp_path,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    for x in json.loads(r.stdout)["ranks"]:
+    assert code == 0, err[-3000:]
+    for x in json.loads(out)["ranks"]:
         cmp = x["planner"]
         assert abs(cmp["flops_per_step"]["rel"]) <= 0.01, (x["rank"], cmp["flops_per_step"])
         assert abs(cmp["memory_bytes"]["rel"]) <= 0.03, (x["rank"], cmp["memory_bytes"])

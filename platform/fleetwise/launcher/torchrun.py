@@ -32,12 +32,12 @@ from fleetwise.hostnet import (
     node_network,
     torchrun_args,
 )
+from fleetwise.launcher.agent import WORKER
 from fleetwise.launcher.failure import TracebackFold, root_cause
 from fleetwise.plan.records import Plan
 from fleetwise.rundir import Metric
 from fleetwise.runtime.lifeline import die_with_parent
 
-WORKER = "fleetwise.runtime.worker"
 AGENT = "fleetwise.launcher.agent"
 
 

@@ -11,12 +11,14 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from fleetwise import rundir
 from fleetwise.runtime.lifeline import die_with_parent
 
 log = logging.getLogger("fleetwise")
+STARTED = "a new interpreter"  # how this rank process started: `forked` says "forked" (the start-up log line)
 
 
 def redirect_output(log_file: Path) -> None:
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         run_ps(cfg, plan, run_dir)
         return 0
 
+    import torch
     import torch.distributed as dist
 
     from fleetwise.compat import quiet_redistribute_logs
@@ -87,12 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg, plan, env, run_dir)
     built = time.perf_counter()
     log.info(
-        "rank %d/%d on %s, attempt %d; start-up: imports %.2f s, process group %.2f s, mesh+model+optimizer "
-        "%.2f s",
+        "rank %d/%d on %s, attempt %d, %s, %d threads; start-up: imports %.2f s, process group %.2f s, "
+        "mesh+model+optimizer %.2f s",
         env.rank,
         env.world_size,
         env.device,
         env.restart,
+        STARTED,
+        torch.get_num_threads(),
         imported - started,
         joined - imported,
         built - joined,
@@ -108,6 +113,36 @@ def main(argv: list[str] | None = None) -> int:
     dist.destroy_process_group()
     log.info("done")
     return 0
+
+
+def forked(run_dir: str, group_env: dict[str, str]) -> None:
+    """Entry point of one rank forked from the agent's fork server (launcher/agent.py), run by
+    torch's multiprocessing start, which records an exception in torchrun's error file (@record)
+    and ends the process without the interpreter's teardown (os._exit), as `exit_finished` does.
+    `group_env`: what the server's environment lacks of the agent's (agent.GROUP_ENV)."""
+    import torch
+
+    from fleetwise.runtime.mesh import exit_finished
+
+    global STARTED
+    STARTED = "forked from the fork server"
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it (agent.py)
+    os.environ.update(group_env)
+    # The server imported torch before the agent set OMP_NUM_THREADS (torchrun: 1 per rank where a
+    # node runs several), and OpenMP reads it when loaded: the threads a new interpreter would use.
+    if threads := os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(threads))
+    try:
+        code = main([run_dir])
+    except Exception:
+        # into the rank's log, as an interpreter prints an uncaught exception (torch's start of a
+        # function hands it to the agent only; the launcher shows rank 0's log and folds it)
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
+    if code:
+        exit_finished(code)
+    logging.shutdown()
 
 
 if __name__ == "__main__":

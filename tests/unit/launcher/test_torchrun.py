@@ -63,3 +63,14 @@ def test_single_node_stores_listen_on_loopback_only():
     cmd = torchrun.torchrun_command(_cfg(), Path("/tmp/run"))
     assert cmd[2] == "fleetwise.launcher.agent" and "--local-addr=127.0.0.1" in cmd
     assert any(c.startswith("--rdzv-endpoint=127.0.0.1:") for c in cmd)
+
+
+def test_the_fork_server_preloads_modules_that_exist():
+    """The fork server skips a preload module that fails to import, silently (multiprocessing's
+    forkserver): a renamed module would cost every rank its imports again, unseen."""
+    import importlib.util
+
+    from fleetwise.launcher.agent import PRELOAD, WORKER
+
+    assert WORKER in PRELOAD
+    assert [m for m in PRELOAD if importlib.util.find_spec(m) is None] == []
