@@ -99,12 +99,41 @@ def run_config_command(name: str, command: Command, argv: list[str]) -> int:
         return _report_invalid([points], as_json)
     if command.checks is None:
         return command.handler(args, points)
-    checked = [preflight(point, **command.checks) for point in points]
+    if name == "validate":
+        told: set[tuple[str, str]] = set()  # each notice once per command, not once per sweep point
+        checked = [_validate_contained(point, command.checks, told) for point in points]
+    else:
+        checked = [preflight(point, **command.checks) for point in points]
     if args.multirun:
         return _sweep_report(name, args, points, checked)
     if checked[0].problems:
         return _report_invalid(checked[0].problems, as_json)
     return command.handler(args, checked[0])
+
+
+def _validate_contained(point: list[str], checks: dict, told: set[tuple[str, str]]) -> Preflight:
+    """`validate` of a recipe from elsewhere: a `_target_` outside the recipe's project, fleetwise,
+    torch and transformers is named in a notice and not imported (families/custom/targets.py)."""
+    from fleetwise.config.compose import compose_partial, composing_once
+    from fleetwise.families.custom.targets import foreign_targets, holding
+
+    with composing_once():  # the preflight reuses this composition
+        data, _ = compose_partial(point)
+        foreign = foreign_targets({k: data.get(k) for k in ("model", "data")})
+        err = Console(stderr=True, soft_wrap=True)
+        for loc, target, where in [f for f in foreign if f[:2] not in told]:
+            told.add((loc, target))
+            module = str(where) if where is not None else "not found on the path"
+            err.print(
+                f"[yellow]notice[/]: {loc}={target} would import code from outside this recipe's project, "
+                f"fleetwise, torch and transformers ({module}). A recipe is code, like a script: validate "
+                "did not import it and skipped its checks; plan and train import and run it.",
+                highlight=False,
+            )
+        with holding([target for _, target, _ in foreign]):
+            pf = preflight(point, **checks)
+    pf.held_back = tuple(target for _, target, _ in foreign)
+    return pf
 
 
 def _points(overrides: list[str], multirun: bool) -> list[list[str]] | Problem:
@@ -154,8 +183,8 @@ def _sweep_report(name: str, args, points: list[list[str]], checked: list[Prefli
     for col in ("point", "valid", "mesh pp/dp/sh/mp", "memory/device", "fits", "planned step", "planned MFU"):
         table.add_column(col, no_wrap=col != "point")
     for _, label, pf in rows:
-        if pf.plan is None:
-            table.add_row(label, "[red]✗[/]", "", "", "", "", "")
+        if pf.plan is None:  # invalid, or valid with its model held back unimported (not planned)
+            table.add_row(label, "[red]✗[/]" if pf.problems else "[green]✓[/] not imported", "", "", "", "", "")
             continue
         m, plan = pf.plan.mesh, pf.plan
         table.add_row(
@@ -267,11 +296,14 @@ def cmd_validate(args, pf: Preflight) -> int:
         from fleetwise.plan.render import describe_job, gib
 
         plan = pf.plan
-        Console().print(
-            f"[bold green]✓ valid[/]: {describe_job(pf.cfg, plan)} · memory/device "
-            f"{gib(plan.memory_bytes['total'])} of {gib(plan.device_memory_bytes)}",
-            highlight=False,
-        )
+        if plan is None:  # the model was held back unimported: neither checked nor planned
+            cfg = pf.cfg
+            job = f"{cfg.recipe} · {cfg.strategy.name} · {cfg.hardware.name} × {cfg.hardware.world_size}"
+            what = f"not planned: your model was not imported ({', '.join(pf.held_back)})"
+        else:
+            job = describe_job(pf.cfg, plan)
+            what = f"memory/device {gib(plan.memory_bytes['total'])} of {gib(plan.device_memory_bytes)}"
+        Console().print(f"[bold green]✓ valid[/]: {job} · {what}", highlight=False)
     return EXIT_OK
 
 
@@ -633,6 +665,9 @@ def take_config_dirs(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fleetwise.tracking.store import adopt_uri_credentials
+
+    adopt_uri_credentials()  # a tracking URI's user:password@ leaves the URI before anything runs
     argv = take_config_dirs(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help", "help"):
         return print_help()

@@ -6,7 +6,9 @@
 `path` is a run directory (its final weights: the newest complete checkpoint of a job that
 checkpoints, else `model/` -- the weights the job logs to MLflow), one checkpoint directory, or a
 Hugging Face model directory of a Llama-family model (config.json + *.safetensors: fleetwise's
-Llama with those weights; families/llama/weights.py). The model is rebuilt from the run's `config.yaml`
+Llama with those weights; families/llama/weights.py), or a model fleetwise logged to MLflow: its
+URI (`models:/NAME/1`, `runs:/RUN_ID/model`) or a downloaded copy (a directory with an `MLmodel`),
+read without unpickling anything (a pickle planted in it is refused; tracking/models.py). The model is rebuilt from the run's `config.yaml`
 (the same family code the ranks ran), its weights consolidated from the DCP shards through the
 verified reader that `fleetwise checkpoint export` uses (checksums, allow-listed metadata), and
 returned on the CPU in eval mode, whatever layout trained it.
@@ -55,6 +57,12 @@ def load_model(path: str | Path) -> nn.Module:
     from fleetwise.runtime.checkpoint import export
     from fleetwise.runtime.modeling import build_model
 
+    if str(path).startswith(("models:/", "runs:/")):
+        return _load_mlflow_model(str(path))
+    if (Path(path) / "MLmodel").is_file():
+        from fleetwise.tracking.models import load_logged_model
+
+        return load_logged_model(Path(path))
     if (Path(path) / "config.json").is_file() and not (Path(path) / CONFIG_FILE).exists():
         from fleetwise.families.llama.weights import load_hf_model
 
@@ -66,3 +74,19 @@ def load_model(path: str | Path) -> nn.Module:
         state = torch.load(export(weights, Path(tmp) / "model.pt"), weights_only=True, map_location="cpu")
     model.load_state_dict(state)
     return model.eval()
+
+
+def _load_mlflow_model(uri: str) -> nn.Module:
+    """A model logged by fleetwise, downloaded from the tracking store (MLFLOW_TRACKING_URI, or the
+    cwd's, as every fleetwise command) and read without unpickling anything."""
+    import tempfile
+
+    import mlflow
+
+    from fleetwise.tracking.models import load_logged_model
+    from fleetwise.tracking.store import configure_http, tracking_uri
+
+    configure_http()
+    mlflow.set_tracking_uri(tracking_uri())
+    with tempfile.TemporaryDirectory(prefix="fleetwise-mlflow-model-") as tmp:
+        return load_logged_model(Path(mlflow.artifacts.download_artifacts(uri, dst_path=tmp)))

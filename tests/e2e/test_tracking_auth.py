@@ -2,9 +2,10 @@
 (one per module; it needs Flask-WTF, from the test extras), credentials from
 MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD.
 
-- right credentials: the job's run lands (metrics, artifacts, model), and the password appears
-  nowhere: not in params, tags, artifacts, the run directory, the console, nor in the environment
-  of torchrun or any rank (read from /proc while the job runs);
+- right credentials, given in the URI (http://user:password@host): the job's run lands (metrics,
+  artifacts, model), and the password appears nowhere: not in params, tags, artifacts, any file of
+  the run directory (tracking.json, logs), the console, nor in the environment or command line of
+  torchrun or any rank (read from /proc while the job runs);
 - wrong or missing credentials: exit 2 before anything starts, one clear line, no traceback.
 """
 
@@ -122,10 +123,10 @@ def test_refused_credentials_exit_2_before_launch(tmp_path, server, user, passwo
 
 
 def _environments(marker: str) -> dict[int, tuple[bool, dict[str, str]]]:
-    """pid -> (is a rank, environment) of torchrun's agent (a live process whose command line
-    mentions `marker`) and every process under it: the fork server, the ranks forked from it (their
-    command line is the server's), multiprocessing's resource tracker. The launcher itself,
-    `fleetwise train`, holds the credentials and is not one of them."""
+    """pid -> (is a rank, environment and, as "cmdline", the command line) of torchrun's agent (a
+    live process whose command line mentions `marker`) and every process under it: the fork server,
+    the ranks forked from it (their command line is the server's), multiprocessing's resource
+    tracker. The launcher itself, `fleetwise train`, holds the credentials and is not one of them."""
     procs = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -138,7 +139,7 @@ def _environments(marker: str) -> dict[int, tuple[bool, dict[str, str]]]:
             continue
         ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
         env = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
-        procs[int(proc.name)] = (ppid, cmdline, env)
+        procs[int(proc.name)] = (ppid, cmdline, env | {"cmdline": cmdline})
     agents = {p for p, (_, cmd, _) in procs.items() if marker in cmd and "fleetwise.launcher.agent" in cmd}
     found, frontier = {}, set(agents)
     while frontier:
@@ -152,7 +153,8 @@ def _environments(marker: str) -> dict[int, tuple[bool, dict[str, str]]]:
 
 def test_run_lands_and_credentials_stay_in_the_launcher(tmp_path, server):
     run_dir = tmp_path / "run"
-    proc = train(tmp_path, server, USER, PASSWORD, f"run.dir={run_dir}")
+    in_uri = server.replace("http://", f"http://{USER}:{PASSWORD}@")
+    proc = train(tmp_path, in_uri, None, None, f"run.dir={run_dir}")
     seen: dict[int, tuple[bool, dict[str, str]]] = {}
     while proc.poll() is None:  # sample the ranks' and torchrun's environments while they live
         seen |= _environments(str(run_dir))
@@ -165,6 +167,7 @@ def test_run_lands_and_credentials_stay_in_the_launcher(tmp_path, server):
     assert all(
         "MLFLOW_TRACKING_USERNAME" not in e and "MLFLOW_TRACKING_PASSWORD" not in e for e in envs.values()
     )
+    assert not [v for e in envs.values() for v in e.values() if PASSWORD in v]  # nor the URI, nor argv
 
     os.environ.update(MLFLOW_TRACKING_USERNAME=USER, MLFLOW_TRACKING_PASSWORD=PASSWORD)
     try:

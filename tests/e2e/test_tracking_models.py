@@ -3,8 +3,9 @@ job: a tiny GPT under ZeRO-3 on 2 ranks (so the logged weights are consolidated 
 checkpoints at steps 2 and 3, logging to a local sqlite store in a temp dir.
 
 A fresh Python process (no state of the launcher) loads what was logged and must reproduce the
-run's `eval/loss` on the same batch: the registered weights (mlflow.pytorch), and the pyfunc that
-only references the sharded checkpoint (what a model above tracking.model_max_bytes gets).
+run's `eval/loss` on the same batch: the registered weights (safetensors, through
+`fleetwise.load_model("models:/...")`), and the pyfunc that only references the sharded checkpoint
+(what a model above tracking.model_max_bytes gets). Neither is a pickle.
 """
 
 from __future__ import annotations
@@ -33,9 +34,36 @@ JOB = (
 )
 
 
+def plant_orphan(root: Path) -> str:
+    """A run of the store whose launcher was SIGKILLed an hour ago (tracking.json: its dead pid, its
+    last heartbeat), left RUNNING: the next `fleetwise train` on the store marks it KILLED."""
+    from helpers.tracking_support import make_run_dir, write_steps
+
+    from fleetwise.tracking.run_tracker import RunTracker
+    from fleetwise.tracking.spool import load_state, save_state
+
+    run_dir = make_run_dir(root, "orphan")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root.resolve() / 'mlflow.db'}")
+        t = RunTracker(
+            run_dir, experiment="orphans", run_name="orphan", params={}, tags={}, artifacts=[], system_metrics=False
+        )
+        run_id = t.start()
+        write_steps(run_dir, range(1, 3))
+        t.poll()
+        t._lock.release()  # as the kernel does for a killed process
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    state = load_state(run_dir)
+    state.launcher_pid, state.heartbeat_ms = dead.pid, state.heartbeat_ms - 3_600_000
+    save_state(run_dir, state)
+    return run_id
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
+    orphan = plant_orphan(root)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     r = subprocess.run(
         [str(Path(sys.executable).parent / "fleetwise"), "train", *JOB, f"run.dir={root / 'run'}"],
@@ -51,6 +79,7 @@ def job(tmp_path_factory):
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("fleetwise").experiment_id])
+    r.orphan = orphan
     return root, uri, client, run, r
 
 
@@ -65,15 +94,16 @@ def fresh_process(root: Path, uri: str, script: str) -> dict:
 
 
 LOAD_AND_EVALUATE = """
-import json, sys, torch, yaml, mlflow, mlflow.pytorch, mlflow.pyfunc
+import json, sys, torch, yaml, mlflow, mlflow.pyfunc
+import fleetwise
 from fleetwise.config.run import RunConfig
 from fleetwise.models.transformer import lm_loss
 from fleetwise.tracking.models import eval_batch
 
 uri = sys.argv[1] if len(sys.argv) > 1 else "models:/{name}/1"
-model = mlflow.pytorch.load_model(uri)
+model = fleetwise.load_model(uri)
 files = mlflow.artifacts.download_artifacts(uri)
-cfg = RunConfig.model_validate(yaml.safe_load(open(files + "/extra_files/config.yaml")))
+cfg = RunConfig.model_validate(yaml.safe_load(open(files + "/data/fleetwise/config.yaml")))
 batch = eval_batch(cfg)
 model.eval()
 with torch.no_grad():
@@ -88,6 +118,7 @@ def test_logged_model_reproduces_the_eval_loss_in_a_fresh_process(job):
     root, uri, client, run, r = job
     eval_loss = run.data.metrics["eval/loss"]
     assert "model logged (weights" in r.stderr and f"registered as {NAME} v1" in r.stderr
+    assert "pickle" not in (r.stdout + r.stderr).lower()  # MLflow's warning about pickled models
     # what a model above tracking.model_max_bytes gets: a pyfunc referencing the sharded checkpoint
     from fleetwise.tracking.models import log_model
 
@@ -111,6 +142,13 @@ def test_logged_model_reproduces_the_eval_loss_in_a_fresh_process(job):
     assert eval_loss < first
 
 
+def test_the_run_of_a_killed_launcher_is_marked_killed_by_the_next_train(job):
+    _, _, client, _, r = job
+    orphan = client.get_run(r.orphan)
+    assert orphan.info.status == "KILLED" and "fleetwise.last_seen" in orphan.data.tags
+    assert f"run {r.orphan}" in r.stderr and "marked KILLED" in r.stderr
+
+
 def test_model_has_signature_config_and_registry_version(job):
     root, uri, client, run, _ = job
     version = client.get_model_version(NAME, "1")
@@ -125,8 +163,10 @@ def test_model_has_signature_config_and_registry_version(job):
     assert (str(inp.type), inp.shape) == ("int64", (-1, 32))  # tokens [batch, seq_len]
     assert (str(out.type), out.shape) == ("float32", (-1, 32, 256))  # logits [batch, seq, vocab]
     files = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}/1", dst_path=str(root / "v1")))
-    assert "strategy:" in (files / "extra_files" / "config.yaml").read_text()
-    assert json.loads((files / "extra_files" / "plan.json").read_text())["world_size"] == 2
+    assert "strategy:" in (files / "data" / "fleetwise" / "config.yaml").read_text()
+    assert json.loads((files / "data" / "fleetwise" / "plan.json").read_text())["world_size"] == 2
+    assert (files / "data" / "fleetwise" / "model.safetensors").exists()
+    assert not [p for p in files.rglob("*") if p.suffix in (".pkl", ".pt", ".pth")]  # nothing to unpickle
 
 
 def test_checkpoint_export_logs_a_model_of_that_step(job):

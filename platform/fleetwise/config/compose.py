@@ -35,14 +35,35 @@ def _is_group_override(text: str) -> bool:
     return "." not in key or "/" in key
 
 
+# Within one _compose_partial, the compositions already made (a rejected override's diagnosis
+# composes the base and the accepted overrides, which the final composition repeats): ~0.3 s each.
+_COMPOSED: dict[tuple[tuple[str, ...], bool], Any] | None = None
+
+
 def _compose(overrides: list[str], *, hydra_cfg: bool = False) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    key = (tuple(overrides), hydra_cfg)
+    if _COMPOSED is not None and key in _COMPOSED:
+        return copy.deepcopy(_COMPOSED[key])  # a copy: _to_dict deletes its hydra node
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="fleetwise"):
-        overrides = list(overrides) + search_path_overrides(overrides)
-        return compose(PRIMARY, overrides=overrides, return_hydra_config=hydra_cfg)
+        cfg = compose(PRIMARY, overrides=list(overrides) + search_path_overrides(overrides), return_hydra_config=hydra_cfg)
+    if _COMPOSED is not None:
+        _COMPOSED[key] = copy.deepcopy(cfg)
+    return cfg
+
+
+@contextlib.contextmanager
+def _composing_memo() -> Iterator[None]:
+    global _COMPOSED
+    outer = _COMPOSED
+    _COMPOSED = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _COMPOSED = outer
 
 
 def _to_dict(cfg: Any) -> dict[str, Any]:
@@ -65,9 +86,11 @@ def compose_config(overrides: list[str]) -> dict[str, Any]:
     return data
 
 
-# Hydra's own settings a user may override (documented in the README): where outputs go, the
-# launcher and sweeper plugins, and the config search path. Everything else under hydra.* is
-# refused: `+hydra.callbacks.x._target_=...` would make `train` instantiate any importable callable.
+# Hydra's own settings a user may override (documented in the README): where outputs go, and the
+# launcher and sweeper plugins. Everything else under hydra.* is refused: `+hydra.callbacks.x._target_=...`
+# would make `train` instantiate any importable callable. Other config trees come through
+# `--config-dir` only: hydra.searchpath took any path (file:///etc was scanned for 9 s) and its
+# pkg:// entries import a package.
 HYDRA_OVERRIDES = (
     "hydra.run.dir",
     "hydra.sweep.dir",
@@ -76,7 +99,6 @@ HYDRA_OVERRIDES = (
     "hydra/launcher",
     "hydra.sweeper.",
     "hydra/sweeper",
-    "hydra.searchpath",
     "hydra.job.chdir",
 )
 
@@ -89,13 +111,25 @@ def hydra_override_problems(overrides: list[str]) -> list[Problem]:
             continue
         if any(key == a.rstrip(".") or (a.endswith(".") and key.startswith(a)) for a in HYDRA_OVERRIDES):
             continue
+        if key == "hydra.searchpath":
+            out.append(
+                Problem(
+                    key,
+                    f"override {text!r} points Hydra at other config trees, which fleetwise takes only "
+                    "through --config-dir (a searchpath may name any directory, and a pkg:// entry imports "
+                    "a package)",
+                    "give each tree of your own config groups as --config-dir DIR (repeat it for several), "
+                    "e.g. fleetwise validate --config-dir my_conf recipe=mynet",
+                )
+            )
+            continue
         out.append(
             Problem(
                 key,
                 f"override {text!r} changes Hydra's own configuration, which fleetwise does not allow "
                 "(callbacks and other hydra.* targets would run arbitrary code at train time)",
                 "allowed: hydra.run.dir, hydra.sweep.dir/subdir, hydra/launcher=… and hydra.launcher.*, "
-                "hydra/sweeper and hydra.sweeper.*, hydra.searchpath, hydra.job.chdir",
+                "hydra/sweeper and hydra.sweeper.*, hydra.job.chdir; other config trees: --config-dir DIR",
             )
         )
     return out
@@ -135,6 +169,11 @@ def compose_partial(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]
 
 
 def _compose_partial(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
+    with _composing_memo():
+        return _compose_partial_memo(overrides)
+
+
+def _compose_partial_memo(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
     refused = hydra_override_problems(overrides)
     if refused:
         kept = [o for o in overrides if not any(o.lstrip("+~").startswith(p.loc) for p in refused)]
@@ -171,8 +210,11 @@ def diagnose(overrides: list[str], first: BaseException) -> tuple[list[Problem],
                 )
             )
             continue
+        if len(overrides) == 1:  # alone, it is what failed: no second composition to find that out
+            problems.append(_explain(text, first, accepted))
+            continue
         try:
-            _compose(accepted + [text])
+            _compose(accepted + [text], hydra_cfg=True)  # as the final composition will: memoized
             accepted.append(text)
         except Exception as exc:  # noqa: BLE001
             problems.append(_explain(text, exc, accepted))
@@ -211,9 +253,10 @@ def _explain(text: str, exc: BaseException, accepted: list[str]) -> Problem:
     if "not in struct" in message or "Could not override" in message or "Could not delete" in message:
         parent, _, leaf = key.rpartition(".")
         try:
-            base = _compose(accepted)
+            base = _compose(accepted, hydra_cfg=True)
             node = OmegaConf.select(base, parent) if parent else base
-            known = sorted(str(k) for k in node) if node is not None and hasattr(node, "keys") else []
+            keys = node if node is not None and hasattr(node, "keys") else []
+            known = sorted(str(k) for k in keys if parent or k != "hydra")
         except Exception:  # noqa: BLE001
             known = []
         if known:

@@ -115,12 +115,26 @@ class JobTracking:
             node_id="node_0" if cfg.hardware.nodes > 1 else None,
         )
         self.tracker.start()
+        self._reap()
         if self.multi_node:
             from fleetwise.tracking.nodes import RunIdPublisher
 
             self.publisher = RunIdPublisher(cfg.launch.rdzv_endpoint)
             if self.tracker.run_id:
                 self.publisher.publish(self.tracker.run_id)
+
+    def _reap(self) -> None:
+        """Runs of this store whose launcher was killed (kill -9, a lost node) marked KILLED, so that
+        none stays RUNNING forever; a failure here never touches the job."""
+        if self.tracker.run_id is None:
+            return
+        from fleetwise.tracking.run_tracker import reap_orphans
+        from fleetwise.tracking.store import describe
+
+        try:
+            reap_orphans(self.tracker._client, self.tracker.uri, self.tracker.notify, keep=self.tracker.run_id)
+        except Exception as exc:  # noqa: BLE001 - housekeeping of other runs
+            self.tracker.notify(f"could not check the store's other RUNNING runs: {describe(exc)}")
 
     def start_background(self) -> None:
         """`start`, then a delivery every POLL_EVERY_S, in a thread of this launcher: called once

@@ -34,6 +34,7 @@ class Preflight:
     problems: list[Problem] = field(default_factory=list)
     remedies: list[Remedy] = field(default_factory=list)
     auto: AutoOutcome | None = None  # strategy=auto: the search that chose the layout
+    held_back: tuple[str, ...] = ()  # `validate`: targets of a recipe from elsewhere, not imported
 
 
 def preflight(
@@ -80,6 +81,10 @@ def _preflight(overrides: list[str], *, launching: bool, dryrun: bool, enforce_m
             return Preflight(problems=found + _memory_as_given(overrides, plain.problems, enforce_memory))
         problems += found
     note_defaults(cfg.hardware)
+    from fleetwise.families.custom.targets import holding_any
+
+    if holding_any():  # `validate` of a recipe from elsewhere: its model is not imported, so not planned
+        return Preflight(cfg=cfg, problems=problems)
     plan = make_plan(cfg)
     fixes = [] if plan.fits else remedies(cfg)
     if not plan.fits and enforce_memory and cfg.plan.memory_check == "error":
@@ -109,10 +114,11 @@ def _memory_as_given(overrides: list[str], problems: list[Problem], enforce: boo
     once": the memory problem is not held back until the others are fixed)."""
     from fleetwise.config.compose import compose_partial
     from fleetwise.config.validate import parse, resolve
+    from fleetwise.families.custom.targets import holding_any
     from fleetwise.plan import make_plan
     from fleetwise.plan.remedies import remedies
 
-    if not enforce or not problems or any(p.loc.startswith(STRUCTURAL) for p in problems):
+    if not enforce or not problems or any(p.loc.startswith(STRUCTURAL) for p in problems) or holding_any():
         return []
     data, hydra_problems = compose_partial(overrides)
     cfg, _ = parse(data) if data and not hydra_problems else (None, [])

@@ -171,9 +171,15 @@ def placement(cfg: RunConfig) -> Placement:
 
 def expected_unique(num_rows: int, draws: int, alpha: float) -> float:
     """Expected distinct ids among `draws` samples of a Zipf(alpha) law over `num_rows` ids:
-    sum_i 1 - (1 - p_i)^draws."""
+    sum_i 1 - (1 - p_i)^draws. A steep law gives p_1 = 1 exactly: log1p(-1) = -inf, and the term
+    is then 1 (every draw is id 1), which is right; numpy's warning about it is not news."""
     import numpy as np
 
+    with np.errstate(divide="ignore"):
+        return _expected_unique(np, num_rows, draws, alpha)
+
+
+def _expected_unique(np, num_rows: int, draws: int, alpha: float) -> float:
     if num_rows <= EXACT_ROWS:
         ranks = np.arange(1, num_rows + 1, dtype=np.float64)
         p = ranks**-alpha

@@ -70,6 +70,7 @@ def cmd_ui(argv: list[str]) -> int:
         )
         return EXIT_FAIL
     url = f"http://{args.host}:{args.port}"
+    _reap_local(uri, err)
     console.print(f"Starting the MLflow UI for {uri} ...", highlight=False)
     # Its own session, so that we decide how it stops (and stop all of its workers).
     proc = subprocess.Popen(ui_command(uri, args.host, args.port), env=ui_env(), start_new_session=True)
@@ -93,6 +94,22 @@ def cmd_ui(argv: list[str]) -> int:
             return EXIT_OK
         finally:
             _stop_group(proc)
+
+
+def _reap_local(uri: str, err: Console) -> None:
+    """Before the UI shows them: runs whose launcher was killed marked KILLED (not RUNNING forever).
+    Only a store that exists: a fresh one has no runs, and creating it here would race the server."""
+    from fleetwise.tracking.store import describe
+
+    if not uri.startswith("sqlite:///") or not Path(uri[len("sqlite:///") :]).is_file():
+        return
+    from fleetwise.tracking.run_tracker import reap_orphans
+    from fleetwise.tracking.store import client
+
+    try:
+        reap_orphans(client(uri), uri, notify=lambda m: err.print(f"fleetwise: {m}", highlight=False))
+    except Exception as exc:  # noqa: BLE001 - the UI still shows the runs
+        err.print(f"fleetwise: could not check the store's RUNNING runs: {describe(exc)}", highlight=False)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -158,11 +175,13 @@ def cmd_compare(argv: list[str]) -> int:
         return EXIT_USAGE
 
     from fleetwise.tracking.compare import add_loss_curves, find_runs, rich_table, row_from_run, write_chart
+    from fleetwise.tracking.run_tracker import reap_orphans
     from fleetwise.tracking.store import client, describe
 
     uri = tracking_uri()
     experiment = args.experiment or DEFAULT_EXPERIMENT
     try:
+        reap_orphans(client(uri), uri, notify=lambda m: err.print(f"fleetwise: {m}", highlight=False))
         runs = find_runs(client(uri), experiment=experiment, run_ids=args.run_ids, limit=args.limit)
     except Exception as exc:
         err.print(f"[bold red]✗ could not read runs from {uri}:[/] {describe(exc)}", highlight=False)

@@ -1,14 +1,22 @@
 """The trained model as an MLflow model, logged by the launcher at the end of a job and by
 `fleetwise checkpoint export --log-model`.
 
+Loading a logged model never unpickles anything: the model is an MLflow pyfunc whose loader is this
+module (`loader_module`, no pickled Python object in it) and whose data is
+`data/fleetwise/`: `model.safetensors` (the weights, a format that holds tensors only), the run's
+`config.yaml` and `plan.json`. Loading rebuilds the model from the config with fleetwise's own
+builder (the same family code the ranks ran) and reads the weights into it. A model directory that
+holds a pickle anyway, or names another loader, is refused before anything is read
+(`check_model_dir`): a model from someone else's registry is code the moment it is unpickled, the
+same risk the checkpoint reader refuses for DCP's `.metadata`.
+
 Where the line is: a model whose fp32 parameters (the plan's count × 4 bytes) fit in
 `tracking.model_max_bytes` (default 2 GiB) is consolidated from its DCP shards on the launching host,
-rebuilt, evaluated and logged with `mlflow.pytorch.log_model`: weights, a signature, and the run's
-config.yaml + plan.json as extra files (what rebuilds it). Consolidation holds the whole state in host
-memory about twice (DCP's single file, then the module), which a host of a 1.3B+ model job cannot
-be assumed to spare. A larger model is logged as a pyfunc that *references* the sharded checkpoint
-(no bytes copied) with `load_from_checkpoint` as its loader: DCP reads into whatever model it is
-given, a single-process one or a sharded one in a distributed job.
+rebuilt, evaluated and logged with its weights. Consolidation holds the whole state in host memory
+about twice (DCP's single file, then the module), which a host of a 1.3B+ model job cannot be
+assumed to spare. A larger model is logged as a *reference* to the sharded checkpoint
+(`checkpoint_reference.json`, no bytes copied) loaded by `load_from_checkpoint`: DCP reads into
+whatever model it is given, a single-process one or a sharded one in a distributed job.
 
 The evaluation: the loss of the final weights (eval mode, no grad, fp32) on the first
 min(global_batch_size, 32) samples of the job's data source, logged as `eval/loss` at the last step.
@@ -34,6 +42,13 @@ from fleetwise.rundir import CONFIG_FILE, PLAN_FILE
 
 MODEL_NAME = "model"  # runs:/<run_id>/model
 HF_ARTIFACT = "hf_model"  # a Llama-family model's Hugging Face directory, an artifact of the run
+LOADER_MODULE = __name__  # what MLflow imports to load the model: never a pickled object
+DATA_DIR = "fleetwise"  # the pyfunc's data: <model>/data/fleetwise/
+WEIGHTS_FILE = "model.safetensors"
+REFERENCE_FILE = "checkpoint_reference.json"
+# Files that are pickles by their name (torch.save, joblib, numpy object arrays): never in a model
+# fleetwise logs, refused wherever they appear in one.
+PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt", ".pth", ".ckpt", ".bin", ".joblib", ".npy", ".npz", ".cloudpickle")
 EVAL_METRIC = "eval/loss"
 EVAL_SAMPLES_MAX = 32
 FP32 = 4
@@ -73,14 +88,17 @@ def evaluate(model, cfg, batch: dict) -> float:
 
 def load_from_checkpoint(checkpoint: Path, cfg, model=None):
     """The loader of a sharded checkpoint: DCP reads the model's parameters into `model` (built from
-    `cfg` in this process when not given; a parallelised model gets only its own slices)."""
+    `cfg` in this process when not given; a parallelised model gets only its own slices), its
+    metadata through the verified reader (a crafted `.metadata` is refused, never unpickled)."""
     import torch.distributed.checkpoint as dcp
 
+    from fleetwise.runtime.checkpoint import VerifiedReader
     from fleetwise.runtime.modeling import build_model
 
     model = model if model is not None else build_model(cfg)
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    dcp.load(state, checkpoint_id=str(checkpoint))  # in place: the state dict's tensors are the model's
+    # in place: the state dict's tensors are the model's
+    dcp.load(state, storage_reader=VerifiedReader(Path(checkpoint)))
     return model
 
 
@@ -106,20 +124,101 @@ def _config(checkpoint: Path):
     return RunConfig.model_validate(yaml.safe_load((checkpoint / CONFIG_FILE).read_text()))
 
 
-class CheckpointReference:
-    """pyfunc model of a model too large to consolidate: its artifacts are the config and a JSON
-    reference to the sharded checkpoint; loading reads the checkpoint through `load_from_checkpoint`."""
+class ModelRefused(RuntimeError):
+    """A model directory holds something a model fleetwise logs never holds (a pickle, another loader)."""
 
-    def load_context(self, context) -> None:
-        import yaml
 
-        from fleetwise.config.run import RunConfig
+def write_model_data(out: Path, config_files: list[str], *, model=None, reference: dict | None = None) -> Path:
+    """The pyfunc's data directory: the weights as safetensors (or the checkpoint reference) beside
+    the run's config.yaml and plan.json."""
+    import shutil
 
-        ref = json.loads(Path(context.artifacts["reference"]).read_text())
-        self.cfg = RunConfig.model_validate(yaml.safe_load(Path(context.artifacts["config"]).read_text()))
-        self.model = load_from_checkpoint(Path(ref["checkpoint"]), self.cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in config_files:
+        shutil.copy(f, out / Path(f).name)
+    if model is not None:
+        from safetensors.torch import save_model
 
-    def predict(self, context, model_input, params=None):
+        save_model(model, str(out / WEIGHTS_FILE))  # tied weights stored once, restored by load_model
+    if reference is not None:
+        (out / REFERENCE_FILE).write_text(json.dumps(reference, indent=2))
+    return out
+
+
+def check_model_dir(model_dir: Path) -> Path:
+    """The data directory of a fleetwise MLflow model, after refusing anything in `model_dir` that
+    loading could execute: a file that is a pickle (by its name, or by its first bytes: pickle's
+    protocol mark, or torch.save's zip), or an MLmodel that loads through something else than
+    this module (a pickled python_model, another flavor)."""
+    import yaml
+
+    model_dir = Path(model_dir)
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        if path.name == WEIGHTS_FILE and path.parent.name == DATA_DIR:
+            continue  # parsed by safetensors, which reads tensors only
+        if path.suffix.lower() in PICKLE_SUFFIXES or _pickled(path):
+            raise ModelRefused(
+                f"{path} is a pickle, which a model fleetwise logs never holds: refused without loading "
+                "it (unpickling a file can run any code). Load only models logged by fleetwise, or "
+                "rebuild it from its run directory: fleetwise.load_model(RUN_DIR)"
+            )
+    try:
+        flavors = yaml.safe_load((model_dir / "MLmodel").read_text())["flavors"]
+        loader = flavors["python_function"]["loader_module"]
+        data = flavors["python_function"]["data"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError) as exc:
+        raise ModelRefused(
+            f"{model_dir} is not an MLflow model logged by fleetwise ({type(exc).__name__}: {exc}); "
+            f"fleetwise loads models whose MLmodel names loader_module {LOADER_MODULE}"
+        ) from None
+    if loader != LOADER_MODULE or set(flavors) != {"python_function"}:
+        raise ModelRefused(
+            f"{model_dir}/MLmodel loads through {loader!r} (flavors {sorted(flavors)}), not "
+            f"{LOADER_MODULE}: refused (another loader may unpickle or run code)"
+        )
+    data_dir = (model_dir / data).resolve()
+    if not data_dir.is_relative_to(model_dir.resolve()) or not data_dir.is_dir():
+        raise ModelRefused(f"{model_dir}/MLmodel names data {data!r} outside the model directory")
+    return data_dir
+
+
+def _pickled(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head == b"PK\x03\x04"
+
+
+def load_model_data(data_dir: Path):
+    """(model on the CPU in eval mode, its RunConfig) from a checked data directory."""
+    import yaml
+
+    from fleetwise.config.run import RunConfig
+    from fleetwise.runtime.modeling import build_model
+
+    cfg = RunConfig.model_validate(yaml.safe_load((data_dir / CONFIG_FILE).read_text()))
+    if (data_dir / REFERENCE_FILE).exists():
+        ref = json.loads((data_dir / REFERENCE_FILE).read_text())
+        return load_from_checkpoint(Path(ref["checkpoint"]), cfg).eval(), cfg
+    from safetensors.torch import load_model
+
+    model = build_model(cfg)
+    load_model(model, str(data_dir / WEIGHTS_FILE), strict=True, device="cpu")
+    return model.eval(), cfg
+
+
+def load_logged_model(model_dir: Path):
+    """A downloaded fleetwise MLflow model as an `nn.Module` (fleetwise.load_model's path for one)."""
+    return load_model_data(check_model_dir(model_dir))[0]
+
+
+class FleetwisePyfunc:
+    """What `mlflow.pyfunc.load_model` gives for a fleetwise model: `predict` runs the model on
+    the inputs its family names (one array: the first input) and returns the output as numpy."""
+
+    def __init__(self, model, cfg):
+        self.model, self.cfg = model, cfg
+
+    def predict(self, model_input, params=None):
         import torch
 
         from fleetwise.runtime.modeling import model_spec
@@ -127,16 +226,15 @@ class CheckpointReference:
         spec = model_spec(self.cfg)
         if not isinstance(model_input, dict):
             model_input = {spec.inputs[0]: model_input}
-        self.model.eval()
         with torch.no_grad():
             return self.model(*[torch.as_tensor(model_input[k]) for k in spec.inputs]).numpy()
 
 
-def _pyfunc_reference():
-    """CheckpointReference as an mlflow.pyfunc.PythonModel (mlflow is imported only here)."""
-    import mlflow.pyfunc
-
-    return type("CheckpointReferenceModel", (CheckpointReference, mlflow.pyfunc.PythonModel), {})
+def _load_pyfunc(data_path: str, model_config=None) -> FleetwisePyfunc:
+    """MLflow's entry point (pyfunc `loader_module`): the model directory is checked first."""
+    data_dir = Path(data_path)
+    check_model_dir(data_dir.parent.parent)  # <model>/data/fleetwise
+    return FleetwisePyfunc(*load_model_data(data_dir))
 
 
 def _signature(model, cfg, batch: dict):
@@ -155,11 +253,18 @@ def _signature(model, cfg, batch: dict):
 
 def _requirements() -> list[str]:
     # Given, not inferred: MLflow's inference imports the model in a subprocess (seconds per job).
-    # fleetwise itself must be importable where the model loads (the pickled module refers to it).
+    # fleetwise itself must be importable where the model loads (it is the loader module).
     import mlflow
+    import safetensors
     import torch
 
-    return [f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}", "pyyaml", "numpy"]
+    return [
+        f"torch=={torch.__version__.split('+')[0]}",
+        f"mlflow=={mlflow.__version__}",
+        f"safetensors=={safetensors.__version__}",
+        "pyyaml",
+        "numpy",
+    ]
 
 
 def log_model(
@@ -199,48 +304,36 @@ def log_model(
     result: dict[str, Any] = {}
     # The fluent API is what links a logged model to its run; the run's final status is set by the
     # tracker right after, so ending it here (FINISHED) is harmless.
-    with mlflow.start_run(run_id=run_id):
+    with mlflow.start_run(run_id=run_id), tempfile.TemporaryDirectory(prefix="fleetwise-model-") as tmp:
+        logged = dict(
+            name=MODEL_NAME,
+            loader_module=LOADER_MODULE,
+            registered_model_name=register_as,
+            pip_requirements=_requirements(),
+        )
         if model_bytes(plan) > limit:
-            with tempfile.TemporaryDirectory(prefix="fleetwise-ref-") as tmp:
-                ref = Path(tmp) / "checkpoint_reference.json"
-                ref.write_text(
-                    json.dumps(
-                        {
-                            "checkpoint": str(checkpoint),
-                            "format": "torch.distributed.checkpoint",
-                            "bytes_fp32": model_bytes(plan),
-                            "loader": f"{__name__}.load_from_checkpoint",
-                        },
-                        indent=2,
-                    )
-                )
-                info = mlflow.pyfunc.log_model(
-                    name=MODEL_NAME,
-                    python_model=_pyfunc_reference()(),
-                    artifacts={"reference": str(ref), "config": extra[0]},
-                    registered_model_name=register_as,
-                    pip_requirements=_requirements(),
-                    tags={"fleetwise.model": "reference"},
-                )
+            reference = {
+                "checkpoint": str(checkpoint),
+                "format": "torch.distributed.checkpoint",
+                "bytes_fp32": model_bytes(plan),
+                "loader": f"{__name__}.load_from_checkpoint",
+            }
+            data = write_model_data(Path(tmp) / DATA_DIR, extra, reference=reference)
+            info = mlflow.pyfunc.log_model(
+                data_path=str(data), tags={"fleetwise.model": "reference"}, **logged
+            )
             result["kind"] = "reference"
         else:
-            import mlflow.pytorch
-
             model = consolidated_model(checkpoint, cfg)
             batch = eval_batch(cfg)
             loss = evaluate(model, cfg, batch)
             mlflow.log_metric(EVAL_METRIC, loss, step=step)
-            info = mlflow.pytorch.log_model(
-                model,
-                name=MODEL_NAME,
+            data = write_model_data(Path(tmp) / DATA_DIR, extra, model=model)
+            info = mlflow.pyfunc.log_model(
+                data_path=str(data),
                 signature=_signature(model, cfg, batch),
-                extra_files=extra,
-                registered_model_name=register_as,
-                pip_requirements=_requirements(),
                 tags={"fleetwise.model": "weights"},
-                # the module pickled by reference to fleetwise (installed where it loads); "pt2" would
-                # trace one fixed input shape
-                serialization_format="pickle",
+                **logged,
             )
             result.update(kind="weights", eval_loss=loss)
             from fleetwise.families import family_of

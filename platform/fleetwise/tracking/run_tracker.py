@@ -22,6 +22,8 @@ import functools
 import getpass
 import logging
 import math
+import os
+import socket
 import sys
 import threading
 import time
@@ -33,9 +35,11 @@ from typing import Any
 from fleetwise.rundir import ERROR_FILE, METRICS_FILE
 from fleetwise.tracking.params import error_tag, flatten_config, git_commit, tag_value
 from fleetwise.tracking.spool import (
+    HEARTBEAT_EVERY_S,
     RunDirLock,
     TrackingState,
     finite,
+    launcher_gone,
     load_state,
     metric_values,
     parse_record,
@@ -61,6 +65,7 @@ __all__ = [
     "git_commit",
     "read_records",
     "summarize",
+    "reap_orphans",
     "sync_run_dir",
     "tracking_uri",
 ]
@@ -70,6 +75,8 @@ BACKOFF_FIRST_S = 2.0  # first retry after a failure; doubles up to BACKOFF_MAX_
 BACKOFF_MAX_S = 60.0
 LOCK_WAIT_S = 30.0  # a `fleetwise sync` of the same dir may hold the lock for a moment
 SYSTEM_METRICS_STOP_S = 5.0  # finish() never waits longer than this for the sampler thread
+RUN_DIR_TAG = "fleetwise.run_dir"  # where a later command finds the run's tracking.json (reap_orphans)
+LAST_SEEN_TAG = "fleetwise.last_seen"  # a run whose launcher died: when it was last seen (UTC)
 
 Notify = Callable[[str], None]
 
@@ -183,14 +190,26 @@ class RunTracker:
                 tags=self.tags,
                 pending_artifacts=artifacts,
             )
+        # this process owns the run from now on: a later command checks it is still alive
+        self.state.launcher_host, self.state.launcher_pid = socket.gethostname(), os.getpid()
+        self.state.heartbeat_ms = _now_ms()
         self._save()
         return self.state.run_id if self._connect() else None
+
+    def heartbeat(self) -> None:
+        """Stamp tracking.json every HEARTBEAT_EVERY_S, MLflow up or down (poll calls it)."""
+        if not self._active() or self.state.final is not None or self.state.launcher_pid != os.getpid():
+            return
+        if _now_ms() - self.state.heartbeat_ms >= HEARTBEAT_EVERY_S * 1000:
+            self.state.heartbeat_ms = _now_ms()
+            self._save()
 
     def poll(self, max_batches: int = 10) -> int:
         """Ship new complete lines of metrics.jsonl (≤ 1000 metrics per request, at most
         `max_batches` requests so a long backlog never stalls the caller); return how many steps
         were delivered. Cheap when there is nothing new. Never raises: a failure is kept for a
         later poll, retried after a back-off of 2 s doubling up to 60 s."""
+        self.heartbeat()
         if not self._active() or time.monotonic() < self._retry_at:
             return 0
         try:
@@ -319,6 +338,7 @@ class RunTracker:
             "mlflow.user": _user(),
             "mlflow.source.type": "LOCAL",
             "mlflow.source.name": "fleetwise train",
+            RUN_DIR_TAG: str(self.run_dir.resolve()),
         }
         if commit := state.tags.get("fleetwise.git_commit"):
             tags["mlflow.source.git.commit"] = commit  # the UI links the commit
@@ -637,7 +657,9 @@ def sync_run_dir(run_dir: Path, notify: Notify | None = None) -> int:
         return 0
     tracker.state, tracker.uri = state, state.tracking_uri
     try:
-        if state.final is not None:
+        if state.final is None and launcher_gone(state):
+            _end_orphan(tracker)
+        elif state.final is not None:
             tracker._complete()
         elif tracker._connect():
             # The lock was free: the launcher, and with it the job, is gone; a torn last line
@@ -646,6 +668,60 @@ def sync_run_dir(run_dir: Path, notify: Notify | None = None) -> int:
     finally:
         tracker._lock.release()
     return tracker.delivered_total
+
+
+def _end_orphan(tracker: RunTracker) -> None:
+    """The run of a launcher that died without a word: what it left delivered, then KILLED, ended
+    at the time it was last seen (its last heartbeat), with that time as a tag and in the error."""
+    state = tracker.state
+    seen = _utc(state.heartbeat_ms)
+    why = (
+        f"the launcher (pid {state.launcher_pid} on {state.launcher_host}) died without ending the run "
+        f"(killed, or its machine went down); last seen {seen}"
+    )
+    state.final = {"status": "KILLED", "error": why, "summary": {}, "end_time_ms": state.heartbeat_ms}
+    tracker._save()
+    if tracker._complete():
+        tracker._client.set_tag(state.run_id, LAST_SEEN_TAG, seen)
+        tracker._say(f"run {state.run_id} ({tracker.run_dir}) marked KILLED: {why}")
+
+
+def reap_orphans(mlflow_client, uri: str, notify: Notify | None = None, keep: str | None = None) -> list[str]:
+    """Mark KILLED every RUNNING run of the store at `uri` whose launcher is gone (see
+    spool.launcher_gone), found through the run dir each run names (RUN_DIR_TAG); `keep`: the
+    caller's own run. Called by `fleetwise train`, `ui`, `compare`: a killed job's run never stays
+    RUNNING. A run dir this machine cannot read is left alone (nothing says its launcher died).
+    Returns the ids of the runs marked."""
+    from mlflow.entities import ViewType
+
+    ids = [e.experiment_id for e in mlflow_client.search_experiments(view_type=ViewType.ALL)]
+    if not ids:
+        return []
+    runs = mlflow_client.search_runs(ids, filter_string="attributes.status = 'RUNNING'", max_results=1000)
+    marked = []
+    for run in runs:
+        where = run.data.tags.get(RUN_DIR_TAG)
+        if not where or run.info.run_id == keep:
+            continue
+        try:
+            state = load_state(Path(where))
+        except (OSError, ValueError, TypeError):  # unreadable or not ours: nothing to go by
+            continue
+        if state is None or state.run_id != run.info.run_id or state.tracking_uri != uri:
+            continue
+        if launcher_gone(state):
+            sync_run_dir(Path(where), notify=notify)
+            after = load_state(Path(where))
+            if after is not None and after.closed:
+                marked.append(run.info.run_id)
+    return marked
+
+
+def _utc(ms: int) -> str:
+    import datetime
+
+    stamp = datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC)
+    return stamp.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _whole_last(batch: list[_Line]) -> list[_Line]:

@@ -15,12 +15,21 @@ import json
 import math
 import numbers
 import os
+import socket
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from fleetwise.rundir import METRICS_FILE, RECORD_KEYS, TRACKING_FILE
 
 LOCK_FILE = ".tracking.lock"
+# The launcher stamps tracking.json this often while its job runs (RunTracker.heartbeat), so that a
+# later command can tell a launcher that died without a word (kill -9, the OOM killer, a lost node)
+# and say when it was last seen.
+HEARTBEAT_EVERY_S = 10.0
+# A launcher on another host is taken for gone after this long without a heartbeat (its pid means
+# nothing here); a launcher on this host is gone when its pid is.
+STALE_AFTER_S = 120.0
 READ_CHUNK = 1 << 20  # bytes read per pass: a long backlog is shipped in slices, not slurped
 
 
@@ -45,6 +54,9 @@ class TrackingState:
     pending_artifacts: list[str] = field(default_factory=list)
     final: dict | None = None  # set by finish(): status, error, summary, end_time_ms
     closed: bool = False  # the final status reached MLflow
+    launcher_host: str = ""  # who owns the run while it runs (the `fleetwise train` on node 0)
+    launcher_pid: int = 0
+    heartbeat_ms: int = 0  # when that launcher was last seen alive (Unix ms)
     version: int = 1
 
     @classmethod
@@ -134,6 +146,29 @@ def is_behind(run_dir: Path) -> bool:
         or bool(state.pending_artifacts)
         or (state.final is not None and not state.closed)
     )
+
+
+def launcher_gone(state: TrackingState, now_ms: int | None = None) -> bool:
+    """Whether the launcher that owns this unfinished run died without ending it: its pid is gone
+    (this host) or its heartbeat is STALE_AFTER_S old (another host). A state written before
+    heartbeats existed, or one already ended, is never taken for gone. The caller also takes the
+    run dir's lock (RunDirLock), which a live launcher holds."""
+    if state.final is not None or state.closed or state.launcher_pid <= 0:
+        return False
+    if state.launcher_host == socket.gethostname():
+        return not pid_alive(state.launcher_pid)
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    return now_ms - state.heartbeat_ms > STALE_AFTER_S * 1000
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def number(value: object) -> bool:

@@ -103,8 +103,40 @@ def credentials_problem(uri: str, experiment: str) -> tuple[str, str] | None:
     return None
 
 
+def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
+    """(the URI without its user:password@, user, password) of an http(s) tracking URI."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return uri, None, None
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    plain = urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    return plain, urllib.parse.unquote(user) or None, urllib.parse.unquote(password) if password else None
+
+
+def adopt_uri_credentials() -> None:
+    """A MLFLOW_TRACKING_URI with `user:password@` becomes the URI without them plus
+    MLFLOW_TRACKING_USERNAME/PASSWORD (values already exported win), in this process's environment:
+    MLflow's client authenticates the same, and the password never reaches what fleetwise writes or
+    says (tracking.json, sweep.json, messages, logs) nor a child process (ranks, torchrun, the UI's
+    server: CREDENTIAL_VARS are dropped from theirs). `fleetwise` calls it first thing."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    plain, user, password = split_credentials(uri.strip())
+    if user is None and password is None:
+        return
+    if user is not None:
+        os.environ.setdefault("MLFLOW_TRACKING_USERNAME", user)
+    if password is not None:
+        os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", password)
+    os.environ["MLFLOW_TRACKING_URI"] = plain
+
+
 def tracking_uri(cwd: Path | None = None) -> str:
-    """The MLflow store every fleetwise command uses (see the module docstring)."""
+    """The MLflow store every fleetwise command uses (see the module docstring); never with the
+    credentials a URI may carry (adopt_uri_credentials)."""
+    adopt_uri_credentials()
     uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if not uri:
         return f"sqlite:///{(cwd or Path.cwd()).resolve() / DB_FILE}"

@@ -1,15 +1,23 @@
 """A corpus of invalid configs: each is rejected by `fleetwise train` with exit 2, the right
 location, a message and a fix, no traceback, nothing spawned or written, and without hanging.
 
-Table-driven so that it keeps growing with every new rule (target: >= 150 cases), including the
+Table-driven so that it keeps growing with every new rule (target: >= 250 cases), including the
 adversarial classes of issue 17: absurd sizes that used to hang the planner, inf/nan, more ranks
-than the machine holds, names MLflow refuses, hydra.* overrides, unsafe server addresses.
+than the machine holds, names MLflow refuses, hydra.* overrides, unsafe server addresses; and of
+issue 44: Hugging Face model directories, your own model (model=custom), every section's fields.
+In-process (one Python for the corpus); a sample of 20 also runs as `fleetwise` processes, each
+within 2 CPU-seconds (what an idle machine answers in), however loaded the machine is.
 """
 
+import json
 import signal
 import time
+from pathlib import Path
 
 import pytest
+from helpers.repo import REPO
+
+MYNET = REPO / "examples" / "mynet" / "my_conf"
 
 HYB = ("strategy=hybrid",)
 PP2 = ("strategy=hybrid", "strategy.pp_degree=2")
@@ -268,6 +276,9 @@ CASES = [
     (("hydra.job.name=x",), "hydra.job.name"),
     (("++hydra.verbose=true",), "hydra.verbose"),
     (("hydra.output_subdir=null",), "hydra.output_subdir"),
+    # other config trees only through --config-dir (file:///etc was scanned for 9 s; pkg:// imports)
+    (("hydra.searchpath=[file:///etc]",), "hydra.searchpath"),
+    (("hydra.searchpath=[pkg://os]",), "hydra.searchpath"),
     # --- parameter-server RPC address (it unpickles what it receives)
     (("recipe=ctr/tiny", "strategy.server_address=0.0.0.0"), "strategy.server_address"),
     (("recipe=ctr/tiny", "strategy.server_address=10.1.2.3"), "strategy.server_address"),
@@ -282,6 +293,125 @@ CASES = [
     (("checkpoint.resume=/dev/null",), "checkpoint.resume"),
     # --- a recipe's layout with another size of machine: the error names the recipe
     (("recipe=gpt/gpt3_175b", "hardware.nodes=1"), "strategy.dp_degree"),
+    # --- Hugging Face model directories (model.init_from; {hf}: the `hf_dirs` fixture's folder)
+    (("recipe=llama/tiny", "model.init_from={hf}/empty"), "model.init_from"),
+    (("recipe=llama/tiny", "model.init_from={hf}/mistral"), "model.init_from"),
+    (("recipe=llama/tiny", "model.init_from={hf}/notjson"), "model.init_from"),
+    (("recipe=llama/tiny", "model.init_from={hf}/nofiles"), "model.init_from"),
+    (("recipe=llama/tiny", "model.init_from={hf}/truncated"), "model.init_from"),
+    (("recipe=llama/tiny", "model.init_from={hf}/badindex"), "model.init_from"),
+    (("recipe=llama/tiny", "model.init_from={hf}/llama", "model.hidden_size=128"), "model.hidden_size"),
+    (("recipe=llama/tiny", "model.init_from={hf}/oddheads"), "model.num_kv_heads"),
+    (("recipe=llama/tiny", "model.init_from={hf}/missing"), "model.init_from"),
+    (("recipe=llama/tiny", "model.init_from={hf}/afile"), "model.init_from"),
+    (("recipe=llama/tiny", "model.init_from={hf}/llama", "strategy=hybrid", "strategy.mp_degree=3"), "strategy.dp_degree"),
+    # --- the llama family's own fields
+    (("recipe=llama/tiny", "model.num_kv_heads=3"), "model.num_kv_heads"),
+    (("recipe=llama/tiny", "model.hidden_size=60"), "model.hidden_size"),
+    (("recipe=llama/tiny", "model.head_dim=7"), "model.head_dim"),
+    (
+        (
+            "recipe=llama/tiny",
+            "model.rope_scaling={rope_type:llama3,factor:8.0,low_freq_factor:4.0,high_freq_factor:1.0,"
+            "original_max_position_embeddings:16}",
+        ),
+        "model.rope_scaling.high_freq_factor",
+    ),
+    (("recipe=llama/tiny", "strategy=hybrid", "strategy.mp_degree=8", "strategy.dp_degree=1"), "strategy.mp_degree"),
+    (("recipe=llama/tiny", "model.tie_word_embeddings=true", *PP2), "strategy.pp_degree"),
+    (("recipe=llama/tiny", "model.rope_theta=0"), "model.rope_theta"),
+    (("recipe=llama/tiny", "model.rms_norm_eps=0"), "model.rms_norm_eps"),
+    (("recipe=llama/tiny", "model.multiple_of=0"), "model.multiple_of"),
+    (("recipe=llama/tiny", "model.ffn_dim_multiplier=-1"), "model.ffn_dim_multiplier"),
+    (("recipe=llama/tiny", "model.vocab_size=255", "strategy=mp", "strategy.mp_degree=2", "strategy.dp_degree=4"), "strategy.mp_degree"),
+    (("recipe=llama/tiny", "model.intermediate_size=0"), "model.intermediate_size"),
+    (("recipe=llama/tiny", "model.seq_len=0"), "model.seq_len"),
+    # --- your own model (model=custom; {mynet}: the README's example config tree, examples/mynet)
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.module._target_=nope.Net"), "model.module._target_"),
+    (
+        ("--config-dir", "{mynet}", "recipe=mynet", "model.module._target_=helpers.custom_models.NotAModule"),
+        "model.module._target_",
+    ),
+    (("--config-dir", "{mynet}", "recipe=mynet", "+model.module.bogus=1"), "model.module"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "data.dataset._target_=nope.data.Set"), "data.dataset._target_"),
+    (
+        (
+            "--config-dir",
+            "{mynet}",
+            "recipe=mynet",
+            "data.dataset._target_=helpers.custom_models.TupleItems",
+            "~data.dataset.n",
+        ),
+        "data.dataset",
+    ),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.label=z"), "model.label"),
+    (
+        ("--config-dir", "{mynet}", "recipe=mynet", "model.loss._target_=helpers.custom_models.per_sample_loss"),
+        "model.loss",
+    ),
+    (("--config-dir", "{mynet}", "recipe=mynet", "+model.tp_plan.nope=rowwise"), "model.tp_plan.nope"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "+model.tp_plan.trunk=sideways"), "model.tp_plan.trunk"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "strategy=mp", "strategy.mp_degree=2", "~model.tp_plan"), "strategy.mp_degree"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "strategy=mp", "strategy.mp_degree=3", "hardware.devices_per_node=3"), "strategy.mp_degree"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.blocks=nope"), "model.blocks"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "strategy=hybrid", "strategy.pp_degree=8"), "strategy.pp_degree"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.module._target_=''"), "model.module"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.module._target_=os.getcwd"), "model.module"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.module._target_=torch.nn.Linear"), "model.module"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.module._target_=mynet.net"), "model.module._target_"),
+    (("--config-dir", "{mynet}", "recipe=mynet", *HYB, "strategy.recompute=full", "model.blocks=null"), "strategy.recompute"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.inputs=[nope]"), "model.inputs"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.inputs=[x,x,x]"), "model.module"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.loss=null", "model.inputs=null"), "model.module"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "data.dataset=null"), "data.dataset"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.module=null"), "model.module"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.loss._target_=nope.loss"), "model.loss._target_"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.module.dim=-1"), "model.module"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "model.module.depth=0"), "model.blocks"),
+    (("--config-dir", "{mynet}", "recipe=mynet", "data.dataset.n=0"), "data.dataset"),
+    (("recipe=gpt/tiny", "data=custom"), "data.source"),
+    # --- data sources
+    (("recipe=llama/tiny", "data=token_file"), "data.path"),
+    (("recipe=llama/tiny", "data=token_file", "data.path={hf}/missing.bin"), "data.path"),
+    (("data=token_file", "data.path={hf}/afile"), "data.path"),
+    (("recipe=resnet/tiny", "data=image_folder", "data.path={hf}/missing"), "data.path"),
+    (("recipe=resnet/tiny", "data=image_array", "data.path={hf}/missing.npz"), "data.path"),
+    (("data=image_folder",), "data.source"),
+    # --- the other sections' fields, one bad value each
+    (("optim.lr=-1",), "optim.lr"),
+    (("optim.momentum=1.5",), "optim.momentum"),
+    (("train.log_interval=0",), "train.log_interval"),
+    (("train.warmup_steps_excluded=-1",), "train.warmup_steps_excluded"),
+    (("launch.node_rank=1",), "launch.node_rank"),
+    (("launch.rdzv_endpoint=nohost",), "launch.rdzv_endpoint"),
+    (("launch.max_restarts=-1",), "launch.max_restarts"),
+    (("launch.rdzv_last_call_s=-1",), "launch.rdzv_last_call_s"),
+    (("launch.monitor_interval_s=0",), "launch.monitor_interval_s"),
+    (("checkpoint.interval=-1",), "checkpoint.interval"),
+    (("checkpoint.keep=0",), "checkpoint.keep"),
+    (("checkpoint.resume=maybe",), "checkpoint.resume"),
+    (("tracking.tags={fleetwise.recipe:x}",), "tracking.tags"),
+    (("tracking.tags={mlflow.user:x}",), "tracking.tags"),
+    (("tracking.model_max_bytes=-1",), "tracking.model_max_bytes"),
+    (("fault.kill_rank=99",), "fault.kill_rank"),
+    (("fault.at_step=0", "fault.kill_rank=0"), "fault.at_step"),
+    (("fault.on_nonfinite=ignore",), "fault.on_nonfinite"),
+    (("auto.objective=cost",), "auto.objective"),
+    (("auto.top_k=0",), "auto.top_k"),
+    (("auto.headroom=1.5",), "auto.headroom"),
+    (("auto.max_mp=0",), "auto.max_mp"),
+    (("hardware=h200", "hardware.nodes=0"), "hardware.nodes"),
+    (("hardware.device_type=tpu",), "hardware.device_type"),
+    (("hardware.fragmentation=1.5",), "hardware.fragmentation"),
+    (("hardware.matmul_efficiency=2",), "hardware.matmul_efficiency"),
+    (("hardware.co_run_slowdown=0.5",), "hardware.co_run_slowdown"),
+    (("hardware.host_cores=0",), "hardware.host_cores"),
+    (("run.overwrite=maybe",), "run.overwrite"),
+    (("recipe=ctr/tiny", "model.embedding_dim=0"), "model.embedding_dim"),
+    (("recipe=ernie/tiny", "model.hidden_size=66"), "model.hidden_size"),
+    (("recipe=resnet/tiny", "model.layers=[0,1,1,1]"), "model.layers.0"),
+    (("recipe=resnet/tiny", "model.num_classes=0"), "model.num_classes"),
+    (("recipe=resnet/tiny", "model.image_size=3"), "model.image_size"),
     # --- Hydra-level: unknown keys, groups, options, syntax
     (("train.stepz=3",), "train.stepz"),
     (("+train.foo=1",), "train.foo"),
@@ -300,7 +430,7 @@ def _validate(overrides):
 
 
 def test_corpus_is_large_and_distinct():
-    assert len(CASES) >= 150
+    assert len(CASES) >= 250
     assert len({c[0] for c in CASES}) == len(CASES)
 
 
@@ -373,9 +503,53 @@ def test_memory_problem_lists_numbers_and_remedies_and_can_be_waived():
 HANG_S = 60  # a hang (what the absurd sizes used to cause) fails the case; the time itself is reported
 
 
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+    """What the cases name: broken Hugging Face model directories (written by hand: config.json and
+    bytes, no transformers), a plain file, and a derivation cache of the module's own."""
+    root = tmp_path_factory.mktemp("corpus")
+    hf = root / "hf"
+    llama = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+    }
+    configs = {
+        "mistral": {"architectures": ["MistralForCausalLM"]},
+        "llama": llama,  # no weights: what an explicit value disagrees with is its config.json
+        "nofiles": llama,
+        "truncated": llama,
+        "badindex": llama,
+        "oddheads": {**llama, "num_attention_heads": 7},
+    }
+    for name, config in configs.items():
+        (hf / name).mkdir(parents=True)
+        (hf / name / "config.json").write_text(json.dumps(config))
+    (hf / "empty").mkdir()
+    (hf / "notjson").mkdir()
+    (hf / "notjson" / "config.json").write_text("{not json")
+    (hf / "truncated" / "model.safetensors").write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a')
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (hf / "badindex" / "model.safetensors.index.json").write_text(json.dumps(index))
+    (hf / "afile").write_text("not a directory\n")
+    return {"hf": hf, "cache": root / "cache"}
+
+
+def with_files(overrides, files) -> list[str]:
+    return [o.replace("{hf}", str(files["hf"])).replace("{mynet}", str(MYNET)) for o in overrides]
+
+
 @pytest.mark.parametrize("overrides,loc", CASES, ids=[" ".join(c[0])[:120] for c in CASES])
 def test_train_refuses_it_with_exit_2_spawning_and_writing_nothing(
-    overrides, loc, tmp_path, monkeypatch, capsys
+    overrides, loc, tmp_path, monkeypatch, capsys, corpus_files
 ):
     """Each case through `fleetwise train`: exit 2, the location named, every problem with a message
     and a fix, no traceback, no process started (Popen is forbidden), no run directory, Hydra
@@ -383,6 +557,14 @@ def test_train_refuses_it_with_exit_2_spawning_and_writing_nothing(
     import subprocess
 
     from fleetwise import cli
+    from fleetwise.config.paths import EXTRA_DIRS_ENV
+
+    # --config-dir sets this for the process (the ranks inherit it): restored after the case
+    monkeypatch.setenv(EXTRA_DIRS_ENV, "")
+    monkeypatch.setenv("FLEETWISE_CACHE_DIR", str(corpus_files["cache"]))
+    if "{mynet}" in overrides:
+        monkeypatch.syspath_prepend(str(MYNET.parent.parent))  # examples/: `mynet` imports from there
+    overrides = with_files(overrides, corpus_files)
 
     def forbidden(*args, **kwargs):
         raise AssertionError(f"a process was spawned for an invalid config: {args[:1]}")
@@ -416,3 +598,52 @@ def test_train_refuses_it_with_exit_2_spawning_and_writing_nothing(
     assert "Traceback" not in err and loc in " ".join(err.split())
     assert list(tmp_path.iterdir()) == []
     print(f"answered in {elapsed:.2f} s")
+
+
+CLI_SAMPLE = CASES[:: len(CASES) // 20][:20]  # every group of the table, in the order it is written
+CLI_S = 2.0  # an invalid config is answered within this at idle (issue 44)
+# On a busy machine the same work takes more CPU time too (shared caches and cores: up to 1.5x
+# measured here at load 9 on 2 cores), and wall time means nothing: there the bound is doubled and
+# taken on CPU time, which still catches what matters (importing torch or mlflow on the way: ~2 s).
+LOADED_FACTOR = 2.0
+
+
+@pytest.mark.slow
+def test_the_cli_answers_a_sample_within_two_seconds_at_idle(tmp_path, corpus_files):
+    """20 cases of the corpus as `fleetwise train` processes (the user's view: interpreter, imports,
+    Hydra, rules): exit 2, the location on stderr, no traceback; at idle (1-minute load below 0.5)
+    each within CLI_S of wall and CPU time, else within LOADED_FACTOR x CLI_S of CPU time (user +
+    system, the kernel's accounting of the child). A custom model's problem is found by importing
+    it, which imports torch: its budget adds what `import torch` costs, measured here beside it."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    exe = str(Path(sys.executable).parent / "fleetwise")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "FLEETWISE_"))}
+    env["FLEETWISE_CACHE_DIR"] = str(corpus_files["cache"])
+
+    def cpu_of(cmd, **kw):
+        before, t = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S, **kw)
+        wall, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall
+
+    _, torch_cpu, _ = cpu_of([sys.executable, "-c", "import torch"])
+    idle = os.getloadavg()[0] < 0.5
+    print(f"1-minute load {os.getloadavg()[0]:.2f}: {'idle' if idle else 'busy'}; import torch {torch_cpu:.2f} CPU-s")
+    slow = []
+    for overrides, loc in CLI_SAMPLE:
+        custom = "{mynet}" in overrides
+        cwd = MYNET.parent.parent if custom else tmp_path
+        cmd = [exe, "train", *with_files(overrides, corpus_files), f"run.dir={tmp_path / 'run'}"]
+        r, cpu, wall = cpu_of(cmd, cwd=cwd)
+        budget = (CLI_S + (torch_cpu if custom else 0.0)) * (1.0 if idle else LOADED_FACTOR)
+        assert r.returncode == 2 and loc in " ".join(r.stderr.split()), (overrides, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr + r.stdout
+        print(f"{cpu:5.2f} CPU-s {wall:5.2f} s (budget {budget:.2f})  {' '.join(overrides)[:100]}")
+        if cpu > budget or (idle and wall > budget):
+            slow.append(f"{cpu:.2f} CPU-s {wall:.2f} s (budget {budget:.2f}): {' '.join(overrides)}")
+    assert not (tmp_path / "run").exists()
+    assert not slow, slow

@@ -175,3 +175,78 @@ def test_ranks_are_checked_against_this_machines_cores_and_memory():
     assert "GiB are available" in msg
     ps = preflight(["recipe=ctr/tiny", "strategy.num_trainers=64", "train.global_batch_size=2048"])
     assert capacity_problem(ps.cfg, ps.plan, cores=2, available=24 << 30)[0] == "strategy.num_trainers"
+
+
+# Extreme floats: the ends of the double range, the smallest subnormal, a signed zero, inf and nan.
+# (Without the hardware bounds, the largest one gave the issue's OverflowError traceback.)
+EXTREMES = (1.7976931348623157e308, -1e308, 5e-324, -0.0, math.inf, math.nan)
+FLOAT_BASES = (
+    ("recipe=gpt/tiny", "strategy=hybrid", "strategy.pp_degree=2", "hardware.devices_per_node=2"),
+    ("recipe=resnet/tiny",),
+    ("recipe=ctr/tiny",),
+)
+
+
+def _float_paths(model, prefix: str = "") -> list[str]:
+    """Every float-valued setting of a parsed config (nested sections, dicts of floats), by walking
+    the pydantic annotations: what a user can set to any number Hydra parses."""
+    import typing
+
+    from pydantic import BaseModel
+
+    def floats(annotation) -> bool:
+        return annotation is float or any(floats(a) for a in typing.get_args(annotation))
+
+    paths = []
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        path = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            paths += _float_paths(value, path + ".")
+        elif isinstance(value, dict) and floats(info.annotation):
+            paths += [f"{path}.{k}" for k, v in value.items() if isinstance(v, int | float)]
+        elif floats(info.annotation) and not isinstance(value, bool) and isinstance(value, int | float | None):
+            paths.append(path)
+    return paths
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # numpy's overflow/divide notes reach the user too
+@pytest.mark.parametrize("base", FLOAT_BASES, ids=lambda b: b[0])
+def test_no_float_the_schema_accepts_gives_a_traceback(base, monkeypatch, capsys):
+    """Every float setting at every extreme value, through the whole `plan --json` path (validation,
+    plan, remedies, rendering) in-process, Hydra's composition replaced by the mutated config: exit
+    0 or 2, never an exception, and every refusal names the field."""
+    import copy
+
+    from fleetwise.cli import main
+    from fleetwise.config import compose as composing
+    from fleetwise.config.compose import compose_partial
+
+    data, problems = compose_partial(list(base))
+    assert not problems
+    cfg, _ = compose(*base)
+    paths = _float_paths(cfg)
+    assert len(paths) >= 8, paths
+    current = {}
+    monkeypatch.setattr(composing, "_compose_partial", lambda overrides: (copy.deepcopy(current["data"]), []))
+    crashed = []
+    for path in paths:
+        for value in EXTREMES:
+            mutated = copy.deepcopy(data)
+            node = mutated
+            *parents, leaf = path.split(".")
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = value
+            current["data"] = mutated
+            try:
+                code = main(["plan", "--json"])
+            except BaseException as exc:  # noqa: BLE001 - what the test looks for
+                crashed.append(f"{path}={value}: {type(exc).__name__}: {exc}")
+                continue
+            out = capsys.readouterr().out
+            if code == 2:
+                assert path in out or path.rsplit(".", 1)[0] in out, (path, value, out[-500:])
+            elif code != 0:
+                crashed.append(f"{path}={value}: exit {code}")
+    assert not crashed, "\n".join(crashed[:20])

@@ -238,3 +238,47 @@ def test_printing_the_config_calls_nothing(tmp_path, cfg_flag, imports_target):
     env = {**os.environ, "FLEETWISE_CACHE_DIR": str(tmp_path / "empty")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=EXAMPLES, env=env)
     assert out.stdout.splitlines()[-1] == f"[0, 0] {imports_target} {imports_target}", out.stderr[-2000:]
+
+
+def test_validate_names_a_foreign_target_and_does_not_import_it(tmp_path, monkeypatch, capsys):
+    """A recipe is code: `validate` imports only what a recipe names inside its own project
+    (examples/mynet beside my_conf), fleetwise, torch or transformers. A `_target_` anywhere else is
+    named in a notice with its file, found without importing it (its package's __init__ would
+    leave a marker), and the config is still validated; `plan` imports it."""
+    from fleetwise.cli import main
+
+    pkg = tmp_path / "elsewhere" / "foreignpkg"
+    pkg.mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (pkg / "__init__.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n"
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, **kw):\n"
+        "        super().__init__()\n"
+        "        self.trunk = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])\n"
+        "        self.head = nn.Linear(16, 4)\n"
+        "    def forward(self, x):\n"
+        "        for b in self.trunk:\n"
+        "            x = b(x)\n"
+        "        return self.head(x)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    foreign = ["recipe=mynet", "model.module._target_=foreignpkg.Net", NO_TP]
+
+    pipeline = ("strategy=hybrid", "strategy.pp_degree=2", "strategy.virtual_stages=2")
+    pipeline += ("strategy.schedule=interleaved_1F1B", "hardware.devices_per_node=2")
+    assert main(["validate", *foreign, *pipeline]) == 0
+    out, err = capsys.readouterr()
+    assert "notice" in err and "model.module._target_=foreignpkg.Net" in err and str(pkg / "__init__.py") in err
+    assert "did not import" in err and "not imported (foreignpkg.Net)" in " ".join(out.split())
+    assert not marker.exists() and "foreignpkg" not in sys.modules
+    # still validated: a wrong degree is reported as for any config
+    assert main(["validate", *foreign, "strategy.dp_degree=3"]) == 2
+    assert "dp_degree(3)" in "".join(capsys.readouterr())
+    assert not marker.exists()
+    # the README's own example: its module lives beside its config tree, no notice
+    assert main(["validate", "recipe=mynet"]) == 0
+    assert "notice" not in capsys.readouterr().err
+    # plan imports and traces it
+    assert main(["plan", *foreign]) == 0 and marker.exists()

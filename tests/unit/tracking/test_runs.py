@@ -280,7 +280,12 @@ def test_repeated_values_are_sent_as_their_runs_ends_and_every_step_is_recoverab
 
 
 def test_a_dead_server_costs_seconds_is_reported_once_and_keeps_the_spool(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{refused_port()}")
+    # credentials in the URI: they leave it for MLflow's own variables, never written or said
+    port = refused_port()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://fw-user:S3cret%40in-uri@127.0.0.1:{port}")
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(key, "restored-after-the-test")
+        monkeypatch.delenv(key)
     run_dir = make_run_dir(tmp_path, "run-dead")
     messages = Messages()
     t = tracker(run_dir, messages)
@@ -295,6 +300,15 @@ def test_a_dead_server_costs_seconds_is_reported_once_and_keeps_the_spool(tmp_pa
     assert "fleetwise sync" in messages[-1] and t.warning == messages[-1]
     state = load_state(run_dir)
     assert state.run_id is None and state.final["status"] == "FINISHED" and is_behind(run_dir)
+    import os
+
+    assert state.tracking_uri == os.environ["MLFLOW_TRACKING_URI"] == f"http://127.0.0.1:{port}"
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == (
+        "fw-user",
+        "S3cret@in-uri",
+    )
+    written = [p.read_text() for p in run_dir.rglob("*") if p.is_file()]
+    assert not [t for t in written + list(messages) if "S3cret" in t]
 
 
 def test_sync_delivers_what_a_crashed_launcher_left_and_skips_a_live_one(store, tmp_path):
@@ -407,3 +421,80 @@ def test_system_metrics_include_the_gpus_of_the_launchers_node(store, tmp_path):
     assert (
         "system/gpu_0_utilization_percentage" in metrics and "system/gpu_0_memory_usage_megabytes" in metrics
     )
+
+
+def _orphan(run_dir: Path, *, pid: int, host: str | None = None, seen_ms: int) -> None:
+    """tracking.json as a launcher leaves it when killed: its pid, host and last heartbeat."""
+    import socket
+
+    from fleetwise.tracking.spool import save_state
+
+    state = load_state(run_dir)
+    state.launcher_pid, state.heartbeat_ms = pid, seen_ms
+    state.launcher_host = host or socket.gethostname()
+    save_state(run_dir, state)
+
+
+def test_a_killed_launchers_run_is_marked_killed_by_the_next_command_at_its_last_heartbeat(
+    store, tmp_path, monkeypatch
+):
+    from fleetwise.tracking.commands import cmd_compare
+
+    monkeypatch.setattr(run_tracker, "HEARTBEAT_EVERY_S", 0.0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free now (reaped)
+    now_ms = int(time.time() * 1000)
+    hour_ago = now_ms - 3_600_000
+
+    # A live launcher stamps tracking.json: its pid, this host, a heartbeat at every poll.
+    live_dir = make_run_dir(tmp_path, "live")
+    live = tracker(live_dir, experiment="reap")
+    live_id = live.start()
+    first = load_state(live_dir).heartbeat_ms
+    time.sleep(0.01)
+    live.poll()
+    state = load_state(live_dir)
+    assert state.launcher_pid > 0 and state.heartbeat_ms > first >= now_ms
+
+    runs = {}
+    for name, pid, host, seen in [
+        ("killed-here", dead.pid, None, hour_ago),  # this host, pid gone
+        ("lost-node", 1, "elsewhere", hour_ago + 1000),  # another host, silent for an hour
+        ("other-host-alive", 1, "elsewhere", now_ms),  # another host, a fresh heartbeat
+    ]:
+        run_dir = make_run_dir(tmp_path, name)
+        t = tracker(run_dir, experiment="reap")
+        runs[name] = (t.start(), run_dir, seen)
+        write_steps(run_dir, range(1, 4))
+        t.poll()
+        crash(t)
+        write_steps(run_dir, range(4, 6))  # written after the last delivery: delivered by the reaper
+        _orphan(run_dir, pid=pid, host=host, seen_ms=seen)
+
+    assert cmd_compare(["-e", "reap", "--out", str(tmp_path / "c.png")]) == 0
+    for name in ("killed-here", "lost-node"):
+        run_id, run_dir, seen = runs[name]
+        run = store.get_run(run_id)
+        assert run.info.status == "KILLED" and run.info.end_time == seen
+        assert run.data.tags["fleetwise.last_seen"] == time.strftime(
+            "%Y-%m-%d %H:%M:%S UTC", time.gmtime(seen / 1000)
+        )
+        assert "died without ending the run" in run.data.tags["fleetwise.error"]
+        assert [s for s, _ in history(store, run_id, "perf/mfu")] == [1, 2, 3, 4, 5]
+        assert load_state(run_dir).closed
+    assert store.get_run(runs["other-host-alive"][0]).info.status == "RUNNING"
+    assert store.get_run(live_id).info.status == "RUNNING"  # its launcher (this process) lives
+
+    # `fleetwise ui` does the same before it serves the store
+    from rich.console import Console
+
+    from fleetwise.tracking.commands import _reap_local
+    from fleetwise.tracking.store import tracking_uri
+
+    other_id, other_dir, _ = runs["other-host-alive"]
+    _orphan(other_dir, pid=1, host="elsewhere", seen_ms=hour_ago)
+    with open(tmp_path / "ui.txt", "w") as said:
+        _reap_local(tracking_uri(), Console(file=said))
+    assert "marked KILLED" in (tmp_path / "ui.txt").read_text()
+    assert store.get_run(other_id).info.status == "KILLED"
+    live.finish("FINISHED")

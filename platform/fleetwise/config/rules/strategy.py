@@ -73,6 +73,8 @@ def pipeline_split(ctx: Context) -> Iterator[Problem]:
         )
         return
     stages = pp * v
+    if units is None:  # a model not imported (`validate` of a recipe from elsewhere): nothing to count
+        return
     if stages > units and stages > 1:  # one stage runs any model, blocks or none
         yield Problem(
             "strategy.pp_degree",

@@ -60,7 +60,7 @@ def source(m: CustomModel, d: Any):
 
 def no_pipeline(m: CustomModel) -> tuple[str, str] | None:
     d = _derived(m)
-    if d.chain is not None:
+    if d.chain is not None or d.unchecked:  # unchecked: not imported, so nothing to say about it
         return None
     if d.problems:
         return ("your model, which could not be checked (its problems are listed)", "fix those first")

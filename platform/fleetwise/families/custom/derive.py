@@ -51,6 +51,7 @@ class Derived:
     tp_dims: dict[str, tuple[str, int]] = field(default_factory=dict)  # module -> (style, split size)
     sample_bytes: int = 0  # one item of the dataset
     measured: tuple[str, ...] = ()  # what the plan's numbers came from
+    unchecked: tuple[str, ...] = ()  # targets held back (targets.holding): nothing imported or measured
 
 
 _MEMO: dict[str, Derived] = {}
@@ -70,6 +71,10 @@ def derived(m: Any) -> Derived:
         "tp_plan": m.tp_plan,
         "dataset": m.dataset,
     }
+    from fleetwise.families.custom.targets import held
+
+    if unchecked := held({"model": sections}):  # `fleetwise validate` of a recipe from elsewhere
+        return Derived(units=fallback_units(), unchecked=tuple(unchecked), no_chain="")
     text = json.dumps(sections, sort_keys=True, default=str)
     memo = _MEMO.get(text)
     if memo is not None:

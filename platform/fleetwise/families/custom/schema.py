@@ -56,11 +56,13 @@ class CustomModel(Section):
         return self._dataset
 
     @property
-    def num_layers(self) -> int:
-        """Blocks: the units a pipeline split distributes (measured on the built module)."""
+    def num_layers(self) -> int | None:
+        """Blocks: the units a pipeline split distributes (measured on the built module); None when
+        the module was held back unimported (`validate` of a recipe from elsewhere)."""
         from fleetwise.families.custom.derive import derived
 
-        return derived(self).num_blocks
+        d = derived(self)
+        return None if d.unchecked else d.num_blocks
 
 
 def check(m: CustomModel) -> Iterator[Problem]:

@@ -6,19 +6,112 @@ checks that the name exists, is the kind of thing it should be (an nn.Module / D
 function returning one) and accepts the keyword arguments the config gives (`inspect.signature`,
 no call). Building the module happens only on the `meta` device, for the trace that derives the
 planner units (families/custom/derive.py), and in the ranks.
+
+A recipe from elsewhere is code, like a script. `fleetwise validate` imports only what a recipe
+names inside its own project (the `--config-dir` tree and the folder holding it), fleetwise,
+torch and transformers: a `_target_` in any other module is listed in a notice (`foreign_targets`,
+found without importing anything) and held back (`holding`): its checks are skipped, and `plan` or
+`train` import it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from fleetwise.config.problems import Problem
 
 HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+TRUSTED_PACKAGES = ("fleetwise", "torch", "transformers")
+_HELD: set[str] = set()  # targets this process must not import now (see `holding`)
+
+
+def targets_in(node: Any, loc: str) -> list[tuple[str, str]]:
+    """(config path, dotted target) of every `_target_` under `node`, nested ones included (Hydra
+    instantiates those too)."""
+    found = []
+    if isinstance(node, dict):
+        if isinstance(node.get("_target_"), str):
+            found.append((f"{loc}._target_", node["_target_"]))
+        for k, v in node.items():
+            found += targets_in(v, f"{loc}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found += targets_in(v, f"{loc}.{i}")
+    return found
+
+
+def module_file(path: str) -> Path | None:
+    """The file of the module a dotted target lives in, found on sys.path (and the working directory)
+    by name alone: nothing is imported, not even its parent packages (importlib.util.find_spec would
+    run their __init__). None when no such file is found."""
+    parts = path.split(".")
+    roots = [Path(p or os.getcwd()) for p in [*sys.path, os.getcwd()]]
+    for root in roots:
+        base = root / parts[0]
+        if not (base.is_dir() or base.with_suffix(".py").is_file()):
+            continue
+        for i in range(len(parts) - 1, 0, -1):  # the longest module prefix: pkg.mod.Class.method
+            stem = root.joinpath(*parts[:i])
+            for candidate in (stem.with_suffix(".py"), stem / "__init__.py"):
+                if candidate.is_file():
+                    return candidate.resolve()
+    return None
+
+
+def project_dirs() -> list[Path]:
+    """Where a recipe's own code may live: each `--config-dir` tree and the folder holding it
+    (examples/mynet/my_conf -> examples/mynet, beside mynet/net.py), and the user's config tree."""
+    from fleetwise.config.paths import extra_config_dirs, user_config_dir
+
+    dirs = []
+    for tree in extra_config_dirs():
+        tree = tree.resolve()
+        dirs += [tree, tree.parent]
+    return [*dirs, user_config_dir().resolve()]
+
+
+def foreign_targets(sections: dict[str, Any]) -> list[tuple[str, str, Path | None]]:
+    """(config path, target, its module's file) of each `_target_` in `sections` ({"model": ...,
+    "data": ...}) outside the recipe's project, fleetwise, torch and transformers."""
+    ensure_cwd_importable()
+    mine = project_dirs()
+    out = []
+    for name, node in sections.items():
+        for loc, target in targets_in(node, name):
+            if target.split(".")[0] in TRUSTED_PACKAGES:
+                continue
+            where = module_file(target)
+            if where is not None and any(where.is_relative_to(d) for d in mine):
+                continue
+            out.append((loc, target, where))
+    return out
+
+
+@contextlib.contextmanager
+def holding(targets: list[str]) -> Iterator[None]:
+    """Within: the custom family neither imports nor builds a model or dataset naming `targets`
+    (derive.py reports it unchecked)."""
+    _HELD.update(targets)
+    try:
+        yield
+    finally:
+        _HELD.difference_update(targets)
+
+
+def holding_any() -> bool:
+    return bool(_HELD)
+
+
+def held(sections: dict[str, Any]) -> list[str]:
+    """The targets of `sections` that are held back now."""
+    return [t for name, node in sections.items() for _, t in targets_in(node, name) if t in _HELD]
 
 
 def ensure_cwd_importable() -> None:
