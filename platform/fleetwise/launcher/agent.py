@@ -58,10 +58,11 @@ PRELOAD = [
     "torch.distributed.tensor.parallel",
 ]
 # A forked rank's environment is the fork server's, which is the agent's when the server started
-# (SERVER_ENV), plus torch's per-rank variables. GROUP_ENV: what the agent's environment has gained
-# or changed since (OMP_NUM_THREADS from torchrun, the group's rendezvous round), taken before each
-# group starts and passed to every rank with its arguments (pickled when the rank starts) -- the
-# environment a rank torchrun starts as a new process inherits.
+# (SERVER_ENV; the launcher's, OMP_NUM_THREADS included: launcher/torchrun.py), plus torch's
+# per-rank variables. GROUP_ENV: what the agent's environment has gained or changed since (the
+# group's rendezvous round), taken before each group starts and passed to every rank with its
+# arguments (pickled when the rank starts) -- the environment a rank torchrun starts as a new
+# process inherits.
 SERVER_ENV: dict[str, str] = {}
 GROUP_ENV: dict[str, str] = {}
 
@@ -111,21 +112,15 @@ def start_fork_server() -> None:
     """Start the fork server the ranks are forked from, with PRELOAD importing in it -- before this
     agent imports torch itself, so that both imports run at once on a machine with a spare core.
 
-    Process tree: agent -> fork server -> ranks. The server ignores SIGTERM (inherited through its
-    exec): the launcher stops the whole session with SIGTERM, and the ranks, the server's children,
-    must get theirs from the agent and stop as they do, not die with the server. The server exits
-    when the agent does (the end of its pipe from the agent), and the ranks die with it
-    (runtime/worker.py: die_with_parent). A rank restores SIGTERM first (worker.forked)."""
+    Process tree: agent -> fork server -> ranks, one session: the launcher's SIGTERM to the session
+    reaches the ranks themselves. The agent ends the server before it exits (`stop_fork_server`),
+    and the ranks die with it (runtime/worker.py: die_with_parent)."""
     import multiprocessing
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(PRELOAD)
     SERVER_ENV.update(os.environ)
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        forkserver.ensure_running()  # returns at once; the server imports PRELOAD meanwhile
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    forkserver.ensure_running()  # returns at once; the server imports PRELOAD meanwhile
 
 
 def stop_fork_server() -> None:

@@ -18,7 +18,6 @@ from fleetwise import rundir
 from fleetwise.runtime.lifeline import die_with_parent
 
 log = logging.getLogger("fleetwise")
-STARTED = "a new interpreter"  # how this rank process started: `forked` says "forked" (the start-up log line)
 
 
 def redirect_output(log_file: Path) -> None:
@@ -47,7 +46,8 @@ def redirect_output(log_file: Path) -> None:
     logging.setLogRecordFactory(factory)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started_as: str = "a new interpreter") -> int:
+    """One rank's job; `started_as` (how this process started) goes into its start-up log line."""
     started = time.perf_counter()
     # torchrun stops its ranks when it is told to; this covers torchrun itself being killed.
     die_with_parent(signal.SIGKILL)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         env.world_size,
         env.device,
         env.restart,
-        STARTED,
+        started_as,
         torch.get_num_threads(),
         imported - started,
         joined - imported,
@@ -118,30 +118,18 @@ def main(argv: list[str] | None = None) -> int:
 def forked(run_dir: str, group_env: dict[str, str]) -> None:
     """Entry point of one rank forked from the agent's fork server (launcher/agent.py), run by
     torch's multiprocessing start, which records an exception in torchrun's error file (@record)
-    and ends the process without the interpreter's teardown (os._exit), as `exit_finished` does.
+    and ends the process without the interpreter's teardown (os._exit), as `exit_finished` does
+    for a rank started as `python -m fleetwise.runtime.worker`.
     `group_env`: what the server's environment lacks of the agent's (agent.GROUP_ENV)."""
-    import torch
-
-    from fleetwise.runtime.mesh import exit_finished
-
-    global STARTED
-    STARTED = "forked from the fork server"
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it (agent.py)
     os.environ.update(group_env)
-    # The server imported torch before the agent set OMP_NUM_THREADS (torchrun: 1 per rank where a
-    # node runs several), and OpenMP reads it when loaded: the threads a new interpreter would use.
-    if threads := os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(int(threads))
     try:
-        code = main([run_dir])
+        main([run_dir], started_as="forked from the fork server")
     except Exception:
         # into the rank's log, as an interpreter prints an uncaught exception (torch's start of a
         # function hands it to the agent only; the launcher shows rank 0's log and folds it)
         traceback.print_exc()
         sys.stderr.flush()
         raise
-    if code:
-        exit_finished(code)
     logging.shutdown()
 
 
