@@ -13,5 +13,5 @@ check beyond the public names it calls.
     tracking_support.py  a fake training job writing metrics.jsonl, ports, an HTTP helper
     ps_plain_loop.py     sync parameter-server training written without the product's trainer
     cuda_semantics.py    one simulated rank on a device that refuses host tensors in collectives
-                         (also run as a script: python tests/helpers/cuda_semantics.py RANK DIR …)
+                         (forked_rank: a process of its own per rank)
 """

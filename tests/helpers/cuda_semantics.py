@@ -1,10 +1,8 @@
 """CUDA/NCCL semantics on a CPU build: one simulated rank of a real fleetwise job whose collectives,
 like NCCL's, refuse every tensor that is not on the job's device.
 
-    python tests/helpers/cuda_semantics.py RANK MESSAGES_DIR OVERRIDES...   (prints the rank-0 metrics as JSON)
-
-or, as the tests run it, `forked_rank` in a process forked from a server that imported this module
-(and torch) once.
+`forked_rank(RANK, MESSAGES_DIR, OVERRIDES, …)` in a process of its own per simulated rank, forked
+from a server that imported this module (and torch) once (tests/integration/test_cuda_semantics.py).
 
 Why this shape (torch 2.13, CPU build):
 - The process group is `init_process_group("meta:fake", store=FakeStore())`: its only backend is for
@@ -327,7 +325,6 @@ def forked_rank(rank: int, messages: Path, overrides: list[str], steps: int, log
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     try:
         out = run_rank(rank, messages, overrides, steps=steps)
     except Exception as err:
@@ -338,16 +335,3 @@ def forked_rank(rank: int, messages: Path, overrides: list[str], steps: int, log
     result.write_text(json.dumps(out))
     os._exit(0)  # the fake group needs no teardown
 
-
-if __name__ == "__main__":
-    rank, messages, overrides = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    try:
-        result = run_rank(rank, messages, overrides, steps=int(os.environ.get("HARNESS_STEPS", "2")))
-    except Exception as err:  # one line for the test's message, the traceback above it
-        traceback.print_exc()
-        print(f"FAILED rank {rank}: {type(err).__name__}: {err}", file=sys.stderr)
-        sys.exit(1)
-    print(json.dumps(result))
-    sys.stdout.flush()
-    os._exit(0)  # the fake group needs no teardown
