@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 
 
@@ -15,6 +15,25 @@ class Problem:
 
     def to_dict(self) -> dict[str, str]:
         return asdict(self)
+
+
+def beyond_limit(path: str, value: float, limit: float) -> Problem:
+    """A size beyond what the planner represents (the bounds of config/rules/limits.py and the
+    families' own)."""
+    return Problem(
+        path,
+        f"{path}={value:,} is beyond what fleetwise plans (at most {limit:,})",
+        f"set {path} to at most {limit:,}",
+    )
+
+
+def over_limits(section: object, limits: dict[str, float]) -> Iterator[Problem]:
+    """`beyond_limit` for each config path of `limits` (path -> largest value) whose field, read
+    from `section` by the path's last name, is set and above it."""
+    for path, limit in limits.items():
+        value = getattr(section, path.rsplit(".", 1)[1])
+        if value is not None and value > limit:
+            yield beyond_limit(path, value, limit)
 
 
 class ConfigError(Exception):

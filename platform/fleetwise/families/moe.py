@@ -224,21 +224,11 @@ def moe_block(dense: Unit, moe: MoE, seq: int, hidden: int, dense_ffn: int, atte
     )
 
 
+# config path -> largest accepted value (what the planner can represent; checked with the family's
+# other bounds, families/llama/schema.py)
 MOE_LIMITS = {
-    "num_experts": 1 << 16,
-    "top_k": 1 << 10,
-    "num_shared_experts": 1 << 10,
-    "expert_ffn_size": 1 << 22,
+    "model.moe.num_experts": 1 << 16,
+    "model.moe.top_k": 1 << 10,
+    "model.moe.num_shared_experts": 1 << 10,
+    "model.moe.expert_ffn_size": 1 << 22,
 }
-
-
-def moe_limits(moe: MoE) -> Iterator[Problem]:
-    """Bounds on the section's sizes (what the planner can represent)."""
-    for key, limit in MOE_LIMITS.items():
-        value = getattr(moe, key)
-        if value is not None and value > limit:
-            yield Problem(
-                f"model.moe.{key}",
-                f"model.moe.{key}={value:,} is beyond what fleetwise plans (at most {limit:,})",
-                f"set model.moe.{key} to at most {limit:,}",
-            )

@@ -12,7 +12,7 @@ import ipaddress
 import re
 from collections.abc import Iterator
 
-from fleetwise.config.problems import Problem
+from fleetwise.config.problems import Problem, beyond_limit
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
 from fleetwise.families import family_of
@@ -87,11 +87,7 @@ def _bounds(cfg: RunConfig) -> Iterator[Problem]:
         for key, path, limit in keys:
             value = values.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
-                yield Problem(
-                    path,
-                    f"{path}={value:,} is beyond what fleetwise plans (at most {limit:,})",
-                    f"set {path} to at most {limit:,}",
-                )
+                yield beyond_limit(path, value, limit)
     hw = cfg.hardware
     ranks = hw.nodes * hw.devices_per_node
     if isinstance(cfg.strategy, PSStrategy):

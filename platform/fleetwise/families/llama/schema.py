@@ -14,8 +14,8 @@ from typing import Literal
 from pydantic import Field
 
 from fleetwise.config.base import Section
-from fleetwise.config.problems import Problem
-from fleetwise.families.moe import MoE, check_moe, moe_limits
+from fleetwise.config.problems import Problem, over_limits
+from fleetwise.families.moe import MOE_LIMITS, MoE, check_moe
 from fleetwise.families.transformer import mp_divides
 
 
@@ -183,15 +183,8 @@ LIMITS = {
 
 def limits(m: LlamaModel) -> Iterator[Problem]:
     """Bounds on the fields the shared bounds (config/rules/limits.py) do not know."""
-    for path, limit in LIMITS.items():
-        value = getattr(m, path.split(".")[1])
-        if value is not None and value > limit:
-            yield Problem(
-                path,
-                f"{path}={value:,} is beyond what fleetwise plans (at most {limit:,})",
-                f"set {path} to at most {limit:,}",
-            )
-    yield from moe_limits(m.moe)
+    yield from over_limits(m, LIMITS)
+    yield from over_limits(m.moe, MOE_LIMITS)
     if m.ffn_hidden_size > 1 << 22:
         yield Problem(
             "model.ffn_dim_multiplier",
