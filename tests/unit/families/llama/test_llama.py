@@ -94,6 +94,19 @@ def test_swiglu_width_follows_metas_rule(hidden, multiplier, multiple_of, width)
     assert LlamaModel(**{**m.model_dump(), "intermediate_size": 100}).ffn_hidden_size == 100
 
 
+def built_and_planned(*overrides):
+    """(config, model, planner units, parameters counted in the built model per unit: embedding,
+    each block, final norm + head)."""
+    from fleetwise.runtime.modeling import build_model
+
+    cfg, problems = compose(*overrides)
+    assert problems == [], problems
+    model = build_model(cfg)
+    groups = [[model.embed], *([b] for b in model.layers.values()), [model.norm, model.output]]
+    counted = [sum(p.numel() for g in group for p in g.parameters()) for group in groups]
+    return cfg, model, model_units(cfg.model), counted
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -105,14 +118,7 @@ def test_swiglu_width_follows_metas_rule(hidden, multiplier, multiple_of, width)
 )
 def test_built_model_matches_its_units(overrides):
     """Parameters per unit (embedding, each block, head) of the built model equal the planner's."""
-    from fleetwise.runtime.modeling import build_model
-
-    cfg, problems = compose("recipe=llama/tiny", *overrides)
-    assert problems == [], problems
-    model = build_model(cfg)
-    units = model_units(cfg.model)
-    groups = [[model.embed], *([b] for b in model.layers.values()), [model.norm, model.output]]
-    counted = [sum(p.numel() for g in group for p in g.parameters()) for group in groups]
+    cfg, model, units, counted = built_and_planned("recipe=llama/tiny", *overrides)
     assert counted == [u.params for u in units]
     names = {n for n, _ in model.named_parameters()}
     assert ("output.weight" in names) != cfg.model.tie_word_embeddings
@@ -244,14 +250,7 @@ def test_mixtral_has_the_published_total_and_active_parameter_counts():
 
 
 def test_moe_tiny_matches_its_units_and_keeps_its_first_block_dense():
-    from fleetwise.runtime.modeling import build_model
-
-    cfg, problems = compose("recipe=llama/moe_tiny", "model.moe.interval=2")
-    assert problems == [], problems
-    model = build_model(cfg)
-    units = model_units(cfg.model)
-    groups = [[model.embed], *([b] for b in model.layers.values()), [model.norm, model.output]]
-    counted = [sum(p.numel() for g in group for p in g.parameters()) for group in groups]
+    _, model, units, counted = built_and_planned("recipe=llama/moe_tiny", "model.moe.interval=2")
     assert counted == [u.params for u in units]
     # blocks 1 and 3 are MoE (first_dense_layers=1, interval=2): a router [4, 64], 4 experts of
     # width 64 (3 matrices each), a shared expert of width 64; a token uses 2 of the 4 experts
