@@ -27,6 +27,10 @@ OVERRIDES = (
     f"optim.weight_decay={DECAY}", f"train.global_batch_size={GLOBAL}", f"train.micro_batch_size={MICRO}",
     f"train.steps={STEPS}", "hardware.devices_per_node=1",
 )  # fmt: skip
+# A 1-rank job's rank gets every core as threads; a kernel's split of a sum over threads (and
+# so its rounding) depends on the thread count and the CPU -- CI saw 1.2e-6 on params where this
+# VM gives 0. One thread on both sides takes that out of the comparison.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def lr_at(done: int) -> float:
@@ -39,6 +43,15 @@ def lr_at(done: int) -> float:
 
 def reference(overrides=OVERRIDES, batch_of=None):
     """The plain loop; `batch_of(indices)` reads the samples (default: the data source's own)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the job's ranks run on one thread each (ONE_THREAD): same kernels, same sums
+    try:
+        return _reference(overrides, batch_of)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(overrides, batch_of):
     from fleetwise.config.validate import load_config
     from fleetwise.runtime.modeling import build_model, build_source
 
@@ -75,7 +88,7 @@ def test_one_process_equals_a_plain_pytorch_loop(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cli(
         "train", *OVERRIDES, "checkpoint.enabled=true", "tracking.enabled=false", f"run.dir={run_dir}",
-        cwd=tmp_path, timeout=400,
+        cwd=tmp_path, timeout=400, env=ONE_THREAD,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     metrics = read_metrics(run_dir)
@@ -86,14 +99,16 @@ def test_one_process_equals_a_plain_pytorch_loop(tmp_path):
         f"max |loss diff| {max(abs(m['train/loss'] - x) for m, x in zip(metrics, losses, strict=True)):.2e}, "
         f"grad norm rel {max(abs(m['train/grad_norm'] / x - 1) for m, x in zip(metrics, norms, strict=True)):.2e}"
     )
-    # measured: params and grad norms bit for bit, losses 2.4e-7 (the loop sums in float64)
+    # measured: params and grad norms bit for bit, losses 2.4e-7 (the loop sums in float64); the
+    # bound leaves 2e-6 for a CPU whose one-thread kernels still round apart (a constant LR or no
+    # clipping moves params by ~1e-3)
     assert [m["train/loss"] for m in metrics] == pytest.approx(losses, abs=1e-6)
     assert [m["train/lr"] for m in metrics] == pytest.approx(lrs, rel=1e-9)
     assert [m["train/grad_norm"] for m in metrics] == pytest.approx(norms, rel=1e-5)
     assert min(norms) > CLIP  # clipping really acts in every step, so a missing clip would show
     worst = max((got_params[k] - params[k]).abs().max().item() for k in params)
     print(f"max |param diff| {worst:.2e}")
-    assert worst < 1e-6, worst
+    assert worst < 2e-6, worst
 
     # throughput and MFU from the run's own step times, computed here: GLOBAL samples of 32 tokens
     # per step; FLOPs per step by the usual dense-transformer count (Narayanan et al. 2021: 6 per
@@ -129,7 +144,7 @@ def test_two_ranks_read_their_own_slices_of_a_token_file(tmp_path):
     run_dir = tmp_path / "run"
     r = run_cli(
         "train", *two, "checkpoint.enabled=true", "tracking.enabled=false", f"run.dir={run_dir}",
-        cwd=tmp_path, timeout=400,
+        cwd=tmp_path, timeout=400, env=ONE_THREAD,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
