@@ -180,6 +180,20 @@ GPT_LAYOUTS = {
         ("strategy=mp", "strategy.mp_degree=2", "strategy.sequence_parallel=true", "train.compile=true"),
         2,
     ),
+    # context parallelism (runtime/context_parallel.py): each sequence in head-tail chunks over 2
+    # ranks. ring: keys/values gathered, blockwise softmax merge, DDP over cp; ulysses: all-to-all
+    # to head sharding, FSDP over the flattened sharding × cp dim
+    "cp2_ring": (("strategy=hybrid", "strategy.cp_degree=2"), 2),
+    "cp2_ulysses_sh2_stage2": (
+        (
+            "strategy=hybrid",
+            "strategy.cp_degree=2",
+            "strategy.cp_method=ulysses",
+            "strategy.sharding_degree=2",
+            "strategy.sharding_stage=2",
+        ),
+        4,
+    ),
     "hybrid_pp2_sh2_mp2": (
         (
             "strategy=hybrid",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetwise import rundir
-from fleetwise.config.layout import MESH_DIMS, Layout
+from fleetwise.config.layout import Layout
 from fleetwise.plan.records import Plan
 
 NOT_ALIKE = "pipeline stages are not alike"  # dryrun.fake.MetaRelay's message when a check fails
@@ -26,10 +26,7 @@ DIMS = ("dp", "sharding", "mp", "pp")
 
 
 def rank_of(layout: Layout, coords: dict[str, int]) -> int:
-    rank = 0
-    for name, size in zip(MESH_DIMS, layout.shape, strict=True):
-        rank = rank * size + coords.get(name, 0)
-    return rank
+    return layout.rank_of(coords)
 
 
 def default_ranks(layout: Layout, alike: dict[str, Any] | None = None) -> list[int]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetwise.config.engine import Engine
-from fleetwise.config.layout import MESH_DIMS, Layout
+from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
 from fleetwise.families import family_of
@@ -159,7 +159,7 @@ def nccl_communicators(layout: Layout) -> dict[str, int]:
     one rank included; a dimension of all the ranks reuses the world's (torch 2.13's
     `_init_one_process_group`). Pipeline sends may add a communicator per neighbour pair later."""
     world = layout.world_size
-    return {"world": world} | {d: n for d, n in zip(MESH_DIMS, layout.shape, strict=True) if n != world}
+    return {"world": world} | {d: n for d, n in zip(layout.dims, layout.shape, strict=True) if n != world}
 
 
 def communicators_note(job: Job) -> str:
