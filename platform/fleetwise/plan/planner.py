@@ -114,7 +114,9 @@ def _stages(
                 "rank": r,
                 "chunks": [c for c, rr in enumerate(ranks) if rr == r],
                 "layers": sum(1 for u in rank_units(chunks, ranks, r) if u.kind == "block"),
-                "params_per_device": int(rank_params[r] / (layout.sharding if engine == Engine.FSDP else 1)),
+                "params_per_device": int(
+                    rank_params[r] / (layout.sharding * layout.cp if engine == Engine.FSDP else 1)
+                ),
                 "memory_total_bytes": int(mem.total),
                 "host_memory_bytes": int(mem.host),  # offloaded state (GPU offload only)
                 "memory_peak": mem.peak_ints(),  # this stage's peak phase and its parts
