@@ -14,6 +14,11 @@ computes it:
 - ulysses: the head-sharded q, k, v in sequence order that attention saves, (heads + 2·kv)·d·S/cp;
   traffic: four all-to-alls (q, k, v, output) of (cp-1)/cp of the local tensors forward, four back.
 
+FLOPs (as the dry run counts them): a cp rank computes 1/cp of every token's dense work; ulysses'
+attention is the fused kernel's over 1/cp of the heads; the ring's is plain matmuls (forward once,
+backward twice) over the 2·cp + 1 blocks of c×c a rank's two chunks see, of the (2·cp)² a full
+sequence's scores have.
+
 Nothing here overlaps with compute (the all-gather runs before the layer's attention): the time
 model counts it exposed.
 """
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.plan.dtypes import FP32
+from fleetwise.plan.units import Unit
 
 
 @dataclass(frozen=True)
@@ -84,3 +90,15 @@ def cp_traffic(cfg: RunConfig, layout: Layout, n: int, recomputes: int = 0) -> t
 
 def _act_bytes(cfg: RunConfig) -> float:
     return FP32 if cfg.train.precision == "fp32" else 2.0
+
+
+def device_flops_per_sample(cfg: RunConfig, layout: Layout, u: Unit, whole: float, reruns: int) -> float:
+    """One cp rank's FLOPs per sample through unit `u`, from `whole`: the same unit's on one rank
+    (plan/time.py device_flops_per_sample, flash attention counted 3.5 times its forward) and
+    `reruns`, the forwards a full recompute adds to the block's backward."""
+    cp = layout.cp
+    if cp == 1 or cfg.strategy.cp_method == "ulysses" or not u.attn_flops:
+        return whole / cp
+    attention = u.attn_flops * (3.5 + reruns)
+    blocks = (2 * cp + 1) / (2 * cp) ** 2  # of the whole sequence's score blocks, on one rank
+    return (whole - attention) / cp + u.attn_flops * blocks * (3 + reruns)

@@ -33,6 +33,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.plan.cache import PLAN_CACHE
 from fleetwise.plan.chunks import RankRole, block_recomputes, unit_groups
 from fleetwise.plan.comm import collective_comm, comm_seconds, fsdp_collectives
+from fleetwise.plan.context_parallel import device_flops_per_sample as cp_device_flops
 from fleetwise.plan.dtypes import FP32
 from fleetwise.plan.job import Job
 from fleetwise.plan.pipeline import bubble_fraction
@@ -325,6 +326,9 @@ def _add_gemms(work: RankWork, model: ComputeModel, u: Unit, count: int, flops: 
     fraction = model.gemm_fraction(u, flops)
     work.gemm_s += count * n * passes * flops / (model.peak * fraction)
     per_sample = device_flops_per_sample(u, model.recompute, mp, again)
+    if model.job.layout.cp > 1:  # this rank's share of every sample (plan/context_parallel.py)
+        reruns = again if model.recompute == "full" and u.kind == "block" else 0
+        per_sample = cp_device_flops(model.job.cfg, model.job.layout, u, per_sample, reruns)
     work.device_flops += count * n * b * per_sample / mp
 
 
@@ -400,7 +404,7 @@ def stage_time(job: Job, costs: HostCosts, work: RankWork, params: float) -> Sta
             job.cfg, work, params, job.layout.sharding * cp if job.engine.shards_optimizer else 1
         ),
         engine_step=work.tensors * e.zero1_step_s + e.gather_passes * params * e.step_pass_s,
-        device_flops=work.device_flops / cp,
+        device_flops=work.device_flops,
     )
 
 

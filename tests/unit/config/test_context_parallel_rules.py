@@ -95,3 +95,5 @@ def test_what_this_stage_does_not_combine_is_refused_with_a_reason():
     )
     moe = _problems("recipe=llama/moe_tiny", *CP, "hardware.devices_per_node=2")
     assert "model.moe.num_experts=0" in moe["model.moe.num_experts"]
+    packed = _problems("recipe=llama/tiny", "data=jsonl", *CP, "hardware.devices_per_node=2")
+    assert "document mask across the chunks" in packed["data.source"]

@@ -4,6 +4,7 @@ global batch 16."""
 
 from __future__ import annotations
 
+import pytest
 from helpers.config import compose
 
 from fleetwise.plan import make_plan
@@ -46,11 +47,22 @@ def test_ring_and_ulysses_save_and_send_what_their_attention_does():
 
 def test_cp_divides_the_tokens_and_fsdp_shards_over_sharding_times_cp():
     one = plan_of("hardware.devices_per_node=1")
-    cp2 = plan_of("strategy=hybrid", "strategy.cp_degree=2", "hardware.devices_per_node=2")
+    cp2 = ("strategy=hybrid", "strategy.cp_degree=2", "hardware.devices_per_node=2")
+    ring, ulysses = plan_of(*cp2), plan_of(*cp2, "strategy.cp_method=ulysses")
     assert "cp" not in one.mesh and "cp" not in one.comm_bytes_per_step
-    # each rank computes half of every sample (the same 8 micro-batches per rank as one process)
-    assert cp2.flops_per_step == one.flops_per_step
-    assert abs(cp2.stages[0]["flops_per_device"] * 2 / one.stages[0]["flops_per_device"] - 1) < 1e-9
+    assert ring.flops_per_step == one.flops_per_step  # the model's FLOPs: the job's, not a rank's
+    # ulysses: each rank half of every sample's work (the same 8 micro-batches per rank as one
+    # process), attention included (the fused kernel on half of the heads)
+    one_pd, ring_pd, ulysses_pd = (p.stages[0]["flops_per_device"] for p in (one, ring, ulysses))
+    assert abs(ulysses_pd * 2 / one_pd - 1) < 1e-9
+    # ring: its attention is plain matmuls (3x the forward, not flash's 3.5x) over 5 of the 16
+    # score blocks of c×c; attention's forward per layer and sample 4·s²·h (QKᵀ and PV, full)
+    attn = 4 * SEQ * SEQ * 64
+    n = 8
+    ring_attention, ulysses_attention = attn * 3 * 5 / 16, attn * 3.5 / 2
+    assert ring_pd - ulysses_pd == pytest.approx(
+        n * B * LAYERS * (ring_attention - ulysses_attention), rel=1e-9
+    )
     fsdp = plan_of(
         "strategy=hybrid",
         "strategy.cp_degree=2",
