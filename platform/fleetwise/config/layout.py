@@ -140,7 +140,14 @@ class Layout:
         """DDP's gradient all-reduce: across dp replicas and cp ranks (each cp rank's gradient is that
         of its chunks' mean loss: their average is the whole sequence's). (ZeRO-1 is no DDP:
         runtime/zero1.py reduce-scatters over `sharding` and all-reduces the shards over `dp`.)"""
-        return ("dp", "cp") if self.cp > 1 else ("dp",)
+        if self.cp == 1:
+            return ("dp",)
+        return ("dp", "cp") if self.dp > 1 else ("cp",)  # (dp 1: the cp group itself, not a copy of it)
+
+    @property
+    def ddp_dim(self) -> str:
+        """The dim whose traffic DDP's all-reduce is (the plan's comm entry): cp when it is the group."""
+        return "cp" if self.cp > 1 and self.dp == 1 else "dp"
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The job's 4D DeviceMesh, named by MESH_DIMS (called collectively by every rank)."""

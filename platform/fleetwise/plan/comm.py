@@ -86,10 +86,11 @@ def data_parallel_comm(
     comm = Comm()
     if engine == Engine.DDP:
         dp = layout.dp * layout.cp  # DDP all-reduces over dp × cp (config/layout.py grad_sync_dims)
-        comm.bytes["dp"] = (
+        dim = layout.ddp_dim  # (the cp group when dp is 1)
+        comm.bytes[dim] = (
             2 * (dp - 1) / dp * (FP32 * p)
         )  # one all-reduce per step (no_sync while accumulating)
-        comm.calls["dp"] = 1
+        comm.calls[dim] = 1
     elif engine == Engine.ZERO1:
         _zero1_comm(comm, cfg, layout, p)
     elif engine == Engine.FSDP:
@@ -276,7 +277,9 @@ def collective_comm(
         comm.bytes["mp"], comm.calls["mp"] = mp_traffic(cfg, layout, worst_units, n, engine, again)
     if layout.cp > 1:  # (a "cp" entry only then: plans without context parallelism keep their keys)
         layers = cfg.model.num_layers if s.recompute == "full" else 0
-        comm.bytes["cp"], comm.calls["cp"] = cp_traffic(cfg, layout, n, recomputes=layers)
+        cp_bytes, cp_calls = cp_traffic(cfg, layout, n, recomputes=layers)
+        comm.bytes["cp"] = comm.bytes.get("cp", 0.0) + cp_bytes
+        comm.calls["cp"] = comm.calls.get("cp", 0) + cp_calls
     if pp > 1:
         residual = activation_bytes(cfg.train.precision, engine, family_of(cfg.model).convolutional).residual
         local_chunks = max(1, len(chunks) // pp)
@@ -304,9 +307,10 @@ def stage_comm_bytes(
     block_recomputes of the chunks, when the caller has it."""
     vol = data_parallel_comm(cfg, layout, p, n, engine, 1).bytes
     if layout.cp > 1:
-        vol["cp"] = cp_traffic(
-            cfg, layout, n, cfg.model.num_layers if cfg.strategy.recompute == "full" else 0
-        )[0]
+        vol["cp"] = (
+            vol.get("cp", 0.0)
+            + cp_traffic(cfg, layout, n, cfg.model.num_layers if cfg.strategy.recompute == "full" else 0)[0]
+        )
     residual = activation_bytes(cfg.train.precision, engine, family_of(cfg.model).convolutional).residual
     # under sequence parallelism a stage sends its output's sequence shard
     residual /= layout.mp if cfg.strategy.sequence_parallel else 1

@@ -47,6 +47,7 @@ def test_context_parallel_sits_between_sharding_and_mp_and_shares_gradients():
     assert lay.fsdp_dims == ("dp", "sharding_cp")
     assert Layout(cp=4).fsdp_dims == ("sharding_cp",)
     assert lay.grad_sync_dims("ddp") == ("dp", "cp")
+    assert Layout(cp=2).grad_sync_dims("ddp") == ("cp",)  # dp 1: the cp group itself
     # cp 1: the mesh and the plan's mesh keep their four dims
     assert Layout(dp=2).dims == ("dp", "pp", "sharding", "mp") and "cp" not in Layout(dp=2).as_dict()
     assert lay.as_dict()["cp"] == 2

@@ -37,12 +37,21 @@ def test_ring_and_ulysses_save_and_send_what_their_attention_does():
     # traffic per step: 8 micro-batches per rank (16 samples / micro-batch 2, cp ranks read the
     # same samples); ring: the K/V all-gather, (cp-1)/cp of 2·S·h·4 bytes, forward and backward
     n = 8
-    assert ring.comm_bytes_per_step["cp"] == n * B * LAYERS * 2 * (2 * SEQ * HEADS * D * 4) // 2 == 1_048_576
+    ddp = ring.params * 4
+    assert (
+        ring.comm_bytes_per_step["cp"]
+        == n * B * LAYERS * 2 * (2 * SEQ * HEADS * D * 4) // 2 + ddp
+        == 1_048_576 + ddp
+    )
     # ulysses: q, k, v and the output (local: 16 tokens), half of each to the other rank, both ways
-    assert ulysses.comm_bytes_per_step["cp"] == n * B * LAYERS * 2 * (4 * HEADS * D * 16 * 4) // 2
+    assert ulysses.comm_bytes_per_step["cp"] == n * B * LAYERS * 2 * (4 * HEADS * D * 16 * 4) // 2 + ddp
     assert ring.mesh == {"pp": 1, "dp": 1, "sharding": 1, "mp": 1, "cp": 2}
-    # DDP all-reduces the gradients over the cp group: 2(n-1)/n of the fp32 gradients
-    assert ring.comm_bytes_per_step["dp"] == ring.params * 4
+    # DDP all-reduces the gradients over the cp group (dp is 1: the same group, counted as cp, as
+    # the dry run sees it): 2(n-1)/n of the fp32 gradients
+    assert ring.comm_bytes_per_step["dp"] == 0
+    with_dp = plan_of(*cp, "hardware.devices_per_node=4")
+    assert with_dp.comm_bytes_per_step["dp"] == with_dp.params * 4 * 2 * 3 / 4  # over dp × cp = 4
+    assert with_dp.comm_bytes_per_step["cp"] == 1_048_576 // 2  # half the micro-batches per rank
 
 
 def test_cp_divides_the_tokens_and_fsdp_shards_over_sharding_times_cp():
