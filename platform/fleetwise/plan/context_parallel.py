@@ -11,7 +11,9 @@ computes it:
   the fp32 scores and probabilities (log-sum-exp and exp each save one).
   Traffic per layer and micro-batch: the all-gather of (cp-1)/cp of the whole K/V forward, and
   its backward (an all-to-all of the same bytes on gloo; a reduce-scatter on NCCL).
-- ulysses: the head-sharded q, k, v in sequence order that attention saves, (heads + 2·kv)·d·S/cp;
+- ulysses: attention saves the head-sharded q, k, v in sequence order instead of the local ones (the
+  same sizes: already counted), and its output apart from the output's all-to-all copy back that
+  the out-projection saves (one is a view of the other without cp): heads·d·S/cp more;
   traffic: four all-to-alls (q, k, v, output) of (cp-1)/cp of the local tensors forward, four back.
 
 FLOPs (as the dry run counts them): a cp rank computes 1/cp of every token's dense work; ulysses'
@@ -56,7 +58,7 @@ def saved_per_layer(cfg: RunConfig, layout: Layout, act_bytes: float) -> float:
         return 0.0
     a = AttentionShape.of(cfg)
     if cfg.strategy.cp_method == "ulysses":
-        return (a.heads + 2 * a.kv_heads) * a.head_dim * a.seq / cp * act_bytes
+        return a.heads * a.head_dim * a.seq / cp * act_bytes
     c = a.seq / (2 * cp)
     kv = 2 * a.seq * a.kv_heads * a.head_dim * act_bytes
     expanded = 2 * a.seq * a.heads * a.head_dim * act_bytes if a.kv_heads != a.heads else 0.0

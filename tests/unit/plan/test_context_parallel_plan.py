@@ -28,9 +28,10 @@ def test_ring_and_ulysses_save_and_send_what_their_attention_does():
     # the scores and their probabilities
     c = SEQ // 4
     ring_extra = 2 * SEQ * HEADS * D * 4 + 2 * HEADS * 5 * c * c * 4
-    # ulysses: q, k, v head-sharded over the whole sequence, saved by attention
-    ulysses_extra = 3 * HEADS * D * SEQ // 2 * 4
-    assert (ring_extra, ulysses_extra) == (26_624, 12_288)
+    # ulysses: attention's output (head-sharded, whole sequence) beside its all-to-all copy back
+    # (without cp the out-projection saves a view of it); q, k, v saved as before, head-sharded
+    ulysses_extra = HEADS * D * SEQ // 2 * 4
+    assert (ring_extra, ulysses_extra) == (26_624, 4_096)
     assert ring.memory_bytes["activations"] - ulysses.memory_bytes["activations"] == LAYERS * B * (
         ring_extra - ulysses_extra
     )
