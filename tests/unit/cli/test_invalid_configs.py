@@ -4,7 +4,8 @@ location, a message and a fix, no traceback, nothing spawned or written, and wit
 Table-driven so that it keeps growing with every new rule (target: >= 250 cases), including the
 adversarial classes of issue 17: absurd sizes that used to hang the planner, inf/nan, more ranks
 than the machine holds, names MLflow refuses, hydra.* overrides, unsafe server addresses; and of
-issue 44: Hugging Face model directories, your own model (model=custom), every section's fields.
+issue 44: Hugging Face model directories, your own model (model=custom), every section's fields,
+JSONL fine-tuning files and context parallelism.
 In-process (one Python for the corpus); a sample of 20 also runs as `fleetwise` processes, each
 within 2 CPU-seconds (what an idle machine answers in), however loaded the machine is.
 """
@@ -304,7 +305,10 @@ CASES = [
     (("recipe=llama/tiny", "model.init_from={hf}/oddheads"), "model.num_kv_heads"),
     (("recipe=llama/tiny", "model.init_from={hf}/missing"), "model.init_from"),
     (("recipe=llama/tiny", "model.init_from={hf}/afile"), "model.init_from"),
-    (("recipe=llama/tiny", "model.init_from={hf}/llama", "strategy=hybrid", "strategy.mp_degree=3"), "strategy.dp_degree"),
+    (
+        ("recipe=llama/tiny", "model.init_from={hf}/llama", "strategy=hybrid", "strategy.mp_degree=3"),
+        "strategy.dp_degree",
+    ),
     # --- the llama family's own fields
     (("recipe=llama/tiny", "model.num_kv_heads=3"), "model.num_kv_heads"),
     (("recipe=llama/tiny", "model.hidden_size=60"), "model.hidden_size"),
@@ -317,13 +321,25 @@ CASES = [
         ),
         "model.rope_scaling.high_freq_factor",
     ),
-    (("recipe=llama/tiny", "strategy=hybrid", "strategy.mp_degree=8", "strategy.dp_degree=1"), "strategy.mp_degree"),
+    (
+        ("recipe=llama/tiny", "strategy=hybrid", "strategy.mp_degree=8", "strategy.dp_degree=1"),
+        "strategy.mp_degree",
+    ),
     (("recipe=llama/tiny", "model.tie_word_embeddings=true", *PP2), "strategy.pp_degree"),
     (("recipe=llama/tiny", "model.rope_theta=0"), "model.rope_theta"),
     (("recipe=llama/tiny", "model.rms_norm_eps=0"), "model.rms_norm_eps"),
     (("recipe=llama/tiny", "model.multiple_of=0"), "model.multiple_of"),
     (("recipe=llama/tiny", "model.ffn_dim_multiplier=-1"), "model.ffn_dim_multiplier"),
-    (("recipe=llama/tiny", "model.vocab_size=255", "strategy=mp", "strategy.mp_degree=2", "strategy.dp_degree=4"), "strategy.mp_degree"),
+    (
+        (
+            "recipe=llama/tiny",
+            "model.vocab_size=255",
+            "strategy=mp",
+            "strategy.mp_degree=2",
+            "strategy.dp_degree=4",
+        ),
+        "strategy.mp_degree",
+    ),
     (("recipe=llama/tiny", "model.intermediate_size=0"), "model.intermediate_size"),
     (("recipe=llama/tiny", "model.seq_len=0"), "model.seq_len"),
     # --- your own model (model=custom; {mynet}: the README's example config tree, examples/mynet)
@@ -333,7 +349,10 @@ CASES = [
         "model.module._target_",
     ),
     (("--config-dir", "{mynet}", "recipe=mynet", "+model.module.bogus=1"), "model.module"),
-    (("--config-dir", "{mynet}", "recipe=mynet", "data.dataset._target_=nope.data.Set"), "data.dataset._target_"),
+    (
+        ("--config-dir", "{mynet}", "recipe=mynet", "data.dataset._target_=nope.data.Set"),
+        "data.dataset._target_",
+    ),
     (
         (
             "--config-dir",
@@ -346,20 +365,44 @@ CASES = [
     ),
     (("--config-dir", "{mynet}", "recipe=mynet", "model.label=z"), "model.label"),
     (
-        ("--config-dir", "{mynet}", "recipe=mynet", "model.loss._target_=helpers.custom_models.per_sample_loss"),
+        (
+            "--config-dir",
+            "{mynet}",
+            "recipe=mynet",
+            "model.loss._target_=helpers.custom_models.per_sample_loss",
+        ),
         "model.loss",
     ),
     (("--config-dir", "{mynet}", "recipe=mynet", "+model.tp_plan.nope=rowwise"), "model.tp_plan.nope"),
     (("--config-dir", "{mynet}", "recipe=mynet", "+model.tp_plan.trunk=sideways"), "model.tp_plan.trunk"),
-    (("--config-dir", "{mynet}", "recipe=mynet", "strategy=mp", "strategy.mp_degree=2", "~model.tp_plan"), "strategy.mp_degree"),
-    (("--config-dir", "{mynet}", "recipe=mynet", "strategy=mp", "strategy.mp_degree=3", "hardware.devices_per_node=3"), "strategy.mp_degree"),
+    (
+        ("--config-dir", "{mynet}", "recipe=mynet", "strategy=mp", "strategy.mp_degree=2", "~model.tp_plan"),
+        "strategy.mp_degree",
+    ),
+    (
+        (
+            "--config-dir",
+            "{mynet}",
+            "recipe=mynet",
+            "strategy=mp",
+            "strategy.mp_degree=3",
+            "hardware.devices_per_node=3",
+        ),
+        "strategy.mp_degree",
+    ),
     (("--config-dir", "{mynet}", "recipe=mynet", "model.blocks=nope"), "model.blocks"),
-    (("--config-dir", "{mynet}", "recipe=mynet", "strategy=hybrid", "strategy.pp_degree=8"), "strategy.pp_degree"),
+    (
+        ("--config-dir", "{mynet}", "recipe=mynet", "strategy=hybrid", "strategy.pp_degree=8"),
+        "strategy.pp_degree",
+    ),
     (("--config-dir", "{mynet}", "recipe=mynet", "model.module._target_=''"), "model.module"),
     (("--config-dir", "{mynet}", "recipe=mynet", "model.module._target_=os.getcwd"), "model.module"),
     (("--config-dir", "{mynet}", "recipe=mynet", "model.module._target_=torch.nn.Linear"), "model.module"),
     (("--config-dir", "{mynet}", "recipe=mynet", "model.module._target_=mynet.net"), "model.module._target_"),
-    (("--config-dir", "{mynet}", "recipe=mynet", *HYB, "strategy.recompute=full", "model.blocks=null"), "strategy.recompute"),
+    (
+        ("--config-dir", "{mynet}", "recipe=mynet", *HYB, "strategy.recompute=full", "model.blocks=null"),
+        "strategy.recompute",
+    ),
     (("--config-dir", "{mynet}", "recipe=mynet", "model.inputs=[nope]"), "model.inputs"),
     (("--config-dir", "{mynet}", "recipe=mynet", "model.inputs=[x,x,x]"), "model.module"),
     (("--config-dir", "{mynet}", "recipe=mynet", "model.loss=null", "model.inputs=null"), "model.module"),
@@ -377,6 +420,61 @@ CASES = [
     (("recipe=resnet/tiny", "data=image_folder", "data.path={hf}/missing"), "data.path"),
     (("recipe=resnet/tiny", "data=image_array", "data.path={hf}/missing.npz"), "data.path"),
     (("data=image_folder",), "data.source"),
+    # --- fine-tuning documents (data=jsonl; {hf}/bad.jsonl: a good line, a broken one, a wrong type)
+    (("recipe=llama/tiny", "data=jsonl"), "data.path"),
+    (("recipe=llama/tiny", "data=jsonl", "data.path={hf}/missing.jsonl"), "data.path"),
+    (("recipe=llama/tiny", "data=jsonl", "data.path={hf}/bad.jsonl"), "data.path"),
+    (("recipe=gpt/tiny", "data=jsonl", "data.path={hf}/bad.jsonl"), "data.source"),
+    (
+        ("recipe=llama/tiny", "data=jsonl", "data.path={hf}/bad.jsonl", "data.tokenizer={hf}/no.json"),
+        "data.tokenizer",
+    ),
+    (("recipe=llama/tiny", "data=jsonl", "data.path={hf}/bad.jsonl", *PP2), "strategy.pp_degree"),
+    # --- context parallelism
+    ((*HYB, "strategy.cp_degree=3"), "model.seq_len"),
+    (("strategy=dp", "strategy.cp_degree=2"), "strategy.cp_degree"),
+    (("recipe=resnet/tiny", *HYB, "strategy.cp_degree=2", "strategy.dp_degree=4"), "strategy.cp_degree"),
+    (("recipe=ctr/tiny", *HYB, "strategy.cp_degree=2", "strategy.dp_degree=4"), "strategy.cp_degree"),
+    ((*HYB, "strategy.cp_degree=2", "strategy.dp_degree=4", "model.seq_len=30"), "model.seq_len"),
+    (
+        (*HYB, "strategy.cp_degree=8", "strategy.dp_degree=1", "strategy.cp_method=ulysses"),
+        "model.num_attention_heads",
+    ),
+    ((*HYB, "strategy.cp_degree=2", "strategy.pp_degree=2", "strategy.dp_degree=2"), "strategy.pp_degree"),
+    ((*HYB, "strategy.cp_degree=2", "strategy.mp_degree=2", "strategy.dp_degree=2"), "strategy.mp_degree"),
+    ((*HYB, "strategy.cp_degree=2", "strategy.dp_degree=4", "train.compile=true"), "train.compile"),
+    ((*HYB, "strategy.cp_degree=2", "strategy.dp_degree=4", "model.dropout=0.1"), "model.dropout"),
+    (
+        (*HYB, "strategy.cp_degree=2", "strategy.dp_degree=4", "strategy.cp_method=zigzag"),
+        "strategy.cp_method",
+    ),
+    ((*HYB, "strategy.cp_degree=0"), "strategy.cp_degree"),
+    (
+        (
+            *HYB,
+            "strategy.cp_degree=2",
+            "strategy.sharding_degree=4",
+            "strategy.dp_degree=1",
+            "strategy.sharding_stage=1",
+        ),
+        "strategy.sharding_stage",
+    ),
+    (
+        ("recipe=llama/moe_tiny", *HYB, "strategy.cp_degree=2", "strategy.dp_degree=4"),
+        "model.moe.num_experts",
+    ),
+    (("strategy=auto", "strategy.cp_degree=2"), "strategy.cp_degree"),
+    (
+        (
+            "recipe=llama/tiny",
+            "data=jsonl",
+            "data.path={hf}/bad.jsonl",
+            *HYB,
+            "strategy.cp_degree=2",
+            "strategy.dp_degree=4",
+        ),
+        "data.source",
+    ),
     # --- the other sections' fields, one bad value each
     (("optim.lr=-1",), "optim.lr"),
     (("optim.momentum=1.5",), "optim.momentum"),
@@ -540,6 +638,7 @@ def corpus_files(tmp_path_factory):
     index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
     (hf / "badindex" / "model.safetensors.index.json").write_text(json.dumps(index))
     (hf / "afile").write_text("not a directory\n")
+    (hf / "bad.jsonl").write_text('{"text": "hello"}\nnot json\n{"prompt": 3, "response": "x"}\n')
     return {"hf": hf, "cache": root / "cache"}
 
 
@@ -632,7 +731,9 @@ def test_the_cli_answers_a_sample_within_two_seconds_at_idle(tmp_path, corpus_fi
 
     _, torch_cpu, _ = cpu_of([sys.executable, "-c", "import torch"])
     idle = os.getloadavg()[0] < 0.5
-    print(f"1-minute load {os.getloadavg()[0]:.2f}: {'idle' if idle else 'busy'}; import torch {torch_cpu:.2f} CPU-s")
+    print(
+        f"1-minute load {os.getloadavg()[0]:.2f}: {'idle' if idle else 'busy'}; import torch {torch_cpu:.2f} CPU-s"
+    )
     slow = []
     for overrides, loc in CLI_SAMPLE:
         custom = "{mynet}" in overrides
