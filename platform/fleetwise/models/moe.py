@@ -37,10 +37,9 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fleetwise.compat import all_to_all_autograd, grouped_mm, grouped_mm_supported, in_backward, is_fake

@@ -9,8 +9,8 @@ experts with sharding_degree instead: FSDP splits each [experts, out, in] weight
 Expert parallelism (`strategy.ep_degree`, runtime/expert_parallel.py) in this stage: groups of
 ep_degree consecutive data-parallel replicas of a DDP job (strategy dp or hybrid with only
 dp_degree > 1). Unlike torchtitan, mp does not join the expert group (mp is refused with experts);
-sharding (FSDP / ZeRO-1 of the experts over the ranks outside the group), pipeline stages and the
-auto search are refused with ep_degree > 1, each with what to do instead.
+sharding (FSDP / ZeRO-1 of the experts over the ranks outside the group) and pipeline stages are
+refused with ep_degree > 1, each with what to do instead.
 """
 
 from __future__ import annotations
@@ -77,13 +77,6 @@ def expert_parallel(ctx: Context) -> Iterator[Problem]:
             f"num_experts={e} does not split over ep_degree={ep} ranks (each rank holds num_experts/ep_degree)",
             f"set strategy.ep_degree to a divisor of {e}, or model.moe.num_experts to a multiple of {ep}",
         )
-    if s.name == "auto":
-        yield Problem(
-            loc,
-            f"ep_degree={ep} with strategy=auto: the search does not place expert-parallel groups yet",
-            "pick the layout yourself (strategy=dp strategy.dp_degree=N strategy.ep_degree=k), or set strategy.ep_degree=1",
-        )
-        return
     lay = ctx.layout
     if lay is None:
         return
@@ -96,7 +89,11 @@ def expert_parallel(ctx: Context) -> Iterator[Problem]:
             f"set strategy.ep_degree to a divisor of {data}",
         )
     for degree, value, why in (
-        ("sharding_degree", lay.sharding, "sharding the experts over the ranks outside their group (FSDP, ZeRO-1)"),
+        (
+            "sharding_degree",
+            lay.sharding,
+            "sharding the experts over the ranks outside their group (FSDP, ZeRO-1)",
+        ),
         ("pp_degree", lay.pp, "pipeline stages with expert groups"),
     ):
         if value > 1:
