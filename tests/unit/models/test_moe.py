@@ -182,7 +182,7 @@ def test_dispatch_groups_the_received_rows_by_local_expert_and_restores_their_or
     from fleetwise.models.moe import Dispatch
 
     ep, experts, local = 2, 4, 2
-    counts = {0: [3, 0, 2, 1], 1: [1, 2, 0, 4]}  # rows per global expert, on each source
+    counts = {0: [3, 1, 0, 2], 1: [1, 2, 3, 4]}  # rows per global expert, on each source (one none)
     rows = {
         src: [(src, e, i) for e in range(experts) for i in range(counts[src][e])] for src in range(ep)
     }  # sorted by expert, as sent
