@@ -113,7 +113,7 @@ class Hosts:
 
     hosts.names[i], hosts.addrs[i] ("10.77.0.<i+1>"), hosts.iface ("eth0", the same on every host);
     hosts.popen(i, argv, ...) starts a process in host i; hosts.link(i, up) takes its link down or
-    up; hosts.shape(rate, delay) shapes every link (scripts/netns_link.py), hosts.unshape() undoes it;
+    up; hosts.wire(i, j) adds a second network between two hosts; hosts.shape(rate, delay) shapes every link (scripts/netns_link.py), hosts.unshape() undoes it;
     hosts.leftover() lists
     processes still inside any namespace; close() kills them all and deletes the namespaces."""
 
@@ -177,6 +177,18 @@ class Hosts:
     def _add_ns(self, ns: str) -> None:
         _ip("netns", "add", ns)
         self._created.append(ns)
+
+    def wire(self, i: int, j: int, subnet: str = "10.78.0") -> tuple[str, str]:
+        """A second network, a cable between hosts i and j only (eth1 on both, SUBNET.1 on i and
+        .2 on j): a machine with two networks, of which a job uses one. Returns the two addresses."""
+        a, b = self.names[i], self.names[j]
+        _ip("-n", a, "link", "add", "eth1", "type", "veth", "peer", "name", "eth1j")
+        _ip("-n", a, "link", "set", "eth1j", "netns", b)
+        _ip("-n", b, "link", "set", "eth1j", "name", "eth1")
+        for ns, addr in ((a, f"{subnet}.1"), (b, f"{subnet}.2")):
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth1")
+            _ip("-n", ns, "link", "set", "eth1", "up")
+        return f"{subnet}.1", f"{subnet}.2"
 
     def command(self, i: int, argv: list[str]) -> list[str]:
         """argv run inside host i."""

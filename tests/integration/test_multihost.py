@@ -143,7 +143,9 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
     """Two jobs at once on the same two hosts, each node with its own run directory (no shared
     filesystem): data parallel over the hosts and a 2-stage pipeline over the hosts. Both equal a
     single process training the same model on the same batches. A third host running another job
-    (so another rendezvous id) against the dp job's store neither joins nor disturbs it."""
+    (so another rendezvous id) against the dp job's store neither joins nor disturbs it. Every
+    socket the jobs listen on is bound to the job network's address: host 0 has a second network
+    (a cable to host 2), on which no port of either job answers."""
     ref = tmp_path / "ref"
     r = run_cli(
         "train", "recipe=gpt/tiny", "train.steps=3", "tracking.enabled=false",
@@ -151,6 +153,7 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     hosts = netns_hosts(3)  # host 2 is outside both jobs
+    other0, _ = hosts.wire(0, 2)  # host 0's second network, which the jobs do not use
     jobs = {
         "dp": ("recipe=gpt/tiny", "hardware.devices_per_node=1", "strategy=dp"),
         "pp": ("recipe=gpt/tiny", "hardware.devices_per_node=1", "strategy=pp"),
@@ -170,6 +173,10 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
         )
 
     _wait_for(outsider_at_the_store, 300, "host 2 to connect to the dp job's rendezvous store")
+    listening = _listeners_while_running(hosts, [p for key, p in procs.items() if key[1] == 0], other0)
+    assert {addr for addr, _, _ in listening} == {hosts.addrs[0]}, listening
+    assert {port for _, port, _ in listening} >= {PORT, PORT + 1}  # both jobs' stores were seen
+    assert {answer for _, _, answer in listening} == {"refused"}, listening
     outs = {key: p.communicate(timeout=480)[0] for key, p in procs.items()}
     assert {key: p.returncode for key, p in procs.items()} == dict.fromkeys(procs, 0), outs
     for name in jobs:
@@ -187,6 +194,30 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
     netns_module().kill_all_in(hosts.names[2])
     assert not list((tmp_path / "outsider").glob("logs/rank_*.log")), outsider.communicate()[0][-3000:]
     assert hosts.leftover() == {}  # both jobs ended every process they started, on every host
+
+
+def _listeners_while_running(hosts, procs, other_addr: str) -> set[tuple[str, int, str]]:
+    """Until `procs` end: every TCP socket listening on host 0 (address, port) and what a connection
+    from host 2 to that port at host 0's `other_addr` (on the second network) gets."""
+    probe = (
+        "import socket, sys\n"
+        "for port in map(int, sys.argv[2:]):\n"
+        "    try: socket.create_connection((sys.argv[1], port), timeout=2).close(); print(port, 'answered')\n"
+        "    except OSError: print(port, 'refused')\n"
+    )
+    seen: set[tuple[str, int, str]] = set()
+    while any(p.poll() is None for p in procs):
+        lines = hosts.run(0, ["ss", "-tlnH"], capture_output=True, text=True).stdout.splitlines()
+        bound = {tuple(line.split()[3].rsplit(":", 1)) for line in lines}
+        if bound:
+            ports = sorted({p for _, p in bound})
+            r = hosts.run(
+                2, [sys.executable, "-c", probe, other_addr, *ports], capture_output=True, text=True
+            )
+            answers = dict(line.split() for line in r.stdout.splitlines())
+            seen |= {(addr, int(port), answers.get(port, "?")) for addr, port in bound}
+        time.sleep(0.5)
+    return seen
 
 
 def test_ctr_ps_with_servers_on_one_host_and_trainers_on_the_other(netns_hosts, tmp_path):

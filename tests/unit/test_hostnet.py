@@ -71,6 +71,7 @@ def test_multi_node_torchrun_command_carries_the_derived_network():
         f"--rdzv-conf=last_call_timeout={cfg.launch.rdzv_last_call_s},is_host=false"
     ]
     assert "--local-addr=10.77.0.2" in cmd and "--rdzv-endpoint=10.77.0.1:29555" in cmd
+    assert cmd[3] == "--bind=10.77.0.2"  # what this node's agent hosts listens there only
 
 
 def test_an_endpoint_this_node_cannot_resolve_is_refused_before_launch():

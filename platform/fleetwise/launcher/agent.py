@@ -1,13 +1,14 @@
-"""torchrun, with every store it hosts listening on loopback only (single node), and telling the
+"""torchrun, with every store it hosts listening on the one address the job needs, and telling the
 ranks the rendezvous round of their group (every job).
 
-`python -m fleetwise.launcher.agent TORCHRUN_ARGS…` is `python -m torch.distributed.run` except that
-torch's TCPStore servers (the c10d rendezvous store and the store the ranks share) listen on
-127.0.0.1. torch binds them to every interface whatever host it is given, and they are
-unauthenticated: on a single-node job anyone who reaches the machine could join the rendezvous or
-write the keys the ranks read. TCPStore accepts an already-listening socket (`master_listen_fd`);
-this module hands it one bound to loopback. Multi-node jobs need a reachable store
-(`--any-interface`, the first argument: torch's binds; trusted network, see the README).
+`python -m fleetwise.launcher.agent --bind=ADDR TORCHRUN_ARGS…` is `python -m torch.distributed.run`
+except that torch's TCPStore servers (the c10d rendezvous store and the store the ranks share)
+listen on ADDR: 127.0.0.1 for a single-node job, this node's address on the route to the
+rendezvous endpoint for a multi-node one (fleetwise/hostnet.py). torch binds them to every
+interface whatever host it is given, and they are unauthenticated: anyone who reaches any of the
+machine's networks could join the rendezvous or write the keys the ranks read. TCPStore accepts an
+already-listening socket (`master_listen_fd`); this module hands it one bound to ADDR
+(runtime/mesh.py's `listening_socket`, which rank 0's own store uses too).
 
 Every group the agent starts gets FLEETWISE_RDZV_ROUND (runtime/mesh.py's ROUND_VAR): the round is
 the same on every node, 0 only for the job's first group, so a group re-formed because a lost node
@@ -27,7 +28,6 @@ import signal
 import socket
 import sys
 
-LOOPBACK = "127.0.0.1"
 _ARGS = (
     "host_name",
     "port",
@@ -67,30 +67,29 @@ SERVER_ENV: dict[str, str] = {}
 GROUP_ENV: dict[str, str] = {}
 
 
-def loopback_store_class(base):
-    class LoopbackTCPStore(base):
+def bound_store_class(base, address: str):
+    class BoundTCPStore(base):
         def __init__(self, *args, **kwargs):
             kwargs.update(zip(_ARGS, args, strict=False))
             if kwargs.get("is_master") and kwargs.get("master_listen_fd") is None:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((LOOPBACK, int(kwargs.get("port") or 0)))
-                sock.listen(socket.SOMAXCONN)
+                from fleetwise.runtime.mesh import listening_socket
+
+                sock = listening_socket(address, int(kwargs.get("port") or 0))
                 _listening.append(sock)
-                kwargs.update(host_name=LOOPBACK, port=sock.getsockname()[1], master_listen_fd=sock.fileno())
+                kwargs.update(host_name=address, port=sock.getsockname()[1], master_listen_fd=sock.fileno())
                 kwargs["use_libuv"] = True  # the libuv server takes the socket as it is
             super().__init__(**kwargs)
 
-    LoopbackTCPStore.__name__ = LoopbackTCPStore.__qualname__ = "TCPStore"
-    return LoopbackTCPStore
+    BoundTCPStore.__name__ = BoundTCPStore.__qualname__ = "TCPStore"
+    return BoundTCPStore
 
 
-def install() -> None:
-    """Make the stores torchrun's agent creates listen on loopback."""
+def install(address: str) -> None:
+    """Make the stores torchrun's agent creates listen on `address` only."""
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
 
-    store = loopback_store_class(dist.TCPStore)
+    store = bound_store_class(dist.TCPStore, address)
     dist.TCPStore = store  # dynamic_rendezvous: the store shared with the ranks
     c10d_rendezvous_backend.TCPStore = store  # the rendezvous store
 
@@ -155,10 +154,9 @@ def fork_ranks() -> None:
 
 if __name__ == "__main__":
     start_fork_server()
-    if sys.argv[1:2] == ["--any-interface"]:
-        del sys.argv[1]
-    else:
-        install()
+    if not sys.argv[1].startswith("--bind="):
+        raise SystemExit(f"usage: python -m {__name__} --bind=ADDR TORCHRUN_ARGS...")
+    install(sys.argv.pop(1).removeprefix("--bind="))
     export_round()
     fork_ranks()
     from torch.distributed.run import main

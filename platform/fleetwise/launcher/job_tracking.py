@@ -132,7 +132,9 @@ class JobTracking:
         from fleetwise.tracking.store import describe
 
         try:
-            reap_orphans(self.tracker._client, self.tracker.uri, self.tracker.notify, keep=self.tracker.run_id)
+            reap_orphans(
+                self.tracker._client, self.tracker.uri, self.tracker.notify, keep=self.tracker.run_id
+            )
         except Exception as exc:  # noqa: BLE001 - housekeeping of other runs
             self.tracker.notify(f"could not check the store's other RUNNING runs: {describe(exc)}")
 

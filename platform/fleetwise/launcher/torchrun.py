@@ -71,7 +71,7 @@ def torchrun_command(cfg: RunConfig, run_dir: Path, net: NodeNet | None = None) 
     if launch.nnodes == "1":
         # One node: torchrun through fleetwise.launcher.agent, whose stores listen on loopback
         # only (torch's own bind every interface), with a random rendezvous id.
-        cmd = [sys.executable, "-m", AGENT, nproc, "--nnodes=1", "--rdzv-backend=c10d"]
+        cmd = [sys.executable, "-m", AGENT, "--bind=127.0.0.1", nproc, "--nnodes=1", "--rdzv-backend=c10d"]
         cmd += [
             f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-conf=is_host=true",
@@ -79,7 +79,9 @@ def torchrun_command(cfg: RunConfig, run_dir: Path, net: NodeNet | None = None) 
             "--local-addr=127.0.0.1",
         ]
     else:
-        cmd = [sys.executable, "-m", AGENT, "--any-interface", nproc]
+        net = net or node_network(launch.rdzv_endpoint)
+        # the stores node 0 hosts listen on its address on the route the other nodes take, only
+        cmd = [sys.executable, "-m", AGENT, f"--bind={net.local_addr}", nproc]
         cmd += [
             f"--nnodes={launch.nnodes}",
             f"--node-rank={launch.node_rank}",
@@ -87,7 +89,6 @@ def torchrun_command(cfg: RunConfig, run_dir: Path, net: NodeNet | None = None) 
             f"--rdzv-endpoint={host}:{port}",
             f"--rdzv-id={rdzv_id(cfg)}",
         ]
-        net = net or node_network(launch.rdzv_endpoint)
         cmd += torchrun_args(net, [f"last_call_timeout={launch.rdzv_last_call_s}"])
     cmd += [
         f"--max-restarts={launch.max_restarts}",

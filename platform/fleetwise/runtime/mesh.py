@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -121,15 +122,36 @@ def attempt_store(rank: int, world: int, attempt: str, timeout: timedelta) -> di
     (`attempt_prefix`) makes every attempt see only its own keys."""
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosts = not agent_hosts and rank == 0  # a multi-node group: rank 0 hosts the ranks' store
+    listen = {}
+    if hosts:  # on MASTER_ADDR only (torch's own binds every interface; see launcher/agent.py)
+        sock = listening_socket(host, port)
+        _LISTENING.append(sock)
+        listen = {"master_listen_fd": sock.fileno(), "use_libuv": True}
     store = dist.TCPStore(
         host,
         port,
         world_size=world,
-        is_master=(not agent_hosts and rank == 0),
+        is_master=hosts,
         timeout=timeout,
         wait_for_workers=False,
+        **listen,
     )
     return dist.PrefixStore(f"fleetwise/attempt_{attempt}", store)
+
+
+_LISTENING: list[socket.socket] = []  # open for the life of the process: the stores serve on them
+
+
+def listening_socket(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on `address` only (port 0: a free one), for a TCPStore server
+    (`master_listen_fd`). An address this machine does not have is an error here, at start-up."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.listen(socket.SOMAXCONN)
+    return sock
 
 
 _GROUPS: dict[tuple[str, ...], dist.ProcessGroup] = {}

@@ -53,15 +53,15 @@ def test_single_node_stores_listen_on_loopback_only():
 
     import torch.distributed as dist
 
-    from fleetwise.launcher.agent import loopback_store_class
+    from fleetwise.launcher.agent import bound_store_class
 
-    store = loopback_store_class(dist.TCPStore)("localhost", 0, is_master=True, multi_tenant=True)
+    store = bound_store_class(dist.TCPStore, "127.0.0.1")("localhost", 0, is_master=True, multi_tenant=True)
     assert isinstance(store, dist.TCPStore) and _listen_address(store.port) == "127.0.0.1"
     client = dist.TCPStore("127.0.0.1", store.port, timeout=datetime.timedelta(seconds=30))
     client.set("k", "v")
     assert store.get("k") == b"v"
     cmd = torchrun.torchrun_command(_cfg(), Path("/tmp/run"))
-    assert cmd[2] == "fleetwise.launcher.agent" and "--local-addr=127.0.0.1" in cmd
+    assert cmd[2:4] == ["fleetwise.launcher.agent", "--bind=127.0.0.1"] and "--local-addr=127.0.0.1" in cmd
     assert any(c.startswith("--rdzv-endpoint=127.0.0.1:") for c in cmd)
 
 
