@@ -382,7 +382,8 @@ def test_moe_expert_parallel_equals_single_process_and_resumes_across_ep_degree(
     """ep 2 on 2 ranks (dp 2: each rank holds 2 of the 4 experts of every MoE block, the rows
     travel by all-to-all) equals one process in losses, parameters, balance losses and expert
     counts; its checkpoint at step 2 (the expert weights saved in shards) resumes in one process
-    (ep 1), and one process's resumes under ep 2, both ending where the uninterrupted run ends."""
+    (ep 1), and one process's resumes under ep 2 on 4 ranks (dp 4: two expert groups), both ending
+    where the uninterrupted run ends."""
     moe = ("recipe=llama/moe_tiny", "strategy=dp", *SGD)
     got = run(tmp_path, "ep2", *moe, "strategy.ep_degree=2", "checkpoint.interval=2", procs=2)
     ref, ref_dir = moe_ref
@@ -393,7 +394,8 @@ def test_moe_expert_parallel_equals_single_process_and_resumes_across_ep_degree(
         assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
     for name, src, overrides, procs in (
         ("ep2_to_ep1", tmp_path / "ep2", (), 1),
-        ("ep1_to_ep2", ref_dir, ("strategy.ep_degree=2",), 2),
+        # 4 ranks: two expert groups, whose experts' gradients are summed across the groups
+        ("ep1_to_dp4_ep2", ref_dir, ("strategy.ep_degree=2",), 4),
     ):
         truncated_copy(src, tmp_path / name, keep_step=2)
         resumed = run(tmp_path, name, *moe, *overrides, "checkpoint.resume=auto", procs=procs)
