@@ -58,6 +58,12 @@ def test_expert_parallelism_needs_experts_and_a_fixed_layout():
         "hardware.devices_per_node=4",
     )  # fmt: skip
     assert "strategy.mp_degree" in [p.loc for p in problems]
+    _, problems = compose(
+        *MOE, "strategy=dp", "strategy.ep_degree=2", "hardware=h100", "hardware.devices_per_node=2",
+        "train.precision=fp16",
+    )  # fmt: skip
+    assert [p.loc for p in problems] == ["train.precision"], problems
+    assert "train.precision=bf16" in problems[0].hint
 
 
 def test_validate_exits_2_with_the_problems(tmp_path):

@@ -9,8 +9,8 @@ experts with sharding_degree instead: FSDP splits each [experts, out, in] weight
 Expert parallelism (`strategy.ep_degree`, runtime/expert_parallel.py) in this stage: groups of
 ep_degree consecutive data-parallel replicas of a DDP job (strategy dp or hybrid with only
 dp_degree > 1). Unlike torchtitan, mp does not join the expert group (mp is refused with experts);
-sharding (FSDP / ZeRO-1 of the experts over the ranks outside the group) and pipeline stages are
-refused with ep_degree > 1, each with what to do instead.
+sharding (FSDP / ZeRO-1 of the experts over the ranks outside the group), pipeline stages and
+fp16's loss scaling are refused with ep_degree > 1, each with what to do instead.
 """
 
 from __future__ import annotations
@@ -76,6 +76,15 @@ def expert_parallel(ctx: Context) -> Iterator[Problem]:
             "model.moe.num_experts",
             f"num_experts={e} does not split over ep_degree={ep} ranks (each rank holds num_experts/ep_degree)",
             f"set strategy.ep_degree to a divisor of {e}, or model.moe.num_experts to a multiple of {ep}",
+        )
+    if ctx.cfg.train.precision == "fp16":
+        # GradScaler unscales each device's gradients in one multi-tensor call, which refuses the
+        # experts' DTensor gradients beside the dense plain ones (runtime/parallelize.py replicate_rest)
+        yield Problem(
+            "train.precision",
+            f"train.precision=fp16 with ep_degree={ep}: fp16's loss scaling does not handle the "
+            "expert-parallel gradients yet",
+            "set train.precision=bf16 (no loss scaling) or fp32, or strategy.ep_degree=1",
         )
     lay = ctx.layout
     if lay is None:
