@@ -71,7 +71,11 @@ def test_resnet_batchnorm_under_fsdp_bf16(tmp_path):
     """FSDP's mixed precision casts parameters to bf16 but not BatchNorm's running statistics
     ("expected scalar type BFloat16 but found Float"; on CUDA "Expected running_mean to have type
     BFloat16", cf. torchtitan#674): BatchNorm keeps fp32 parameters in units of their own. The
-    FSDP run's losses equal DDP's under autocast (which runs BatchNorm the same way)."""
+    FSDP run's losses equal DDP's under autocast (which runs BatchNorm the same way), and both
+    really ran in bf16: their first loss differs from the fp32 one, computed here from the initial
+    weights (a policy silently not applied would leave FSDP in fp32, and DDP's equality with it
+    would only say that autocast was off too)."""
+    base = ("recipe=resnet/tiny", "data=synthetic")
     runs = {}
     for name, layout in {
         "fsdp": ("strategy=sharding", "strategy.sharding_stage=2"),
@@ -79,15 +83,42 @@ def test_resnet_batchnorm_under_fsdp_bf16(tmp_path):
     }.items():
         run_dir = tmp_path / name
         r = run_cli(
-            "train", "recipe=resnet/tiny", "data=synthetic", *layout, "hardware.devices_per_node=2",
+            "train", *base, *layout, "hardware.devices_per_node=2",
             "train.precision=bf16",
             "hardware.has_bf16=true", "train.steps=2", "checkpoint.enabled=false", "tracking.enabled=false",
             f"run.dir={run_dir}", cwd=tmp_path,
         )  # fmt: skip
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         runs[name] = [m["train/loss"] for m in read_metrics(run_dir)]
-    print(runs)
+    fp32 = first_loss_in_fp32(base)
+    print(runs, "fp32 first loss", fp32, {k: f"{v[0] / fp32 - 1:+.2e}" for k, v in runs.items()})
+    for name, losses in runs.items():
+        # measured 1.7e-4 for both; an FSDP run without its policy read 5.8e-8 from this fp32
+        # value (fp32 layouts agree to <= 3.6e-7, test_parity)
+        assert abs(losses[0] / fp32 - 1) > 1e-5, (name, losses[0], fp32)
     assert runs["fsdp"] == pytest.approx(runs["ddp"], rel=1e-3)
+
+
+def first_loss_in_fp32(overrides) -> float:
+    """A job's first logged loss in fp32, computed from its initial weights without fleetwise's
+    trainer: the mean cross entropy of its micro-batches of consecutive samples (BatchNorm in
+    training mode normalises over each), before any update."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from fleetwise.config.validate import load_config
+    from fleetwise.runtime.modeling import build_model, build_source
+
+    cfg = load_config(list(overrides))
+    model, source = build_model(cfg), build_source(cfg)
+    n, b = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    with torch.no_grad():
+        losses = []
+        for m in range(n // b):
+            batch = source.batch(np.arange(m * b, (m + 1) * b))
+            losses.append(F.cross_entropy(model(batch["images"]), batch["labels"]).item())
+    return sum(losses) / len(losses)
 
 
 def test_bf16_and_fp16_train_like_one_process_of_the_same_precision(tmp_path):

@@ -179,6 +179,20 @@ GPT_LAYOUTS = {
         ("strategy=mp", "strategy.mp_degree=2", "strategy.sequence_parallel=true", "train.compile=true"),
         2,
     ),
+    # context parallelism (runtime/context_parallel.py): each sequence in head-tail chunks over 2
+    # ranks. ring: keys/values gathered, blockwise softmax merge, DDP over cp; ulysses: all-to-all
+    # to head sharding, FSDP over the flattened sharding × cp dim
+    "cp2_ring": (("strategy=hybrid", "strategy.cp_degree=2"), 2),
+    "cp2_ulysses_sh2_stage2": (
+        (
+            "strategy=hybrid",
+            "strategy.cp_degree=2",
+            "strategy.cp_method=ulysses",
+            "strategy.sharding_degree=2",
+            "strategy.sharding_stage=2",
+        ),
+        4,
+    ),
     "hybrid_pp2_sh2_mp2": (
         (
             "strategy=hybrid",
@@ -307,7 +321,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers(tmp_path):
     """llama/tiny started from a Hugging Face checkpoint (a Qwen 3, written by transformers in the
     test): tensor parallel 2 (sequence parallel; the q/k norms' shared weight over split heads) ×
-    pipeline 2, and ZeRO-3 over 2 ranks, equal one process; each ZeRO-3 rank read half of the
+    pipeline 2, ZeRO-3 over 2 ranks, and context parallel 2 (ring and ulysses), equal one process; each ZeRO-3 rank read half of the
     weights' bytes; the one-process run exported as a Hugging Face directory loads in transformers
     and computes fleetwise's logits."""
     import transformers
@@ -323,6 +337,11 @@ def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers
     layouts = {
         "mp2_sp_pp2": ("strategy=hybrid", "strategy.mp_degree=2", "strategy.sequence_parallel=true", "strategy.pp_degree=2"),
         "zero3x2": ("strategy=sharding", "strategy.sharding_stage=3"),
+        # context parallel 2 with grouped-query attention: ring (the 4 kv heads gathered, then
+        # widened to the 8 query heads) and ulysses (each rank 4 query heads and their 2 kv heads);
+        # the rotary angles and q/k norms of each chunk's true positions
+        "cp2_ring": ("strategy=hybrid", "strategy.cp_degree=2"),
+        "cp2_ulysses": ("strategy=hybrid", "strategy.cp_degree=2", "strategy.cp_method=ulysses"),
     }
     for name, layout in layouts.items():
         got = run(tmp_path, name, *base, *layout, procs=4 if name.startswith("mp2") else 2)

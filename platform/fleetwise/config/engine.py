@@ -12,6 +12,9 @@ model in), so that both always agree. No torch import here.
 | sharding_stage 3 (ZeRO-3)               | fsdp    | fully_shard(reshard_after_forward=True) on (dp, sharding)  |
 | dp > 1 with mp > 1 or pp > 1, no sharding | fsdp  | fully_shard on (dp, sharding=1): HSDP that only replicates |
 
+Context parallel ranks (cp > 1) count as data-parallel ones here: dp = 1 and cp > 1 without
+sharding is DDP over cp; with sharding, FSDP shards over sharding × cp (config/layout.py).
+
 FSDP2 always stores parameters sharded between steps, so "stage 2" here differs from ZeRO-2 on
 paper (which keeps whole parameters on every rank): parameters are gathered once per forward and
 kept until the backward is done, instead of being re-gathered for the backward as in stage 3.
@@ -70,7 +73,7 @@ class Engine(StrEnum):
 def dp_engine(layout: Layout, sharding_stage: int | None) -> Engine:
     if layout.sharding > 1:
         return Engine.ZERO1 if sharding_stage == 1 else Engine.FSDP
-    if layout.dp > 1:
+    if layout.dp > 1 or layout.cp > 1:  # cp ranks' gradients are averaged like dp replicas'
         return Engine.FSDP if (layout.mp > 1 or layout.pp > 1) else Engine.DDP
     return Engine.NONE
 

@@ -4,8 +4,9 @@ Two families (PaddlePaddle's distributed-training overview): *collective* strate
 where every rank is a worker, and the *parameter server* (`ps`), where servers hold the
 parameters and trainers push gradients and pull values.
 
-A collective strategy is four degrees whose product is the world size
-(sharding × dp × mp × pp = nodes × devices_per_node). The named strategies are presets: each
+A collective strategy is five degrees whose product is the world size
+(sharding × dp × mp × pp × cp = nodes × devices_per_node; cp, context parallelism, splits each
+sequence over ranks and is set only with `strategy=hybrid`). The named strategies are presets: each
 one fixes which degrees may exceed 1, so `strategy=dp strategy.mp_degree=2` is refused with a
 pointer to `strategy=hybrid` instead of silently becoming a hybrid job.
 """
@@ -72,6 +73,17 @@ class CollectiveStrategy(Section):
     offload: bool = Field(False, description="Keep sharded parameters and optimizer state in host memory.")
     sequence_parallel: bool = Field(
         False, description="Shard layer norms/dropout along the sequence over mp ranks."
+    )
+    cp_degree: int = Field(
+        1,
+        ge=1,
+        description="Context parallel ranks: each sequence is split over them (head-tail chunks, causal "
+        "load balance); they share parameter shards like data-parallel ranks. Only with strategy=hybrid.",
+    )
+    cp_method: Literal["ring", "ulysses"] = Field(
+        "ring",
+        description="ring: keys/values of every rank's chunks gathered, blockwise softmax merged; ulysses: "
+        "all-to-all from sequence- to head-sharding around attention (heads divisible by cp_degree).",
     )
 
     def degree(self, name: str) -> int | str:

@@ -208,7 +208,7 @@ def fill_max(cfg: RunConfig) -> RunConfig:
 
     chosen = {n: 1 for n in names}
     for name in names:
-        fixed = math.prod(int(v) for n in DEGREE_NAMES if isinstance(v := s.degree(n), int))
+        fixed = math.prod(int(v) for n in DEGREE_NAMES if isinstance(v := s.degree(n), int)) * s.cp_degree
         left = cfg.hardware.world_size // fixed // math.prod(v for n, v in chosen.items() if n != name)
         baseline = {p.loc for p in check(with_degrees(**{**chosen, name: 1}))}
         for d in _divisors_down(max(1, left)):

@@ -40,6 +40,10 @@ _COLLECTIVES = {
     "gather_": (1, lambda n: 1.0),
     "send": (0, lambda n: 1.0),
     "recv_": (0, lambda n: 0.0),  # counted by the sender
+    # all-to-alls (context parallelism: ulysses' all_to_all_single; the ring's all-gather backward
+    # on gloo is a list all-to-all): every rank keeps 1/n of its input and sends the rest
+    "alltoall_base_": (1, lambda n: (n - 1) / n),
+    "alltoall_": (1, lambda n: (n - 1) / n),
     # functional collectives (DTensor redistributions, tensor parallelism)
     "all_reduce": _ALL_REDUCE,
     "all_reduce_coalesced": _ALL_REDUCE,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetwise import rundir
-from fleetwise.config.layout import MESH_DIMS, Layout
+from fleetwise.config.layout import Layout
 from fleetwise.plan.records import Plan
 
 NOT_ALIKE = "pipeline stages are not alike"  # dryrun.fake.MetaRelay's message when a check fails
@@ -26,10 +26,7 @@ DIMS = ("dp", "sharding", "mp", "pp")
 
 
 def rank_of(layout: Layout, coords: dict[str, int]) -> int:
-    rank = 0
-    for name, size in zip(MESH_DIMS, layout.shape, strict=True):
-        rank = rank * size + coords.get(name, 0)
-    return rank
+    return layout.rank_of(coords)
 
 
 def default_ranks(layout: Layout, alike: dict[str, Any] | None = None) -> list[int]:
@@ -262,9 +259,13 @@ def compare(plan: Plan, report: dict[str, Any]) -> dict[str, Any]:
     planned_mem = stage.get("memory_total_bytes", plan.memory_bytes["total"])
     measured = report["comm_bytes_per_step"]
     comm = {}
-    for dim in DIMS:
-        got = measured.get(dim, 0) + (measured.get("dp+sharding", 0) if dim == "dp" else 0)
-        want = stage.get("comm_bytes_per_step", plan.comm_bytes_per_step).get(dim, 0)
+    # flattened groups by the planner's dim: DDP over dp × cp counts as dp, FSDP over sharding × cp
+    # as sharding (config/layout.py); context parallelism's own collectives as cp, when there is cp
+    merged = {"dp": ("dp+sharding", "dp+cp"), "sharding": ("sharding+cp",)}
+    planned = stage.get("comm_bytes_per_step", plan.comm_bytes_per_step)
+    for dim in (*DIMS, "cp") if "cp" in planned or "cp" in measured else DIMS:
+        got = measured.get(dim, 0) + sum(measured.get(m, 0) for m in merged.get(dim, ()))
+        want = planned.get(dim, 0)
         comm[dim] = {"planner": want, "dryrun": got, "rel": rel(want, got)}
     flops = stage.get("flops_per_device", 0.0)
     out = {

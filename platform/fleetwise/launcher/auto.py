@@ -67,6 +67,17 @@ def resolve_auto(overrides: list[str], *, progress: bool = True) -> AutoOutcome:
     if problems or base is None:
         return AutoOutcome(problems=problems)
     s = base.strategy
+    if s.cp_degree > 1:  # refused, not ignored: the search's layouts multiply to the world without cp
+        return AutoOutcome(
+            problems=[
+                Problem(
+                    "strategy.cp_degree",
+                    f"strategy=auto does not search context parallelism yet (cp_degree={s.cp_degree})",
+                    f"use strategy=hybrid strategy.cp_degree={s.cp_degree} with the other degrees you want, "
+                    "or drop strategy.cp_degree from the auto search",
+                )
+            ]
+        )
     fixed: dict[str, Any] = {}
     for o in others:
         key = _key(o)

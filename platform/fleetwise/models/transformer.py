@@ -4,6 +4,10 @@ Plain nn.Modules with no parallel code: tensor parallelism is applied from outsi
 plans in each family's `tp_plan.py` (their shared parts: `models/tp_plan.py`). Attention keeps q, k and v as separate projections (a fused qkv weight
 would be split across ranks in the wrong places by column parallelism) and infers the number of
 local heads from the projection width, so the same code runs whole or sharded.
+
+Context parallelism (runtime/context_parallel.py) reaches a model through one attribute, `seq`, of
+the modules that must know where their tokens sit in the whole sequence -- attention and position
+tables: None (the whole sequence is on this rank) unless the runtime set it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(hidden, hidden)
         self.wv = nn.Linear(hidden, hidden)
         self.wo = nn.Linear(hidden, hidden)
+        self.seq = None  # context parallelism: this rank's SeqShard (runtime/context_parallel.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -30,9 +35,12 @@ class Attention(nn.Module):
         q, k, v = (
             proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.wq, self.wk, self.wv)
         )
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
-        )
+        if self.seq is not None:  # (validate refuses attention dropout with context parallelism)
+            out = self.seq.attend(q, k, v, causal=self.causal)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
+            )
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

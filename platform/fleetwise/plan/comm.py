@@ -12,6 +12,9 @@ all-gather and a reduce-scatter (n-1)/n. What each engine runs per step:
 - Tensor parallel: the DTensor plans' all-reduces (or all-gather + reduce-scatter pairs under
   sequence parallelism) of each block, the embedding and the head (`mp_traffic`).
 - Pipeline: each micro-batch's boundary activation forward and its gradient back.
+- Context parallel (a "cp" entry, only when cp > 1): the ring's K/V all-gathers or ulysses'
+  all-to-alls of every layer (plan/context_parallel.py); DDP's all-reduce spans dp × cp and FSDP's
+  collectives sharding × cp.
 A call costs the profile's latency, its bytes the profile's bandwidth (inter-node where the
 dimension's groups span nodes).
 """
@@ -28,6 +31,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
 from fleetwise.families import family_of
 from fleetwise.plan.chunks import block_recomputes, rank_units
+from fleetwise.plan.context_parallel import cp_traffic
 from fleetwise.plan.dtypes import FP32, activation_bytes, compute_bytes
 from fleetwise.plan.units import Unit
 
@@ -81,11 +85,12 @@ def data_parallel_comm(
     `n_units` FSDP units (the mp and pp entries stay 0)."""
     comm = Comm()
     if engine == Engine.DDP:
-        dp = layout.dp
-        comm.bytes["dp"] = (
+        dp = layout.dp * layout.cp  # DDP all-reduces over dp × cp (config/layout.py grad_sync_dims)
+        dim = layout.ddp_dim  # (the cp group when dp is 1)
+        comm.bytes[dim] = (
             2 * (dp - 1) / dp * (FP32 * p)
         )  # one all-reduce per step (no_sync while accumulating)
-        comm.calls["dp"] = 1
+        comm.calls[dim] = 1
     elif engine == Engine.ZERO1:
         _zero1_comm(comm, cfg, layout, p)
     elif engine == Engine.FSDP:
@@ -124,7 +129,7 @@ def _fsdp_comm(comm: Comm, cfg: RunConfig, layout: Layout, p: float, n: int, n_u
     all-reduce of the shards across dp replicas (HSDP)."""
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
-    dp, sh = layout.dp, layout.sharding
+    dp, sh = layout.dp, layout.sharding * layout.cp  # FSDP shards over sharding × cp
     grad_bytes, gather = FP32 * p, compute_bytes(cfg.train.precision)
     rs, ag = _relative_costs(cfg)
     gathers_per_step, scatters = fsdp_collectives(s, layout, n)
@@ -272,6 +277,11 @@ def collective_comm(
         comm.bytes["mp"], comm.calls["mp"] = mp_traffic(cfg, layout, worst_units, n, engine, again)
     if s.ep_degree > 1:
         comm.bytes["ep"], comm.calls["ep"] = ep_traffic(cfg, s.ep_degree, worst_units, n)
+    if layout.cp > 1:  # (a "cp" entry only then: plans without context parallelism keep their keys)
+        layers = cfg.model.num_layers if s.recompute == "full" else 0
+        cp_bytes, cp_calls = cp_traffic(cfg, layout, n, recomputes=layers)
+        comm.bytes["cp"] = comm.bytes.get("cp", 0.0) + cp_bytes
+        comm.calls["cp"] = comm.calls.get("cp", 0) + cp_calls
     if pp > 1:
         residual = activation_bytes(cfg.train.precision, engine, family_of(cfg.model).convolutional).residual
         local_chunks = max(1, len(chunks) // pp)
@@ -315,6 +325,11 @@ def stage_comm_bytes(
     parameter traffic for its own parameters `p`, pipeline traffic for its own chunks. `again`:
     block_recomputes of the chunks, when the caller has it."""
     vol = data_parallel_comm(cfg, layout, p, n, engine, 1).bytes
+    if layout.cp > 1:
+        vol["cp"] = (
+            vol.get("cp", 0.0)
+            + cp_traffic(cfg, layout, n, cfg.model.num_layers if cfg.strategy.recompute == "full" else 0)[0]
+        )
     residual = activation_bytes(cfg.train.precision, engine, family_of(cfg.model).convolutional).residual
     # under sequence parallelism a stage sends its output's sequence shard
     residual /= layout.mp if cfg.strategy.sequence_parallel else 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetwise.config.engine import Engine
-from fleetwise.config.layout import MESH_DIMS, Layout
+from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import PSStrategy
 from fleetwise.families import family_of
@@ -114,7 +114,9 @@ def _stages(
                 "rank": r,
                 "chunks": [c for c, rr in enumerate(ranks) if rr == r],
                 "layers": sum(1 for u in rank_units(chunks, ranks, r) if u.kind == "block"),
-                "params_per_device": int(rank_params[r] / (layout.sharding if engine == Engine.FSDP else 1)),
+                "params_per_device": int(
+                    rank_params[r] / (layout.sharding * layout.cp if engine == Engine.FSDP else 1)
+                ),
                 "memory_total_bytes": int(mem.total),
                 "host_memory_bytes": int(mem.host),  # offloaded state (GPU offload only)
                 "memory_peak": mem.peak_ints(),  # this stage's peak phase and its parts
@@ -159,7 +161,7 @@ def nccl_communicators(layout: Layout) -> dict[str, int]:
     one rank included; a dimension of all the ranks reuses the world's (torch 2.13's
     `_init_one_process_group`). Pipeline sends may add a communicator per neighbour pair later."""
     world = layout.world_size
-    return {"world": world} | {d: n for d, n in zip(MESH_DIMS, layout.shape, strict=True) if n != world}
+    return {"world": world} | {d: n for d, n in zip(layout.dims, layout.shape, strict=True) if n != world}
 
 
 def communicators_note(job: Job) -> str:

@@ -33,6 +33,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.plan.cache import PLAN_CACHE
 from fleetwise.plan.chunks import RankRole, block_recomputes, unit_groups
 from fleetwise.plan.comm import collective_comm, comm_seconds, fsdp_collectives
+from fleetwise.plan.context_parallel import device_flops_per_sample as cp_device_flops
 from fleetwise.plan.dtypes import FP32
 from fleetwise.plan.job import Job
 from fleetwise.plan.pipeline import bubble_fraction
@@ -325,6 +326,9 @@ def _add_gemms(work: RankWork, model: ComputeModel, u: Unit, count: int, flops: 
     fraction = model.gemm_fraction(u, flops)
     work.gemm_s += count * n * passes * flops / (model.peak * fraction)
     per_sample = device_flops_per_sample(u, model.recompute, mp, again)
+    if model.job.layout.cp > 1:  # this rank's share of every sample (plan/context_parallel.py)
+        reruns = again if model.recompute == "full" and u.kind == "block" else 0
+        per_sample = cp_device_flops(model.job.cfg, model.job.layout, u, per_sample, reruns)
     work.device_flops += count * n * b * per_sample / mp
 
 
@@ -383,18 +387,21 @@ def update_seconds(cfg: RunConfig, work: RankWork, params: float, update_shard: 
 
 
 def stage_time(job: Job, costs: HostCosts, work: RankWork, params: float) -> StageTime:
-    n = job.n
+    n, cp = job.n, job.layout.cp  # a cp rank computes 1/cp of every sample's tokens
     host = host_ops_seconds(job.cfg, costs, work, n, params)
-    elementwise = n * job.b * work.elements * costs.ops.elem_s
+    elementwise = n * job.b * work.elements * costs.ops.elem_s / cp
     accumulate = accumulate_seconds(costs, work, n, params)
     e = costs.engine
     return StageTime(
         host_ops=host,
         elementwise=elementwise,
         grad_accumulate=accumulate,
-        compute=costs.sharing.slow * costs.sharing.gemm_share * work.gemm_s + host + elementwise + accumulate,
+        compute=costs.sharing.slow * costs.sharing.gemm_share * work.gemm_s / cp
+        + host
+        + elementwise
+        + accumulate,
         update=update_seconds(
-            job.cfg, work, params, job.layout.sharding if job.engine.shards_optimizer else 1
+            job.cfg, work, params, job.layout.sharding * cp if job.engine.shards_optimizer else 1
         ),
         engine_step=work.tensors * e.zero1_step_s + e.gather_passes * params * e.step_pass_s,
         device_flops=work.device_flops,
@@ -496,8 +503,11 @@ def step_time(job: Job, roles: list[RankRole], rank_params: list[float], worst: 
     overlappable = seconds["dp"] + seconds["sharding"]
     window = overlap_window(job.engine, layout, n, compute)
     hidden = min(overlappable, window) if cfg.hardware.device_type == "cuda" else 0.0
-    # the experts' all-to-alls sit between the router and the experts: nothing to hide behind
-    exposed = seconds["mp"] + seconds["pp"] + seconds.get("ep", 0.0) + overlappable - hidden
+    # the experts' all-to-alls sit between the router and the experts, and context parallelism's
+    # collectives run before each layer's attention needs them: nothing to hide either behind
+    exposed = (
+        seconds["mp"] + seconds["pp"] + seconds.get("ep", 0.0) + seconds.get("cp", 0.0) + overlappable - hidden
+    )
     offload = offload_seconds(job, rank_params[worst])
     step = pipelined_compute + exposed + update + offload
     return StepTime(

@@ -145,12 +145,18 @@ _LISTENING: list[socket.socket] = []  # open for the life of the process: the st
 
 def listening_socket(address: str, port: int) -> socket.socket:
     """A TCP socket listening on `address` only (port 0: a free one), for a TCPStore server
-    (`master_listen_fd`). An address this machine does not have is an error here, at start-up."""
+    (`master_listen_fd`). A port in use (or an address this machine lacks) raises torch's own
+    DistNetworkError, as its TCPStore does: torch's rendezvous then joins as a client -- how the
+    second node of a job whose nodes share one machine finds the first node's store."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((address, port))
-    sock.listen(socket.SOMAXCONN)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as err:
+        sock.close()
+        raise dist.DistNetworkError(f"cannot listen on {address}:{port}: {err}") from err
     return sock
 
 

@@ -28,6 +28,7 @@ from fleetwise.config.strategy import CollectiveStrategy
 from fleetwise.families import ModelSpec, family_of
 from fleetwise.models.pipeline import pipeline_chunk
 from fleetwise.plan.pipeline import chunk_ranks, split_layers
+from fleetwise.runtime.context_parallel import SeqShard, apply_context_parallel
 from fleetwise.runtime.expert_parallel import ExpertGrads, expert_mesh, keep_from_ddp, shard_experts
 from fleetwise.runtime.mesh import process_group
 from fleetwise.runtime.modeling import build_meta_model, materialize, model_spec
@@ -47,6 +48,7 @@ class ParallelModel:
     stages: list = field(default_factory=list)
     scaler: object | None = None  # fp16's GradScaler: the pipeline scales the loss it back-propagates
     expert_grads: object | None = None  # expert parallelism: runtime/expert_parallel.py ExpertGrads
+    sequence: SeqShard | None = None  # context parallelism: this rank's chunks of every sequence
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss, in fp32 on every engine: FSDP's mixed precision runs without
@@ -107,6 +109,9 @@ def parallelize(
     # On `meta`: the structure of the whole model, no memory. Every rank keeps only its pipeline
     # chunks and allocates only its shards, after TP/FSDP have decided what they are.
     model = build_meta_model(cfg)
+    # 0. context parallel: attention and position tables learn this rank's place in the sequence
+    # (validate allows it without pp and mp only: the whole model is one part here)
+    sequence = apply_context_parallel(model, mesh["cp"].get_group(), s.cp_method) if layout.cp > 1 else None
 
     # 1. pipeline: keep only this rank's chunks
     if layout.pp > 1:
@@ -152,7 +157,7 @@ def parallelize(
         if engine == Engine.FSDP:
             allocate(parts[i])
 
-    pm = ParallelModel(parts, chunk_ids, num_chunks, engine, spec)
+    pm = ParallelModel(parts, chunk_ids, num_chunks, engine, spec, sequence=sequence)
     if ep_mesh is not None:
         pm.expert_grads = ExpertGrads(parts, ep_mesh, layout.dp)
     if layout.pp > 1:
@@ -250,7 +255,7 @@ def _data_parallel(
     if engine == Engine.ZERO1:  # no wrapper: runtime/zero1.py hooks the gradients (the optimizer is built later)
         return part
     if engine == Engine.DDP:
-        group = process_group(mesh, Layout.grad_sync_dims(engine))
+        group = process_group(mesh, Layout.of(cfg).grad_sync_dims(engine))
         # gradient_as_bucket_view: grads live in DDP's buckets, no second copy of the gradients
         return DistributedDataParallel(
             part,
@@ -264,6 +269,8 @@ def _data_parallel(
     pipelined = layout.pp > 1
     reshard = reshard_after_forward(s.sharding_stage) and not pipelined
     precision = cfg.train.precision
+    if len(layout.fsdp_shard_dims) > 1:
+        process_group(mesh, layout.fsdp_shard_dims)  # flattens sharding × cp into the mesh's "sharding_cp"
     kwargs = {"mesh": mesh[layout.fsdp_dims]}
     if precision != "fp32":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)

@@ -167,6 +167,8 @@ class Trainer:
         total = torch.zeros((), device=self.env.device)
         for i, mb in enumerate(micro):
             last = i == n - 1
+            if self.model.sequence is not None:  # context parallel: this rank's chunks of each sequence
+                mb = {k: self.model.sequence.shard(t) for k, t in mb.items()}
             with self._sync_context(part, last), self._loss_context():
                 with self.autocast():
                     # the output (a language model's logits) is not kept: bound to a name it would

@@ -64,6 +64,13 @@ def test_expert_parallelism_needs_experts_and_a_fixed_layout():
     )  # fmt: skip
     assert [p.loc for p in problems] == ["train.precision"], problems
     assert "train.precision=bf16" in problems[0].hint
+    _, problems = compose(
+        *MOE, "strategy=hybrid", "strategy.ep_degree=2", "strategy.dp_degree=2", "strategy.cp_degree=2",
+        "hardware.devices_per_node=4",
+    )  # fmt: skip
+    # (context parallelism refuses experts itself too)
+    assert [p.loc for p in problems] == ["model.moe.num_experts", "strategy.cp_degree"], problems
+    assert "strategy.cp_degree=1" in problems[1].hint
 
 
 def test_validate_exits_2_with_the_problems(tmp_path):

@@ -60,6 +60,10 @@ def test_single_node_stores_listen_on_loopback_only():
     client = dist.TCPStore("127.0.0.1", store.port, timeout=datetime.timedelta(seconds=30))
     client.set("k", "v")
     assert store.get("k") == b"v"
+    # a second host of the same port (two nodes of one job on one machine both try to host) gets
+    # the RuntimeError torch's rendezvous takes as "join as a client", not an OSError it lets through
+    with pytest.raises(dist.DistNetworkError, match="in use"):
+        bound_store_class(dist.TCPStore, "127.0.0.1")("localhost", store.port, is_master=True)
     cmd = torchrun.torchrun_command(_cfg(), Path("/tmp/run"))
     assert cmd[2:4] == ["fleetwise.launcher.agent", "--bind=127.0.0.1"] and "--local-addr=127.0.0.1" in cmd
     assert any(c.startswith("--rdzv-endpoint=127.0.0.1:") for c in cmd)

@@ -9,8 +9,8 @@ experts with sharding_degree instead: FSDP splits each [experts, out, in] weight
 Expert parallelism (`strategy.ep_degree`, runtime/expert_parallel.py) in this stage: groups of
 ep_degree consecutive data-parallel replicas of a DDP job (strategy dp or hybrid with only
 dp_degree > 1). Unlike torchtitan, mp does not join the expert group (mp is refused with experts);
-sharding (FSDP / ZeRO-1 of the experts over the ranks outside the group), pipeline stages and
-fp16's loss scaling are refused with ep_degree > 1, each with what to do instead.
+sharding (FSDP / ZeRO-1 of the experts over the ranks outside the group), pipeline stages,
+context parallelism and fp16's loss scaling are refused with ep_degree > 1, each with what to do instead.
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def expert_parallel(ctx: Context) -> Iterator[Problem]:
             "sharding the experts over the ranks outside their group (FSDP, ZeRO-1)",
         ),
         ("pp_degree", lay.pp, "pipeline stages with expert groups"),
+        ("cp_degree", lay.cp, "context-parallel ranks with expert groups"),
     ):
         if value > 1:
             yield Problem(

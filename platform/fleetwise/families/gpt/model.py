@@ -22,9 +22,14 @@ class GPTEmbedding(nn.Module):
         self.tok = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(seq_len, hidden)
         self.drop = nn.Dropout(dropout)
+        self.seq = None  # context parallelism: the true positions of this rank's chunks
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        s = tokens.shape[1]
+        if self.seq is None:
+            positions = torch.arange(s, device=tokens.device)
+        else:
+            positions = self.seq.positions(s, tokens.device)
         return self.drop(self.tok(tokens) + self.pos(positions))
 
 

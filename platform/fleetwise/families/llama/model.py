@@ -113,6 +113,9 @@ class Attention(nn.Module):
         # Qwen 3: RMSNorm over each head's width, one weight shared by the heads, before RoPE
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # context parallelism: this rank's SeqShard (runtime/context_parallel.py): rotary angles of
+        # the chunks' true positions, attention over the whole sequence
+        self.seq = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """positions [b, s]: packed documents (data=jsonl): rotary positions restart per document,
@@ -124,6 +127,10 @@ class Attention(nn.Module):
         q, k, v = (proj(x).view(b, s, -1, self.head_dim) for proj in (self.wq, self.wk, self.wv))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.seq is not None:  # (validate refuses packed documents with context parallelism)
+            cos, sin = rotary_tables(self.inv_freq, s, q, self.seq.positions(s, q.device)[None])
+            q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
+            return self.wo(self.seq.attend(q, k, v.transpose(1, 2), causal=True).transpose(1, 2).reshape(b, s, -1))
         cos, sin = rotary_tables(self.inv_freq, s, q, positions)
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
         mask = None if positions is None else document_mask(positions.to(q.device))

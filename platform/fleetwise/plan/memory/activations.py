@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from fleetwise.families import family_of
 from fleetwise.plan.cache import PLAN_CACHE
 from fleetwise.plan.chunks import unit_groups
+from fleetwise.plan.context_parallel import saved_per_layer
 from fleetwise.plan.dtypes import FP32
 from fleetwise.plan.memory.context import RankContext
 from fleetwise.plan.pipeline import PipelineSchedule
@@ -34,14 +35,21 @@ def unit_activations(ctx: RankContext, u: Unit) -> UnitActivations:
     sp, split_bytes = s.sequence_parallel, ctx.act.matmul
     per_sample = ctx.saved_bytes(u.saved(s.recompute))
     short = u.transient_tp if mp > 1 and u.transient_tp is not None else u.transient
-    peak = b * short.elements(mp, sp) * FP32
+    peak = b * short.elements(mp, sp) * FP32 / ctx.cp
     # the unit's own backward: its gradient temporaries beside its saved activations,
     # with its largest parameter's fresh gradient and, under recompute, what the
     # recompute re-materialises (full: all but the block's input; selective: what it
     # does not keep)
-    own = b * u.backward_transient.elements(mp, sp) * split_bytes
+    own = b * u.backward_transient.elements(mp, sp) * split_bytes / ctx.cp
     if s.recompute != "none" and u.kind == "block":
         own += b * max(0.0, ctx.saved_bytes(u.saved("none")) - per_sample)
+    # context parallelism: what attention over the whole sequence saves beyond the rank's tokens
+    # (plan/context_parallel.py); a fully recomputed block holds it only while it recomputes
+    cp_extra = saved_per_layer(ctx.cfg, ctx.layout, split_bytes) if u.kind == "block" else 0.0
+    if s.recompute == "full":
+        own += b * cp_extra
+    else:
+        per_sample += cp_extra
     if own:
         peak = max(peak, own + ctx.fresh * u.fresh_grad_on_rank(mp))
     if u.output_split:
@@ -49,7 +57,7 @@ def unit_activations(ctx: RankContext, u: Unit) -> UnitActivations:
         # beside the log-softmax output it saves; the 16-bit logits themselves die at
         # the upcast (under a pipeline the stage holds them anyway: pipeline_buffers)
         upcast = FP32 if split_bytes != FP32 else 0.0
-        peak = max(peak, b * u.output_split / mp * upcast)
+        peak = max(peak, b * u.output_split / mp / ctx.cp * upcast)
     return UnitActivations(per_sample, peak)
 
 

@@ -55,6 +55,7 @@ class RankContext:
     fresh: float
     act: ActivationBytes
     seq_shard: int  # under sequence parallelism a stage sends, receives and holds its sequence shard
+    cp: int  # context parallelism: this rank holds 1/cp of every sequence's tokens
     flight: dict[int, int]  # micro-batches in flight per local chunk, at the peak
     # interleaved zero bubble: per local chunk, those waiting for their weight step at the peak
     # (pipeline.weight_steps_waiting); empty for every other schedule
@@ -62,7 +63,7 @@ class RankContext:
     cool: CoolDown | None  # ZB-V's cool-down moment (pipeline.zbv_cool_down)
 
     def saved_bytes(self, a: Acts) -> float:
-        """Bytes per sample, on this rank, of activations `a`."""
+        """Bytes per sample, on this rank, of activations `a` (1/cp of the tokens of each sample)."""
         mp, sp = self.mp, self.strategy.sequence_parallel
         split_bytes, whole_bytes = self.act
         return (
@@ -72,7 +73,7 @@ class RankContext:
             + (a.reduced / mp if sp else a.reduced) * split_bytes
             + (a.fp32 / mp) * FP32
             + a.partial * split_bytes
-        )
+        ) / self.cp
 
 
 def rank_context(
@@ -104,7 +105,8 @@ def rank_context(
         b=cfg.train.micro_batch_size,
         mp=mp,
         ep=s.ep_degree,
-        sh=layout.sharding,
+        # FSDP shards over sharding × cp (cp ranks hold the same parameters: config/layout.py)
+        sh=layout.sharding * (layout.cp if engine == Engine.FSDP else 1),
         engine=engine,
         schedule=schedule,
         local=local,
@@ -120,6 +122,7 @@ def rank_context(
         fresh=fresh,
         act=activation_bytes(cfg.train.precision, engine, family_of(cfg.model).convolutional),
         seq_shard=mp if s.sequence_parallel else 1,
+        cp=layout.cp,
         flight=chunks_in_flight(s.schedule, layout.pp, s.virtual_stages if pipelined else 1, n, rank),
         # Interleaved zero bubble: every rank peaks in a weight step on its last local chunk
         # (pipeline.weight_steps_waiting), with micro-batches waiting for theirs (rank 0 too: its

@@ -1,0 +1,125 @@
+"""Rules of context parallelism (`strategy.cp_degree`, `strategy.cp_method`; runtime/context_parallel.py):
+the shapes it needs, the families that have it, and what this stage of it does not combine with --
+each refused with the reason and what to do instead, never run differently from what was asked.
+
+Shapes: the sequence is cut into 2·cp chunks (head-tail load balance), so seq_len divides by 2·cp;
+ulysses hands each cp rank 1/cp of the heads, so the query heads and Llama's kv heads divide by cp.
+Not yet combined: pipeline and tensor parallelism (the chunks would have to travel with the stages'
+activations, and ulysses' heads are split by mp first), ZeRO-1 (its gradient reduction spans
+sharding and dp, not cp), torch.compile (the blockwise attention's loop and collectives are not
+traced), packed documents (data=jsonl: a document mask across chunks), attention dropout and
+mixtures of experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fleetwise.config.problems import Problem
+from fleetwise.config.rules.context import Context, rule
+
+CP_FAMILIES = ("gpt", "llama")  # the causal decoders, whose attention and positions take a SeqShard
+
+
+@rule
+def context_parallel(ctx: Context) -> Iterator[Problem]:
+    s = ctx.collective
+    if s is None or s.cp_degree == 1:
+        return
+    cp = s.cp_degree
+    here = f"cp_degree={cp}"
+    if s.name != "hybrid":
+        yield Problem(
+            "strategy.cp_degree",
+            f"strategy '{s.name}' keeps cp_degree at 1; got {cp}",
+            f"use strategy=hybrid strategy.cp_degree={cp} (with the other degrees you need), or set "
+            "strategy.cp_degree=1",
+        )
+    yield from _model(ctx, cp, s.cp_method)
+    yield from _combinations(ctx, here)
+
+
+def _model(ctx: Context, cp: int, method: str) -> Iterator[Problem]:
+    m = ctx.cfg.model
+    if m.family not in CP_FAMILIES:
+        yield Problem(
+            "strategy.cp_degree",
+            f"model family '{m.family}' has no context parallelism (cp_degree={cp}): fleetwise splits the "
+            f"sequences of causal decoders only ({', '.join(CP_FAMILIES)})",
+            "set strategy.cp_degree=1, and split the job with dp_degree or sharding_degree",
+        )
+        return
+    if m.seq_len % (2 * cp):
+        fits = [c for c in range(cp, 0, -1) if m.seq_len % (2 * c) == 0][:1]
+        yield Problem(
+            "model.seq_len",
+            f"seq_len={m.seq_len} does not divide into 2 × cp_degree = {2 * cp} equal chunks (each cp rank "
+            "holds a head and a tail chunk of every sequence)",
+            f"set model.seq_len to a multiple of {2 * cp} (e.g. {m.seq_len - m.seq_len % (2 * cp) or 2 * cp})"
+            + (f", or strategy.cp_degree={fits[0]}" if fits and fits[0] > 1 else ""),
+        )
+    if getattr(m, "dropout", 0.0):
+        yield Problem(
+            "model.dropout",
+            f"dropout={m.dropout} with cp_degree={cp}: the blockwise attention of context parallelism has no "
+            "attention dropout",
+            "set model.dropout=0, or strategy.cp_degree=1",
+        )
+    if method != "ulysses":
+        return
+    heads = {"model.num_attention_heads": m.num_attention_heads}
+    if getattr(m, "num_kv_heads", None) is not None:
+        heads["model.num_kv_heads"] = m.num_kv_heads
+    for path, n in heads.items():
+        if n % cp:
+            yield Problem(
+                path,
+                f"{path.split('.')[-1]}={n} does not divide by cp_degree={cp}: cp_method=ulysses gives each cp "
+                "rank a whole share of the heads",
+                f"use strategy.cp_method=ring (any head count), or a cp_degree dividing {n}",
+            )
+
+
+def _combinations(ctx: Context, here: str) -> Iterator[Problem]:
+    s, lay, cfg = ctx.collective, ctx.layout, ctx.cfg
+    assert s is not None
+    for name, degree in (
+        ("pp_degree", lay.pp if lay else s.pp_degree),
+        ("mp_degree", lay.mp if lay else s.mp_degree),
+    ):
+        if degree != 1:
+            yield Problem(
+                f"strategy.{name}",
+                f"{name}={degree} with {here}: fleetwise does not yet combine context parallelism with "
+                "pipeline or tensor parallelism",
+                f"set strategy.{name}=1 and use the ranks for cp, dp or sharding; or strategy.cp_degree=1",
+            )
+    if s.sharding_stage == 1:
+        yield Problem(
+            "strategy.sharding_stage",
+            f"sharding_stage=1 (ZeRO-1) with {here}: its gradient reduction spans sharding and dp ranks, "
+            "not cp ranks",
+            "use strategy.sharding_stage=2 or 3 (FSDP shards over sharding × cp), or strategy.cp_degree=1",
+        )
+    if cfg.train.compile:
+        yield Problem(
+            "train.compile",
+            f"train.compile=true with {here}: the blockwise attention (a loop over chunks with collectives) "
+            "is not traced into a block's graph",
+            "set train.compile=false",
+        )
+    if cfg.data.source == "jsonl":
+        yield Problem(
+            "data.source",
+            f"data=jsonl with {here}: packed documents need a document mask across the chunks, which "
+            "context parallelism does not build yet",
+            "train the fine-tuning data with strategy.cp_degree=1 (dp or sharding for more ranks)",
+        )
+    moe = getattr(cfg.model, "moe", None)
+    if moe is not None and moe.num_experts:
+        yield Problem(
+            "model.moe.num_experts",
+            f"num_experts={moe.num_experts} with {here}: mixtures of experts are not combined with "
+            "context parallelism yet",
+            "set strategy.cp_degree=1, or model.moe.num_experts=0",
+        )

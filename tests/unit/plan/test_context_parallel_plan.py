@@ -1,0 +1,83 @@
+"""Context parallelism in the plan (plan/context_parallel.py, plan/memory, plan/comm) against numbers
+worked out by hand for gpt/tiny: seq 32, hidden 64, 4 heads of 16, 4 layers, fp32, micro-batch 2,
+global batch 16."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.config import compose
+
+from fleetwise.plan import make_plan
+
+TINY = ("recipe=gpt/tiny", "optim=sgd")
+LAYERS, B, SEQ, HEADS, D = 4, 2, 32, 4, 16
+
+
+def plan_of(*overrides):
+    cfg, problems = compose(*TINY, *overrides)
+    assert problems == [], problems
+    return make_plan(cfg)
+
+
+def test_ring_and_ulysses_save_and_send_what_their_attention_does():
+    cp = ("strategy=hybrid", "strategy.cp_degree=2", "hardware.devices_per_node=2")
+    ring = plan_of(*cp)
+    ulysses = plan_of(*cp, "strategy.cp_method=ulysses")
+    # per layer and sample, fp32. ring: the whole sequence's gathered K and V, and per block a query
+    # chunk sees (chunks of c = 32/4 = 8 tokens; rank 0's chunks 0 and 3 see 1 + 4 blocks: 2cp+1)
+    # the scores and their probabilities
+    c = SEQ // 4
+    ring_extra = 2 * SEQ * HEADS * D * 4 + 2 * HEADS * 5 * c * c * 4
+    # ulysses: attention's output (head-sharded, whole sequence) beside its all-to-all copy back
+    # (without cp the out-projection saves a view of it); q, k, v saved as before, head-sharded
+    ulysses_extra = HEADS * D * SEQ // 2 * 4
+    assert (ring_extra, ulysses_extra) == (26_624, 4_096)
+    assert ring.memory_bytes["activations"] - ulysses.memory_bytes["activations"] == LAYERS * B * (
+        ring_extra - ulysses_extra
+    )
+    # traffic per step: 8 micro-batches per rank (16 samples / micro-batch 2, cp ranks read the
+    # same samples); ring: the K/V all-gather, (cp-1)/cp of 2·S·h·4 bytes, forward and backward
+    n = 8
+    ddp = ring.params * 4
+    assert (
+        ring.comm_bytes_per_step["cp"]
+        == n * B * LAYERS * 2 * (2 * SEQ * HEADS * D * 4) // 2 + ddp
+        == 1_048_576 + ddp
+    )
+    # ulysses: q, k, v and the output (local: 16 tokens), half of each to the other rank, both ways
+    assert ulysses.comm_bytes_per_step["cp"] == n * B * LAYERS * 2 * (4 * HEADS * D * 16 * 4) // 2 + ddp
+    assert ring.mesh == {"pp": 1, "dp": 1, "sharding": 1, "mp": 1, "cp": 2}
+    # DDP all-reduces the gradients over the cp group (dp is 1: the same group, counted as cp, as
+    # the dry run sees it): 2(n-1)/n of the fp32 gradients
+    assert ring.comm_bytes_per_step["dp"] == 0
+    with_dp = plan_of(*cp, "hardware.devices_per_node=4")
+    assert with_dp.comm_bytes_per_step["dp"] == with_dp.params * 4 * 2 * 3 / 4  # over dp × cp = 4
+    assert with_dp.comm_bytes_per_step["cp"] == 1_048_576 // 2  # half the micro-batches per rank
+
+
+def test_cp_divides_the_tokens_and_fsdp_shards_over_sharding_times_cp():
+    one = plan_of("hardware.devices_per_node=1")
+    cp2 = ("strategy=hybrid", "strategy.cp_degree=2", "hardware.devices_per_node=2")
+    ring, ulysses = plan_of(*cp2), plan_of(*cp2, "strategy.cp_method=ulysses")
+    assert "cp" not in one.mesh and "cp" not in one.comm_bytes_per_step
+    assert ring.flops_per_step == one.flops_per_step  # the model's FLOPs: the job's, not a rank's
+    # ulysses: each rank half of every sample's work (the same 8 micro-batches per rank as one
+    # process), attention included (the fused kernel on half of the heads)
+    one_pd, ring_pd, ulysses_pd = (p.stages[0]["flops_per_device"] for p in (one, ring, ulysses))
+    assert abs(ulysses_pd * 2 / one_pd - 1) < 1e-9
+    # ring: its attention is plain matmuls (3x the forward, not flash's 3.5x) over 5 of the 16
+    # score blocks of c×c; attention's forward per layer and sample 4·s²·h (QKᵀ and PV, full)
+    attn = 4 * SEQ * SEQ * 64
+    n = 8
+    ring_attention, ulysses_attention = attn * 3 * 5 / 16, attn * 3.5 / 2
+    assert ring_pd - ulysses_pd == pytest.approx(
+        n * B * LAYERS * (ring_attention - ulysses_attention), rel=1e-9
+    )
+    fsdp = plan_of(
+        "strategy=hybrid",
+        "strategy.cp_degree=2",
+        "strategy.sharding_degree=2",
+        "strategy.sharding_stage=3",
+        "hardware.devices_per_node=4",
+    )
+    assert fsdp.stages[0]["params_per_device"] == fsdp.params // 4
