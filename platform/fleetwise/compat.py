@@ -231,6 +231,26 @@ def checkpoint_wrapper(module: nn.Module, **kwargs) -> nn.Module:
     return wrap(module, **kwargs)
 
 
+@_entry("the experts' token exchange (strategy.ep_degree)")
+def all_to_all_autograd(x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+    """Variable-split all-to-all whose backward sends the gradients back the same way: the
+    functional collective torchtitan uses (torch.distributed.nn.functional's is deprecated for
+    it); its result is waited for here, where the rows are needed next anyway."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(x, recv, send, group))
+
+
+@_entry("expert parallelism beside DDP (strategy.ep_degree)")
+def ddp_ignore(module: nn.Module, names: list[str]) -> None:
+    """Keep DDP's hands off `names` (parameters another engine reduces: the expert-parallel experts,
+    DTensors DDP cannot bucket), through the static method torch's own DTensor-aware wrappers
+    use (on DistributedDataParallel since torch 1.8)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
 @_entry("GradScaler's overflow flags (train.precision=fp16)")
 def scaler_found_inf(scaler, optimizer) -> list[torch.Tensor]:
     """GradScaler's found-inf flags of `optimizer` (one per device) after `unscale_`, which torch
@@ -595,7 +615,7 @@ CHECKED: dict[str, tuple[str, ...]] = {
             "resolve_process_group", "flatten_mesh", "after_each_rendezvous", "launch_ranks_with",
             "report_every_failed_worker", "rendezvous_round",
             "metadata_path", "load_into_empty", "stage_backward_split", "tensor_parallel_style", "local_rows",
-            "local_box",
+            "local_box", "ddp_ignore", "all_to_all_autograd",
         ),
         TESTED,
     ),

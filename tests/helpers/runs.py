@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 
@@ -22,3 +23,13 @@ def final_params(run_dir: Path) -> dict:
     out = run_dir / "final.pt"
     export(last, out)
     return torch.load(out, weights_only=True)
+
+
+def truncated_copy(src: Path, dst: Path, keep_step: int) -> None:
+    """The run as it was right after checkpoint `keep_step`: later checkpoints and metrics gone."""
+    shutil.copytree(src, dst)
+    for ck in (dst / "checkpoints").iterdir():
+        if int(ck.name.split("_")[1]) > keep_step:
+            shutil.rmtree(ck)
+    lines = (dst / "metrics.jsonl").read_text().splitlines()[:keep_step]
+    (dst / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))

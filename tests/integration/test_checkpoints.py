@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from helpers.cli import run_cli
-from helpers.runs import final_params, read_metrics
+from helpers.runs import final_params, read_metrics, truncated_copy
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +29,6 @@ def train(tmp_path, run_dir, *args, check=True, tracking=False):
 
 def losses(run_dir) -> dict[int, float]:
     return {m["step"]: m["train/loss"] for m in read_metrics(run_dir)}  # re-run steps: the last one counts
-
-
-def truncated_copy(src, dst, keep_step: int):
-    """The run as it was right after checkpoint `keep_step`: later checkpoints and metrics gone."""
-    shutil.copytree(src, dst)
-    for ck in (dst / "checkpoints").iterdir():
-        if int(ck.name.split("_")[1]) > keep_step:
-            shutil.rmtree(ck)
-    lines = (dst / "metrics.jsonl").read_text().splitlines()[:keep_step]
-    (dst / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 from helpers.cli import run_cli
-from helpers.runs import final_params, read_metrics
+from helpers.runs import final_params, read_metrics, truncated_copy
 
 pytestmark = pytest.mark.slow
 
@@ -35,11 +35,10 @@ ADAMW_TOL = {"loss": 1e-5, "param": 2e-5}
 
 def run(tmp_path, name, *overrides, procs: int):
     run_dir = tmp_path / name
-    args = (*overrides, f"hardware.devices_per_node={procs}", f"train.steps={STEPS}")
+    args = (*overrides, f"hardware.devices_per_node={procs}", f"train.steps={STEPS}", "checkpoint.enabled=true")
     r = run_cli(
         "train",
         *args,
-        "checkpoint.enabled=true",
         "tracking.enabled=false",
         f"run.dir={run_dir}",
         cwd=tmp_path,
@@ -365,7 +364,8 @@ def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers
 @pytest.fixture(scope="module")
 def moe_ref(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_ref")
-    return run(tmp, "ref", "recipe=llama/moe_tiny", "strategy=dp", *SGD, procs=1), tmp / "ref"
+    # (a checkpoint at step 2 too: expert parallelism resumes from it)
+    return run(tmp, "ref", "recipe=llama/moe_tiny", "strategy=dp", "checkpoint.interval=2", *SGD, procs=1), tmp / "ref"
 
 
 # llama/moe_tiny (a dense block, then three MoE blocks: 4 experts top-2 + a shared expert, dropless,
@@ -395,6 +395,34 @@ def test_moe_layout_equals_single_process(tmp_path, moe_ref, name):
         assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
         counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
         assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+
+
+def test_moe_expert_parallel_equals_single_process_and_resumes_across_ep_degree(tmp_path, moe_ref):
+    """ep 2 on 2 ranks (dp 2: each rank holds 2 of the 4 experts of every MoE block, the rows
+    travel by all-to-all) equals one process in losses, parameters, balance losses and expert
+    counts; its checkpoint at step 2 (the expert weights saved in shards) resumes in one process
+    (ep 1), and one process's resumes under ep 2 on 4 ranks (dp 4: two expert groups), both ending
+    where the uninterrupted run ends."""
+    moe = ("recipe=llama/moe_tiny", "strategy=dp", *SGD)
+    got = run(tmp_path, "ep2", *moe, "strategy.ep_degree=2", "checkpoint.interval=2", procs=2)
+    ref, ref_dir = moe_ref
+    assert_same(ref, got, SGD_TOL)
+    for a, b in zip(read_metrics(tmp_path / "ep2"), read_metrics(ref_dir), strict=True):
+        assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
+        counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+        assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+    for name, src, overrides, procs in (
+        ("ep2_to_ep1", tmp_path / "ep2", (), 1),
+        # 4 ranks: two expert groups, whose experts' gradients are summed across the groups
+        ("ep1_to_dp4_ep2", ref_dir, ("strategy.ep_degree=2",), 4),
+    ):
+        truncated_copy(src, tmp_path / name, keep_step=2)
+        resumed = run(tmp_path, name, *moe, *overrides, "checkpoint.resume=auto", procs=procs)
+        loss, params, _ = resumed
+        assert loss[-1] == pytest.approx(ref[0][-1], abs=SGD_TOL["loss"]), name
+        worst = max((params[k] - ref[1][k]).abs().max().item() for k in ref[1])
+        print(f"{name}: step 3 loss diff {abs(loss[-1] - ref[0][-1]):.2e}, max |param diff| {worst:.2e}")
+        assert worst <= SGD_TOL["param"], (name, worst)
 
 
 def test_llama_jsonl_fine_tuning_sharded_and_tensor_parallel_equals_single_process(tmp_path):

@@ -48,6 +48,12 @@ class CollectiveStrategy(Section):
     sharding_degree: Degree = Field(
         1, description="ZeRO/FSDP sharding group size (innermost data dim, intra-node)."
     )
+    ep_degree: int = Field(
+        1,
+        ge=1,
+        description="Expert-parallel ranks (model.moe): the routed experts split over groups of this many "
+        "data-parallel ranks, tokens exchanged by all-to-all; not a factor of the world size.",
+    )
     sharding_stage: Literal[1, 2, 3] | None = Field(
         None,
         description="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters. Only with sharding_degree > 1.",

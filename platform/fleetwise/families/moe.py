@@ -196,6 +196,8 @@ def moe_block(dense: Unit, moe: MoE, seq: int, hidden: int, dense_ffn: int, atte
         name="moe_block",
         params_split=dense.params_split - dense_mlp + params,
         inactive_params=params - active,
+        expert_params=3 * e * h * f,
+        exchange_elements=sk * h,
         fwd_flops=dense.fwd_flops - 2 * s * dense_mlp + 2 * s * active,
         # checkpointed: the recompute ends at the last op whose tensor backward needs, before the
         # shared experts' down projection (without them, at the index_add back onto the tokens)

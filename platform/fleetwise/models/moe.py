@@ -24,7 +24,11 @@ forward again inside the backward.
 
 Parallel code stays outside, as for the dense blocks: FSDP shards the experts' [E, out, in]
 weights along the experts like any parameter; tensor parallelism of the experts is not done
-(config/rules/moe.py refuses mp_degree > 1 with experts).
+(config/rules/moe.py refuses mp_degree > 1 with experts). Expert parallelism
+(runtime/expert_parallel.py) makes the experts' weights DTensors sharded along the experts over an
+expert-parallel group and sets `ep_group`: the sorted rows then travel to the rank that holds
+their expert and back (`Dispatch`: two variable-split all-to-alls, the autograd form), and each
+rank runs only its own experts on the rows every rank of the group sent it.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from fleetwise.compat import grouped_mm, grouped_mm_supported, in_backward, is_fake
+from fleetwise.compat import all_to_all_autograd, grouped_mm, grouped_mm_supported, in_backward, is_fake
 from fleetwise.models.transformer import SwiGLU
 
 # `cfg` below is the model.moe section (fleetwise.families.moe.MoE; models/ sits below families/
@@ -118,12 +124,48 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: rows grouped by this module's experts (counts[e] rows of expert e; under expert
+        parallelism the local experts, whose weights are the local shards)."""
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # where each expert's rows end
 
         def mm(a, w):
-            return expert_matmul(a, w, counts, offsets, self.grouped)
+            return expert_matmul(a, _local(w), counts, offsets, self.grouped)
 
         return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of an expert-parallel weight (differentiable: its gradient is the
+    DTensor's local gradient), or the weight itself."""
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class Dispatch:
+    """Where the rows of one expert-parallel forward go and come back from (the bookkeeping of
+    `MoE.exchange`, no communication): from the expert counts this rank sends, `sent` [E] (its
+    rows sorted by global expert), and those it receives, `received` [ep · L] (L = E / ep local
+    experts; source-major: source rank 0's counts of the local experts, then rank 1's, …).
+
+    The received rows arrive source-major; the experts want them expert-major (each local expert's
+    rows together, from source 0 first): `order` is that permutation, `restore` its inverse."""
+
+    def __init__(self, sent: torch.Tensor, received: torch.Tensor, ep: int):
+        local = received.numel() // ep
+        self.send_rows = sent.view(ep, -1).sum(1).tolist()  # to each rank of the group
+        blocks = received.view(ep, local)  # [source, local expert]
+        self.recv_rows = blocks.sum(1).tolist()  # from each rank of the group
+        self.local_counts = blocks.sum(0)  # rows of each local expert, all sources together
+        flat = blocks.reshape(-1)
+        src_start = (torch.cumsum(flat, 0) - flat).view(ep, local)  # each block's source-major start
+        sizes = blocks.t().reshape(-1)  # the blocks in expert-major order
+        starts = src_start.t().reshape(-1)
+        dst_start = torch.cumsum(sizes, 0) - sizes
+        total = int(flat.sum())
+        self.order = torch.repeat_interleave(starts - dst_start, sizes, output_size=total) + torch.arange(
+            total, device=flat.device
+        )
+        self.restore = torch.empty_like(self.order)
+        self.restore[self.order] = torch.arange(total, device=flat.device)
 
 
 class _AddAuxLoss(torch.autograd.Function):
@@ -154,6 +196,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, hidden, f, cfg.grouped_mm)
         self.shared = SwiGLU(hidden, cfg.num_shared_experts * f) if cfg.num_shared_experts else None
         self.aux_grad_scale = 1.0  # set by the trainer (runtime/moe.py)
+        self.ep_group: dist.ProcessGroup | None = None  # set by runtime/expert_parallel.py
         self.stats: list[torch.Tensor] = []  # a row [E + 3] per forward since the trainer took them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +218,10 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:
             kept, dropped = _within_capacity(counts, slots[order], self.capacity(tokens))
             slot_weights = slot_weights * kept
-        rows = self.experts(flat[token], counts)
+        if self.ep_group is None:
+            rows = self.experts(flat[token], counts)
+        else:
+            rows = self.exchange(flat[token], counts)
         out = torch.zeros_like(flat, dtype=rows.dtype).index_add(
             0, token, rows * slot_weights.unsqueeze(-1).to(rows.dtype)
         )
@@ -187,6 +233,27 @@ class MoE(nn.Module):
         if aux is not None and aux.requires_grad:
             out = _AddAuxLoss.apply(out, aux, self.aux_grad_scale)
         return out
+
+    def exchange(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' output of `rows` (sorted by global expert, counts[e] of expert e) under
+        expert parallelism: each row to the rank that holds its expert, through the local experts,
+        and back in the order it left (the rows a capacity drops travel too, with weight 0)."""
+        group = self.ep_group
+        ep = dist.get_world_size(group)
+        local = self.num_experts // ep
+        if is_fake(rows):
+            # the dry run's tensors hold no counts: the balanced split the planner assumes
+            n = rows.shape[0]
+            even = [n // ep + (1 if i < n % ep else 0) for i in range(ep)]
+            got = _all_to_all(rows, even, even, group)
+            out = self.experts(got, counts.new_full((local,), n // self.num_experts))
+            return _all_to_all(out, even, even, group)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)  # [E]: from each source, per local expert
+        plan = Dispatch(counts, received, ep)
+        got = _all_to_all(rows, plan.recv_rows, plan.send_rows, group)
+        out = self.experts(got[plan.order], plan.local_counts)
+        return _all_to_all(out[plan.restore], plan.send_rows, plan.recv_rows, group)
 
     def capacity(self, tokens: int) -> int:
         assert self.capacity_factor is not None
@@ -235,3 +302,9 @@ def _within_capacity(
     position = torch.arange(sorted_experts.numel(), device=counts.device) - starts[sorted_experts]
     kept = position < capacity
     return kept.float(), (~kept).sum()
+
+
+def _all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+    """x's rows, send[i] of them to rank i of the group, as the rows received (recv[i] from rank i):
+    the autograd form, whose backward sends the gradients back the same way."""
+    return all_to_all_autograd(x.contiguous(), recv, send, group)

@@ -275,6 +275,8 @@ def collective_comm(
     if mp > 1:
         again = block_recomputes(s.schedule, pp, chunks)
         comm.bytes["mp"], comm.calls["mp"] = mp_traffic(cfg, layout, worst_units, n, engine, again)
+    if s.ep_degree > 1:
+        comm.bytes["ep"], comm.calls["ep"] = ep_traffic(cfg, s.ep_degree, worst_units, n)
     if layout.cp > 1:  # (a "cp" entry only then: plans without context parallelism keep their keys)
         layers = cfg.model.num_layers if s.recompute == "full" else 0
         cp_bytes, cp_calls = cp_traffic(cfg, layout, n, recomputes=layers)
@@ -289,6 +291,23 @@ def collective_comm(
         comm.bytes["pp"] = n * local_chunks * 2 * b * boundary * residual / (mp if s.sequence_parallel else 1)
         comm.calls["pp"] = n * local_chunks * 2
     return comm
+
+
+def ep_traffic(cfg: RunConfig, ep: int, units: list[Unit], n: int) -> Traffic:
+    """Bytes a device sends per step in its experts' all-to-alls (models/moe.py `MoE.exchange`),
+    and calls. Per MoE block and micro-batch, b · tokens · top_k rows of `hidden` elements (the
+    unit's exchange_elements per sample) go out to the experts' ranks and come back, forward, and
+    their gradients the same two ways backward -- four exchanges (six under full recompute, which
+    runs the forward's two again); under balanced routing (ep - 1) / ep of the rows leave the rank.
+    Rows travel in the compute dtype. Calls: three collectives per forward (the counts, the rows
+    out and back), two per backward."""
+    s = cfg.strategy
+    rows = compute_bytes(cfg.train.precision)
+    again = 1 if s.recompute == "full" else 0
+    per_sample = sum(u.exchange_elements for u in units)
+    blocks = sum(1 for u in units if u.exchange_elements)
+    sent = n * cfg.train.micro_batch_size * per_sample * rows * (4 + 2 * again) * (ep - 1) / ep
+    return Traffic(sent, n * blocks * (5 + 3 * again))
 
 
 def stage_comm_bytes(
@@ -328,15 +347,21 @@ def stage_comm_bytes(
 def bandwidth(cfg: RunConfig, layout: Layout, dim: str) -> float:
     """Bytes per second of a mesh dimension's links: inter-node where its groups span nodes."""
     hw = cfg.hardware
-    crosses = layout.span(dim) > hw.devices_per_node and hw.nodes > 1
+    crosses = _span(cfg, layout, dim) > hw.devices_per_node and hw.nodes > 1
     return (hw.inter_node_gbps if crosses else hw.intra_node_gbps) * 1e9
+
+
+def _span(cfg: RunConfig, layout: Layout, dim: str) -> int:
+    """Consecutive ranks one group of `dim` spans; an expert group ("ep") is ep_degree consecutive
+    data-parallel ranks (runtime/expert_parallel.py; only dp exceeds 1 beside it)."""
+    return cfg.strategy.ep_degree if dim == "ep" else layout.span(dim)
 
 
 def latency(cfg: RunConfig, layout: Layout, dim: str) -> float:
     """Seconds of fixed cost per collective call of a mesh dim: hardware.inter_node_latency_us when
     its groups span nodes (and it is set), else comm_latency_us."""
     hw = cfg.hardware
-    crosses = layout.span(dim) > hw.devices_per_node and hw.nodes > 1
+    crosses = _span(cfg, layout, dim) > hw.devices_per_node and hw.nodes > 1
     if crosses and hw.inter_node_latency_us is not None:
         return hw.inter_node_latency_us * 1e-6
     return hw.comm_latency_us * 1e-6

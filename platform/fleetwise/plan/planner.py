@@ -87,7 +87,7 @@ def _rank_params(job: Job, memory: RankMemory) -> list[float]:
         memory[r].params
         if r in memory
         else sum(
-            count * u.params_on_rank(job.layout.mp)
+            count * u.params_on_rank(job.layout.mp, job.strategy.ep_degree)
             for c in chunks_of[r]
             for u, count in unit_groups(job.chunks[c])
         )

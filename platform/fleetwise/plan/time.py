@@ -503,8 +503,11 @@ def step_time(job: Job, roles: list[RankRole], rank_params: list[float], worst: 
     overlappable = seconds["dp"] + seconds["sharding"]
     window = overlap_window(job.engine, layout, n, compute)
     hidden = min(overlappable, window) if cfg.hardware.device_type == "cuda" else 0.0
-    # context parallelism's collectives run before each layer's attention needs them: exposed
-    exposed = seconds["mp"] + seconds["pp"] + seconds.get("cp", 0.0) + overlappable - hidden
+    # the experts' all-to-alls sit between the router and the experts, and context parallelism's
+    # collectives run before each layer's attention needs them: nothing to hide either behind
+    exposed = (
+        seconds["mp"] + seconds["pp"] + seconds.get("ep", 0.0) + seconds.get("cp", 0.0) + overlappable - hidden
+    )
     offload = offload_seconds(job, rank_params[worst])
     step = pipelined_compute + exposed + update + offload
     return StepTime(

@@ -111,6 +111,11 @@ class Unit:
     # of the parameters, those a token does not use: a mixture of experts' experts it is not
     # routed to (top_k of num_experts are). Memory counts every parameter, FLOPs the active ones.
     inactive_params: int = 0
+    # of the parameters, the routed experts' (split along the experts over strategy.ep_degree
+    # ranks), and the elements per sample one all-to-all of their rows moves (tokens · top_k ·
+    # hidden: the rows leave for their experts' ranks and come back, forward and backward)
+    expert_params: int = 0
+    exchange_elements: float = 0.0
 
     @property
     def params(self) -> int:
@@ -128,8 +133,9 @@ class Unit:
         vocabulary-parallel embedding's is its own rows: models/tp_plan.py VocabParallelEmbedding)."""
         return self.largest_on_rank(mp)
 
-    def params_on_rank(self, mp: int) -> float:
-        return self.params_split / mp + self.params_whole
+    def params_on_rank(self, mp: int, ep: int = 1) -> float:
+        """Parameters a rank holds: split by mp, and the routed experts by ep too."""
+        return self.params_split / mp + self.params_whole - self.expert_params * (1 - 1 / ep) / mp
 
     def saved(self, recompute: str) -> Acts:
         held = self.acts.get(recompute)

@@ -29,6 +29,7 @@ from fleetwise.families import ModelSpec, family_of
 from fleetwise.models.pipeline import pipeline_chunk
 from fleetwise.plan.pipeline import chunk_ranks, split_layers
 from fleetwise.runtime.context_parallel import SeqShard, apply_context_parallel
+from fleetwise.runtime.expert_parallel import ExpertGrads, expert_mesh, keep_from_ddp, shard_experts
 from fleetwise.runtime.mesh import process_group
 from fleetwise.runtime.modeling import build_meta_model, materialize, model_spec
 from fleetwise.runtime.recompute import apply_recompute
@@ -46,6 +47,7 @@ class ParallelModel:
     schedule: object | None = None  # torch.distributed.pipelining schedule when pp > 1
     stages: list = field(default_factory=list)
     scaler: object | None = None  # fp16's GradScaler: the pipeline scales the loss it back-propagates
+    expert_grads: object | None = None  # expert parallelism: runtime/expert_parallel.py ExpertGrads
     sequence: SeqShard | None = None  # context parallelism: this rank's chunks of every sequence
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -127,6 +129,9 @@ def parallelize(
         del model
     else:
         num_chunks, chunk_ids, parts = 1, [0], [model]
+    # 1b. expert parallelism: each rank keeps its experts only (a DTensor shard, still on meta)
+    ep_mesh = expert_mesh(layout.dp, s.ep_degree, mesh.device_type) if s.ep_degree > 1 else None
+    experts = [shard_experts(part, ep_mesh) if ep_mesh is not None else [] for part in parts]
 
     for i, part in enumerate(parts):
         part.to(memory_format=memory_format(cfg, device))  # on meta: the layout its shards inherit
@@ -146,11 +151,15 @@ def parallelize(
         # DDP broadcasts real values when it is built, so its part is allocated before.
         if engine != Engine.FSDP:
             allocate(part)
+        if experts[i]:
+            keep_from_ddp(part, experts[i])  # reduced by ExpertGrads
         parts[i] = _data_parallel(part, cfg, mesh, engine, device)
         if engine == Engine.FSDP:
             allocate(parts[i])
 
     pm = ParallelModel(parts, chunk_ids, num_chunks, engine, spec, sequence=sequence)
+    if ep_mesh is not None:
+        pm.expert_grads = ExpertGrads(parts, ep_mesh, layout.dp)
     if layout.pp > 1:
         _build_pipeline(pm, cfg, mesh, device)
     return pm

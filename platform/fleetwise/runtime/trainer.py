@@ -228,6 +228,8 @@ class Trainer:
             loss = self.forward_backward(step)
             if self.experts is not None:
                 self.experts.after_backward()  # load_balance=bias: the biases move here
+            if self.model.expert_grads is not None:
+                self.model.expert_grads.reduce()  # expert parallelism: over the ranks with the same experts
             self.optimizers.reduce_grads()  # ZeRO-1: reduce-scatter into the masters' .grad
             inject_fault(self.cfg.fault, self.env.rank, step, self.env.restart, self.named_params)
             if self.scaler:

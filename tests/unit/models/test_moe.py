@@ -168,3 +168,41 @@ def test_bias_steers_the_choice_not_the_weights():
     assert (c2 == 2).all() and not (chosen == 2).all()
     assert torch.equal(w2[:, 0], s2[:, 2]) and torch.equal(s2, scores)  # ... weighted by its own score
     assert torch.equal(F.softmax(moe.router.gate(flat), -1), scores)
+
+
+# --- expert parallelism's bookkeeping (models/moe.py Dispatch), two ranks simulated by hand ------
+
+
+def test_dispatch_groups_the_received_rows_by_local_expert_and_restores_their_order():
+    """Two ranks, four experts (two each). Every row is tagged (source rank, global expert, index)
+    and sorted by expert on its source as MoE.forward sorts them; the all-to-all is written out
+    here (rank r gets, from each source in turn, the rows for its experts). On each rank the
+    plan's order must give each local expert's rows together, source 0's first, in their order;
+    its restore the arrival order back; the splits those the rows need."""
+    from fleetwise.models.moe import Dispatch
+
+    ep, experts, local = 2, 4, 2
+    counts = {0: [3, 1, 0, 2], 1: [1, 2, 3, 4]}  # rows per global expert, on each source (one none)
+    rows = {
+        src: [(src, e, i) for e in range(experts) for i in range(counts[src][e])] for src in range(ep)
+    }  # sorted by expert, as sent
+    for rank in range(ep):
+        mine = range(rank * local, (rank + 1) * local)
+        received_counts = torch.tensor([counts[src][e] for src in range(ep) for e in mine])
+        arrived = [row for src in range(ep) for row in rows[src] if row[1] in mine]  # source-major
+        plan = Dispatch(torch.tensor(counts[rank]), received_counts, ep)
+        assert plan.send_rows == [sum(counts[rank][:2]), sum(counts[rank][2:])]
+        assert plan.recv_rows == [sum(counts[src][e] for e in mine) for src in range(ep)]
+        assert plan.local_counts.tolist() == [counts[0][e] + counts[1][e] for e in mine]
+        grouped = [arrived[i] for i in plan.order.tolist()]
+        want = [(src, e, i) for e in mine for src in range(ep) for i in range(counts[src][e])]
+        assert grouped == want
+        assert [grouped[i] for i in plan.restore.tolist()] == arrived
+
+
+def test_dispatch_with_no_rows_for_a_rank():
+    from fleetwise.models.moe import Dispatch
+
+    plan = Dispatch(torch.tensor([0, 0, 5, 1]), torch.tensor([0, 0, 0, 0]), 2)
+    assert plan.send_rows == [0, 6] and plan.recv_rows == [0, 0]
+    assert plan.order.numel() == 0 and plan.local_counts.tolist() == [0, 0]

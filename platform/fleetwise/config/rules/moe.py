@@ -5,6 +5,12 @@ rules/model.py).
 
 Tensor parallelism of the experts is not done: mp_degree > 1 with experts is refused (shard the
 experts with sharding_degree instead: FSDP splits each [experts, out, in] weight along the experts).
+
+Expert parallelism (`strategy.ep_degree`, runtime/expert_parallel.py) in this stage: groups of
+ep_degree consecutive data-parallel replicas of a DDP job (strategy dp or hybrid with only
+dp_degree > 1). Unlike torchtitan, mp does not join the expert group (mp is refused with experts);
+sharding (FSDP / ZeRO-1 of the experts over the ranks outside the group), pipeline stages,
+context parallelism and fp16's loss scaling are refused with ep_degree > 1, each with what to do instead.
 """
 
 from __future__ import annotations
@@ -48,3 +54,62 @@ def moe_combinations(ctx: Context) -> Iterator[Problem]:
             f"model.init_from with {experts}: fleetwise reads Hugging Face weights of dense models only",
             "train the mixture of experts from scratch (model.init_from=null), or set model.moe.num_experts=0",
         )
+
+
+@rule
+def expert_parallel(ctx: Context) -> Iterator[Problem]:
+    s = ctx.collective
+    ep = s.ep_degree if s is not None else 1
+    if ep == 1:
+        return
+    e = _experts(ctx)
+    loc = "strategy.ep_degree"
+    if not e:
+        yield Problem(
+            loc,
+            f"ep_degree={ep} without model.moe: expert parallelism splits the routed experts, and this model has none",
+            "set strategy.ep_degree=1, or give the model experts (model.moe.num_experts)",
+        )
+        return
+    if e % ep:
+        yield Problem(
+            "model.moe.num_experts",
+            f"num_experts={e} does not split over ep_degree={ep} ranks (each rank holds num_experts/ep_degree)",
+            f"set strategy.ep_degree to a divisor of {e}, or model.moe.num_experts to a multiple of {ep}",
+        )
+    if ctx.cfg.train.precision == "fp16":
+        # GradScaler unscales each device's gradients in one multi-tensor call, which refuses the
+        # experts' DTensor gradients beside the dense plain ones (runtime/parallelize.py replicate_rest)
+        yield Problem(
+            "train.precision",
+            f"train.precision=fp16 with ep_degree={ep}: fp16's loss scaling does not handle the "
+            "expert-parallel gradients yet",
+            "set train.precision=bf16 (no loss scaling) or fp32, or strategy.ep_degree=1",
+        )
+    lay = ctx.layout
+    if lay is None:
+        return
+    data = lay.sharding * lay.dp
+    if data % ep:
+        yield Problem(
+            loc,
+            f"ep_degree={ep} does not divide the data-parallel ranks sharding_degree × dp_degree = "
+            f"{lay.sharding} × {lay.dp} = {data}: the expert groups are carved out of them",
+            f"set strategy.ep_degree to a divisor of {data}",
+        )
+    for degree, value, why in (
+        (
+            "sharding_degree",
+            lay.sharding,
+            "sharding the experts over the ranks outside their group (FSDP, ZeRO-1)",
+        ),
+        ("pp_degree", lay.pp, "pipeline stages with expert groups"),
+        ("cp_degree", lay.cp, "context-parallel ranks with expert groups"),
+    ):
+        if value > 1:
+            yield Problem(
+                f"strategy.{degree}",
+                f"{degree}={value} with ep_degree={ep}: fleetwise does not combine {why} yet",
+                f"set strategy.{degree}=1 and use strategy.dp_degree for the data-parallel ranks "
+                f"(strategy=dp strategy.ep_degree={ep}), or set strategy.ep_degree=1",
+            )

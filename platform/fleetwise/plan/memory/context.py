@@ -33,6 +33,7 @@ class RankContext:
     n: int  # micro-batches per step
     b: int  # micro-batch size
     mp: int
+    ep: int  # expert-parallel ranks (strategy.ep_degree): the routed experts are split over them
     sh: int
     engine: Engine
     schedule: PipelineSchedule
@@ -103,14 +104,15 @@ def rank_context(
         n=n,
         b=cfg.train.micro_batch_size,
         mp=mp,
+        ep=s.ep_degree,
         # FSDP shards over sharding × cp (cp ranks hold the same parameters: config/layout.py)
         sh=layout.sharding * (layout.cp if engine == Engine.FSDP else 1),
         engine=engine,
         schedule=schedule,
         local=local,
         units=units,
-        p=sum(count * u.params_on_rank(mp) for u, count in units),
-        block_params=sum(count * u.params_on_rank(mp) for u, count in units if u.kind == "block"),
+        p=sum(count * u.params_on_rank(mp, s.ep_degree) for u, count in units),
+        block_params=sum(count * u.params_on_rank(mp, s.ep_degree) for u, count in units if u.kind == "block"),
         k=optimizer_state_factor(cfg.optim.name, cfg.optim.momentum),
         mixed=mixed,
         pipelined=pipelined,

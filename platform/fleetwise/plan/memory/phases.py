@@ -142,8 +142,8 @@ def block_backward(ctx: RankContext, acts: Activations, during: dict[str, float]
     recompute: the 3rd, with 2 of them and 2 blocks gathered)."""
     mp, b, gather_bytes = ctx.mp, ctx.b, ctx.gather_bytes
     blocks = [u for u, _ in ctx.units if u.kind == "block"]
-    block = max((u.params_on_rank(mp) for u in blocks), default=0.0)
-    heads = sum(count * u.params_on_rank(mp) for u, count in ctx.units if u.kind == "head")
+    block = max((u.params_on_rank(mp, ctx.ep) for u in blocks), default=0.0)
+    heads = sum(count * u.params_on_rank(mp, ctx.ep) for u, count in ctx.units if u.kind == "head")
     first_grad = max((u.fresh_grad_on_rank(mp) for u in blocks), default=0.0)
     mlp = max(
         (

@@ -44,7 +44,7 @@ def _fsdp_states(ctx: RankContext) -> ModelStates:
         # the root unit, which FSDP2 never reshards after forward (its parameters are needed
         # again first in backward): in backward the root, the block in use and the prefetched
         # next one are gathered at once
-        blocks = [u.params_on_rank(ctx.mp) for u, _ in ctx.units if u.kind == "block"]
+        blocks = [u.params_on_rank(ctx.mp, ctx.ep) for u, _ in ctx.units if u.kind == "block"]
         root = p - ctx.block_params
         working = gather_bytes * (root + 2 * max(blocks, default=0.0))
     else:  # stage 2 / replication, and any pipelined FSDP (kept gathered across micro-batches)

@@ -1,0 +1,87 @@
+"""Expert parallelism (`strategy.ep_degree`): the routed experts of every MoE layer split over
+groups of ep_degree data-parallel ranks, the tokens exchanged by all-to-all (models/moe.py
+`MoE.exchange`), the experts' gradients reduced over the ranks that hold the same experts.
+
+The mesh: the data-parallel ranks (dp_degree; config/rules/moe.py admits no sharding, pipeline or
+tensor parallelism beside ep in this stage) as [dp / ep, ep] -- consecutive ranks form an expert
+group ("ep"), and the ranks at the same place of every group hold the same experts ("edp").
+
+Each expert weight [E, out, in] becomes a DTensor sharded along the experts over "ep" (on meta,
+before allocation): each rank allocates and initialises its E / ep experts only (the slice of the
+layout-invariant initial value, models/init.py), the gradient norm and the optimizer see it as
+one more mesh (runtime/optim.py groups by mesh), and a checkpoint stores the whole [E, out, in]
+tensor in shards (DCP), so it loads into any ep_degree, or none.
+
+Gradients: DDP averages the dense parameters over all dp ranks and leaves the experts alone
+(`ddp_ignore`). An expert's gradient on its rank already sums the contributions of the tokens of
+every rank of its group (the all-to-all's backward brought them); `reduce_grads` sums it over
+"edp" and divides by dp_degree -- the mean over the data-parallel ranks that DDP takes of a dense
+gradient, so every layout computes one process's update.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from fleetwise.compat import ddp_ignore, foreach_mul_, local_tensor
+from fleetwise.models.moe import MoE
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def expert_mesh(dp: int, ep: int, device_type: str) -> DeviceMesh:
+    """[dp / ep, ep] over the job's ranks (all data-parallel here), named ("edp", "ep")
+    (called collectively by every rank)."""
+    return init_device_mesh(device_type, (dp // ep, ep), mesh_dim_names=("edp", "ep"))
+
+
+def shard_experts(part: nn.Module, mesh: DeviceMesh) -> list[str]:
+    """Make every MoE layer's expert weights DTensors sharded along the experts over mesh["ep"]
+    (on meta: nothing allocated) and give the layer its group; the names of those parameters
+    (in `part`), which DDP must leave alone."""
+    ep_mesh = mesh["ep"]
+    names = []
+    for mname, module in part.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        module.ep_group = ep_mesh.get_group()
+        experts = module.experts
+        for attr in EXPERT_WEIGHTS:
+            w = getattr(experts, attr)
+            sharded = distribute_tensor(w.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(attr, nn.Parameter(sharded, requires_grad=w.requires_grad))
+            names.append(f"{mname}.experts.{attr}")
+    return names
+
+
+def keep_from_ddp(part: nn.Module, names: list[str]) -> None:
+    ddp_ignore(part, names)
+
+
+class ExpertGrads:
+    """The experts' gradient reduction of an expert-parallel job (see the module's doc)."""
+
+    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh, dp: int):
+        self.params = [
+            p for part in parts for m in part.modules() if isinstance(m, MoE)
+            for p in m.experts.parameters()
+        ]  # fmt: skip
+        self.group = mesh["edp"].get_group() if mesh["edp"].size() > 1 else None
+        self.dp = dp
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Sum each expert gradient over the ranks holding the same experts, divide by dp_degree."""
+        grads = [local_tensor(p.grad) for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        if self.group is not None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.group)
+            for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(summed.view_as(g))
+        foreach_mul_(grads, 1.0 / self.dp)
