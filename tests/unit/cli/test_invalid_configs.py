@@ -5,7 +5,7 @@ Table-driven so that it keeps growing with every new rule (target: >= 250 cases)
 adversarial classes of issue 17: absurd sizes that used to hang the planner, inf/nan, more ranks
 than the machine holds, names MLflow refuses, hydra.* overrides, unsafe server addresses; and of
 issue 44: Hugging Face model directories, your own model (model=custom), every section's fields,
-JSONL fine-tuning files and context parallelism.
+JSONL fine-tuning files, expert and context parallelism.
 In-process (one Python for the corpus); a sample of 20 also runs as `fleetwise` processes, each
 within 2 CPU-seconds (what an idle machine answers in), however loaded the machine is.
 """
@@ -475,6 +475,23 @@ CASES = [
         ),
         "data.source",
     ),
+    # --- expert parallelism
+    (("strategy=dp", "strategy.ep_degree=2"), "strategy.ep_degree"),
+    (("recipe=llama/moe_tiny", "strategy=dp", "strategy.ep_degree=3"), "model.moe.num_experts"),
+    (("recipe=llama/moe_tiny", "strategy=dp", "strategy.ep_degree=16"), "strategy.ep_degree"),
+    (("recipe=llama/moe_tiny", "strategy=sharding", "strategy.ep_degree=2"), "strategy.sharding_degree"),
+    (("recipe=llama/moe_tiny", *PP2, "strategy.ep_degree=2"), "strategy.pp_degree"),
+    (
+        (
+            "recipe=llama/moe_tiny",
+            "strategy=dp",
+            "strategy.ep_degree=2",
+            "train.precision=fp16",
+            "hardware=a100",
+        ),
+        "train.precision",
+    ),
+    (("recipe=llama/moe_tiny", "strategy=dp", "strategy.ep_degree=0"), "strategy.ep_degree"),
     # --- the other sections' fields, one bad value each
     (("optim.lr=-1",), "optim.lr"),
     (("optim.momentum=1.5",), "optim.momentum"),
