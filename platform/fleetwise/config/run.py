@@ -155,6 +155,12 @@ class AutoConfig(Section):
     max_mp: int | None = Field(
         None, ge=1, description="Largest tensor-parallel degree searched (null: devices per node)."
     )
+    max_cp: int | None = Field(
+        None,
+        ge=1,
+        description="Largest context-parallel degree searched, for gpt and llama (null: devices per node "
+        "when seq_len >= 32768, else 1; a number: at any seq_len).",
+    )
     objective: Literal["time", "memory"] = Field(
         "time", description="Rank fitting layouts by planned step time, or by memory per device."
     )

@@ -52,6 +52,7 @@ class AutoOutcome:
             "fitting": len(r.ranked) if r else 0,
             "search_s": r.elapsed_s if r else 0.0,
             "candidates": [c.to_dict() for c in (r.ranked[:k] if r else [])],
+            "by_cp": {str(cp): s.to_dict() for cp, s in r.by_cp.items()} if r else {},
         }
 
 
@@ -67,17 +68,6 @@ def resolve_auto(overrides: list[str], *, progress: bool = True) -> AutoOutcome:
     if problems or base is None:
         return AutoOutcome(problems=problems)
     s = base.strategy
-    if s.cp_degree > 1:  # refused, not ignored: the search's layouts multiply to the world without cp
-        return AutoOutcome(
-            problems=[
-                Problem(
-                    "strategy.cp_degree",
-                    f"strategy=auto does not search context parallelism yet (cp_degree={s.cp_degree})",
-                    f"use strategy=hybrid strategy.cp_degree={s.cp_degree} with the other degrees you want, "
-                    "or drop strategy.cp_degree from the auto search",
-                )
-            ]
-        )
     fixed: dict[str, Any] = {}
     for o in others:
         key = _key(o)
@@ -88,7 +78,13 @@ def resolve_auto(overrides: list[str], *, progress: bool = True) -> AutoOutcome:
         fixed.pop("sharding_stage")  # `sharding_stage=null` as typed for the hybrid preset: let it follow
     a = base.auto
     result = search(
-        base, fixed, max_mp=a.max_mp, objective=a.objective, headroom=a.headroom, progress=progress
+        base,
+        fixed,
+        max_mp=a.max_mp,
+        max_cp=a.max_cp,
+        objective=a.objective,
+        headroom=a.headroom,
+        progress=progress,
     )
     out = AutoOutcome(result=result, base=base)
     if result.winner is None:

@@ -248,4 +248,6 @@ def print_search(console: Console, result, top_k: int, override: str) -> None:
             escape(c.why),
         )
     console.print(t)
+    for summary in result.by_cp.values():  # context parallelism searched: why less cp is out
+        console.print(escape(summary.text(result.budget_bytes)), highlight=False, soft_wrap=True)
     console.print(f"[bold green]winner[/]: {escape(override)}", highlight=False, soft_wrap=True)

@@ -5,9 +5,9 @@ config), kept only when `config.validate.check` — the rules `validate` runs, t
 finds nothing wrong with it; there is no second list of what is legal here. It is then planned by
 `make_plan`, like any job.
 
-Search space: the four degrees (mp up to `auto.max_mp`, by default one node), the sharding stage,
-offload, sequence parallel, the pipeline schedule and virtual stages, the micro-batch size (the
-global batch stays the recipe's) and recompute. Keys the user set on the command line
+Search space: the five degrees (mp up to `auto.max_mp`, by default one node; context parallelism
+as below), the sharding stage, offload, sequence parallel, the pipeline schedule and virtual
+stages, the micro-batch size (the global batch stays the recipe's) and recompute. Keys the user set on the command line
 (`strategy.pp_degree=4`, `train.micro_batch_size=2`) stay fixed.
 
 Speed (a 1,024-GPU search must answer in seconds): the model's units are built once
@@ -16,6 +16,15 @@ Speed (a 1,024-GPU search must answer in seconds): the model's units are built o
 does not fit; inside it the micro-batch size grows only while memory still fits (memory grows with
 it), a layout's pipeline ranks are worked out only until one is too big, and only fitting layouts
 are timed. The degree tuples are independent: a large search runs them on forked workers.
+
+Context parallelism (cp_degree with cp_method ring or ulysses) is searched for the families that have
+it up to `auto.max_cp`; by default (null) up to one node (its ring or all-to-all runs every layer,
+like mp's collectives) when seq_len >= CP_MIN_SEQ_LEN, and not below: there a sample's activations
+are not what runs out of memory, the cp subtrees lengthen the search by 40-60% (llama/llama3_8b,
+gpt/gpt3_175b), and the layouts of the recipes stay what they were. An explicit auto.max_cp searches
+cp at any length (on llama/llama3_8b at 8k the planner then prefers cp 4 ulysses by 9%).
+The rules decide what cp combines with (not pp, mp, ZeRO-1, …): a cp subtree they refuse at a key
+it holds is skipped whole.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetwise.config.problems import Problem
+from fleetwise.config.rules.context_parallel import CP_FAMILIES
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import INTERLEAVED_SCHEDULES, HybridStrategy, Schedule
 from fleetwise.config.validate import check, resolve
@@ -50,7 +60,12 @@ SEARCHED = (
     "schedule",
     "virtual_stages",
     "recompute",
+    "cp_degree",
+    "cp_method",
 )
+# the sequence length from which strategy=auto searches context parallelism (module doc)
+CP_MIN_SEQ_LEN = 32768
+CP_METHODS = ("ulysses", "ring")
 
 
 @dataclass
@@ -68,6 +83,8 @@ class Candidate:
         """The overrides that reproduce this layout (with the user's other overrides)."""
         out = ["strategy=hybrid"]
         for key in SEARCHED:
+            if key.startswith("cp_") and self.strategy.get("cp_degree", 1) == 1:
+                continue  # the hybrid default: the overrides of layouts without cp stay as they were
             value = self.strategy[key]
             text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
             out.append(f"strategy.{key}={text}")
@@ -82,6 +99,8 @@ class Candidate:
             f"mp{s['mp_degree']}",
             f"pp{s['pp_degree']}",
         ]
+        if s.get("cp_degree", 1) > 1:
+            parts.append(f"cp{s['cp_degree']} {s['cp_method']}")
         if s["sharding_stage"]:
             parts.append(f"zero{s['sharding_stage']}" + ("+offload" if s["offload"] else ""))
         if s["sequence_parallel"]:
@@ -107,12 +126,56 @@ class Candidate:
 
 
 @dataclass
+class CpSummary:
+    """One cp degree of a search: its fitting layouts, and its leanest layout when none fits."""
+
+    cp: int
+    fitting: int = 0
+    best_step_s: float | None = None  # the fastest fitting one's step time
+    least: Candidate | None = None  # the least memory seen, planned, when none fits
+
+    def text(self, budget: int) -> str:
+        from fleetwise.plan.render import gib
+
+        if self.fitting:
+            return f"cp {self.cp}: {self.fitting} fit, the fastest {self.best_step_s:.4g} s a step"
+        if self.least is None:
+            return f"cp {self.cp}: no legal layout"
+        return (
+            f"cp {self.cp}: none fits, the leanest needs {gib(self.least.memory)} > {gib(budget)} "
+            f"({self.least.layout_text()}; {_largest_part(self.least)})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fitting": self.fitting,
+            "best_step_time_s": self.best_step_s,
+            "least_memory_bytes": self.least.memory if self.least else None,
+            "least_layout": self.least.layout_text() if self.least else None,
+        }
+
+
+def _largest_part(c: Candidate) -> str:
+    """The largest part of a plan's worst-device memory, as the plan names it."""
+    from fleetwise.plan.render import gib
+
+    parts = {k: v for k, v in c.plan.memory_bytes.items() if k != "total" and isinstance(v, (int, float))}
+    if not parts:
+        return "memory"
+    name = max(parts, key=lambda k: parts[k])
+    return f"{name} {gib(parts[name])}"
+
+
+@dataclass
 class SearchResult:
     ranked: list[Candidate]  # fitting layouts, best first
     legal: int = 0  # layouts the rules accepted
     planned: int = 0  # layouts timed
     too_big: int = 0  # legal layouts (or whole subtrees) dropped for memory
     smallest: Candidate | None = None  # the least memory found when nothing fits
+    # per cp degree searched (only when the search tried more than cp 1): how many layouts fit,
+    # and for a degree where none does, its least memory (why shorter-context layouts are out)
+    by_cp: dict[int, CpSummary] = field(default_factory=dict)
     budget_bytes: int = 0
     elapsed_s: float = 0.0
     fixed: dict[str, Any] = field(default_factory=dict)
@@ -126,23 +189,48 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _degree_tuples(world: int, max_mp: int, fixed: dict[str, Any]) -> Iterator[tuple[int, int, int, int]]:
-    """(dp, sharding, mp, pp) with product = world, honouring fixed degrees and max_mp."""
+Degrees = tuple[int, int, int, int, int]  # (dp, sharding, mp, pp, cp)
+
+
+def _degree_tuples(
+    world: int, max_mp: int, fixed: dict[str, Any], cps: tuple[int, ...] = (1,)
+) -> Iterator[Degrees]:
+    """(dp, sharding, mp, pp, cp) with product = world, honouring fixed degrees, max_mp and the cp
+    degrees searched (`cps`); the tuples without cp first, in the order they had before cp."""
 
     def allowed(name: str, value: int) -> bool:
         want = fixed.get(name)
         return want is None or want == "auto" or int(want) == value
 
-    for mp in _divisors(world):
-        if mp > max_mp or not allowed("mp_degree", mp):
+    for cp in cps:
+        if world % cp:
             continue
-        for pp in _divisors(world // mp):
-            if not allowed("pp_degree", pp):
+        rest = world // cp
+        for mp in _divisors(rest):
+            if mp > max_mp or not allowed("mp_degree", mp):
                 continue
-            for sh in _divisors(world // (mp * pp)):
-                dp = world // (mp * pp * sh)
-                if allowed("sharding_degree", sh) and allowed("dp_degree", dp):
-                    yield dp, sh, mp, pp
+            for pp in _divisors(rest // mp):
+                if not allowed("pp_degree", pp):
+                    continue
+                for sh in _divisors(rest // (mp * pp)):
+                    dp = rest // (mp * pp * sh)
+                    if allowed("sharding_degree", sh) and allowed("dp_degree", dp):
+                        yield dp, sh, mp, pp, cp
+
+
+def cp_degrees(base: RunConfig, max_cp: int | None, fixed: dict[str, Any]) -> tuple[int, ...]:
+    """The cp degrees the search tries: the user's; else, for a family with context parallelism,
+    every divisor of the world up to max_cp -- by default (null) one node's devices when seq_len >=
+    CP_MIN_SEQ_LEN and none below. Which of them the rules accept with which other degrees is
+    theirs to say."""
+    if "cp_degree" in fixed:
+        return (int(fixed["cp_degree"]),)
+    hw, m = base.hardware, base.model
+    if m.family not in CP_FAMILIES:
+        return (1,)
+    if max_cp is None:
+        max_cp = hw.devices_per_node if getattr(m, "seq_len", 0) >= CP_MIN_SEQ_LEN else 1
+    return tuple(d for d in _divisors(hw.world_size) if d <= max_cp)
 
 
 # Pruning by where the rules locate a problem: a problem at a key that a subtree of the search
@@ -152,8 +240,28 @@ def _degree_tuples(world: int, max_mp: int, fixed: dict[str, Any]) -> Iterator[t
 # pruned search equal to a brute-force one.
 SUBTREE_KEYS = frozenset(
     f"strategy.{k}"
-    for k in ("dp_degree", "sharding_degree", "mp_degree", "pp_degree", "sharding_stage", "offload")
+    for k in (
+        "dp_degree",
+        "sharding_degree",
+        "mp_degree",
+        "pp_degree",
+        "sharding_stage",
+        "offload",
+        "cp_degree",
+        "cp_method",
+    )
 )
+# where the context-parallel rule locates what cp does not combine with or what the shapes refuse:
+# keys no search varies (a cp subtree is sequence parallel off, every schedule and recompute alike)
+CP_HELD_KEYS = SUBTREE_KEYS | {
+    "model.seq_len",
+    "model.dropout",
+    "model.num_attention_heads",
+    "model.num_kv_heads",
+    "model.moe.num_experts",
+    "train.compile",
+    "data.source",
+}
 PIPELINE_KEYS = frozenset({"strategy.schedule", "strategy.virtual_stages"})
 
 
@@ -245,9 +353,9 @@ class _Subtrees:
         problems = check(cand)
         return (None, problems) if problems else (resolve(cand), [])
 
-    def run(self, degree_tuple: tuple[int, int, int, int]) -> _Found:
+    def run(self, degree_tuple: Degrees) -> _Found:
         out = _Found()
-        dp, sh, mp, pp = degree_tuple
+        dp, sh, mp, pp, cp = degree_tuple
         base, fixed = self.base, self.fixed
         gbs = base.train.global_batch_size
         ranks = dp * sh
@@ -257,58 +365,71 @@ class _Subtrees:
         # under a pipeline FSDP keeps parameters gathered across micro-batches whatever the
         # stage, so the planner gives stage 3 the plan of stage 2: only the simpler is searched
         stages = ([1, 2, 3] if pp == 1 else [1, 2]) if sh > 1 else [None]
-        for stage in _choices("sharding_stage", stages, fixed):
+        # without cp the method is the config's (it does nothing); with cp both are tried
+        methods = (
+            _choices("cp_method", list(CP_METHODS), fixed) if cp > 1 else [self.strategy_data["cp_method"]]
+        )
+        held = CP_HELD_KEYS if cp > 1 else SUBTREE_KEYS
+        for stage, offload, method in self._subtrees(sh, stages, methods):
+            degrees = {
+                "dp_degree": dp,
+                "sharding_degree": sh,
+                "mp_degree": mp,
+                "pp_degree": pp,
+                "sharding_stage": stage,
+                "offload": offload,
+                "cp_degree": cp,
+                "cp_method": method,
+            }
+            # the subtree at its least memory (full recompute, the smallest micro-batch,
+            # sequence parallel; 1F1B, else each other schedule): if that does not fit,
+            # nothing in it does
+            lean = {
+                **degrees,
+                "sequence_parallel": fixed.get("sequence_parallel", mp > 1),
+                "schedule": fixed.get("schedule", "1F1B"),
+                "virtual_stages": fixed.get("virtual_stages", 1),
+                "recompute": fixed.get("recompute", "full"),
+            }
+            if lean["schedule"] in INTERLEAVED_SCHEDULES and "virtual_stages" not in fixed:
+                lean["schedule"] = "1F1B"
+            cfg, problems = self.checked(lean, min(mbs_all))
+            if _held(problems, held):
+                continue  # no sequence parallel, schedule, recompute or micro-batch cures it
+            if cfg is not None and not self._lean_fits(out, lean, cfg, min(mbs_all)):
+                out.too_big += 1
+                continue
+            # sequence parallel: the planner gives it the same time (its all-gather and
+            # reduce-scatter move what the all-reduce moved, Korthikanti et al. 2022) and
+            # less memory; without it only when it is not legal (seq_len % mp)
+            sps = [True, False] if mp > 1 else [False]
+            for sp in _choices("sequence_parallel", sps, fixed):
+                fitted = False
+                for sched, v in pipeline_options(base, pp, fixed):
+                    probe = {**lean, "sequence_parallel": sp, "schedule": sched, "virtual_stages": v}
+                    if _held(self.checked(probe, min(mbs_all))[1], PIPELINE_KEYS):
+                        continue  # e.g. ZBV with virtual_stages != 2, at every micro-batch size
+                    modes = _choices("recompute", self.order, fixed)
+                    for mb in mbs_all:  # ascending: memory only grows with it
+                        modes = self._fastest_fitting(out, degrees, sp, sched, v, mb, modes)
+                        if not modes:
+                            break
+                        fitted = True
+                if fitted:
+                    break
+        return out
+
+    def _subtrees(self, sh: int, stages: list[Any], methods: list[str]) -> Iterator[tuple[Any, bool, str]]:
+        """(sharding stage, offload, cp method) of a degree tuple's subtrees, in search order."""
+        for stage in _choices("sharding_stage", stages, self.fixed):
             offloads = (
                 [False, True]
-                if (sh > 1 and stage in (2, 3) and base.hardware.device_type == "cuda")
+                if (sh > 1 and stage in (2, 3) and self.base.hardware.device_type == "cuda")
                 else [False]
             )
-            for offload in _choices("offload", offloads, fixed):
-                degrees = {
-                    "dp_degree": dp,
-                    "sharding_degree": sh,
-                    "mp_degree": mp,
-                    "pp_degree": pp,
-                    "sharding_stage": stage,
-                    "offload": offload,
-                }
-                # the subtree at its least memory (full recompute, the smallest micro-batch,
-                # sequence parallel; 1F1B, else each other schedule): if that does not fit,
-                # nothing in it does
-                lean = {
-                    **degrees,
-                    "sequence_parallel": fixed.get("sequence_parallel", mp > 1),
-                    "schedule": fixed.get("schedule", "1F1B"),
-                    "virtual_stages": fixed.get("virtual_stages", 1),
-                    "recompute": fixed.get("recompute", "full"),
-                }
-                if lean["schedule"] in INTERLEAVED_SCHEDULES and "virtual_stages" not in fixed:
-                    lean["schedule"] = "1F1B"
-                cfg, problems = self.checked(lean, min(mbs_all))
-                if _held(problems, SUBTREE_KEYS):
-                    continue  # no sequence parallel, schedule, recompute or micro-batch cures it
-                if cfg is not None and not self._lean_fits(out, lean, cfg, min(mbs_all)):
-                    out.too_big += 1
-                    continue
-                # sequence parallel: the planner gives it the same time (its all-gather and
-                # reduce-scatter move what the all-reduce moved, Korthikanti et al. 2022) and
-                # less memory; without it only when it is not legal (seq_len % mp)
-                sps = [True, False] if mp > 1 else [False]
-                for sp in _choices("sequence_parallel", sps, fixed):
-                    fitted = False
-                    for sched, v in pipeline_options(base, pp, fixed):
-                        probe = {**lean, "sequence_parallel": sp, "schedule": sched, "virtual_stages": v}
-                        if _held(self.checked(probe, min(mbs_all))[1], PIPELINE_KEYS):
-                            continue  # e.g. ZBV with virtual_stages != 2, at every micro-batch size
-                        modes = _choices("recompute", self.order, fixed)
-                        for mb in mbs_all:  # ascending: memory only grows with it
-                            modes = self._fastest_fitting(out, degrees, sp, sched, v, mb, modes)
-                            if not modes:
-                                break
-                            fitted = True
-                    if fitted:
-                        break
-        return out
+            for offload in _choices("offload", offloads, self.fixed):
+                for method in methods:
+                    yield stage, offload, method
 
     def _lean_fits(self, out: _Found, lean: dict[str, Any], cfg: RunConfig, mb: int) -> bool:
         """Whether the subtree's lean layout fits under 1F1B (`cfg`) or, failing that, under any
@@ -386,7 +507,7 @@ class _Found:
 # A search of more degree tuples than this runs them on several processes (fork: the workers
 # inherit the model's units and the config; each returns its tuples' candidates)
 PARALLEL_TUPLES = 16
-_JOB: tuple[_Subtrees, list[tuple[int, int, int, int]]] | None = None  # what the forked workers run
+_JOB: tuple[_Subtrees, list[Degrees]] | None = None  # what the forked workers run
 
 
 def _run_tuple(i: int) -> _Found:
@@ -407,9 +528,7 @@ def search_workers() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
-def _each_tuple(
-    job: _Subtrees, tuples: list[tuple[int, int, int, int]], workers: int, bar: _Progress
-) -> Iterator[_Found]:
+def _each_tuple(job: _Subtrees, tuples: list[Degrees], workers: int, bar: _Progress) -> Iterator[_Found]:
     """`job.run` of every tuple, in tuple order."""
     global _JOB
     if workers <= 1 or len(tuples) < PARALLEL_TUPLES:
@@ -434,6 +553,7 @@ def search(
     fixed: dict[str, Any] | None = None,
     *,
     max_mp: int | None = None,
+    max_cp: int | None = None,
     objective: str = "time",
     headroom: float = 0.10,
     progress: bool = False,
@@ -452,8 +572,9 @@ def search(
     result = SearchResult(ranked=[], budget_bytes=budget, fixed=fixed)
     job = _Subtrees(base, fixed, objective, budget)
     smallest: tuple[float, dict[str, Any], int] | None = None
+    least_by_cp: dict[int, tuple[float, dict[str, Any], int]] = {}
     found: list[Candidate] = []
-    tuples = list(_degree_tuples(hw.world_size, max_mp, fixed))
+    tuples = list(_degree_tuples(hw.world_size, max_mp, fixed, cp_degrees(base, max_cp, fixed)))
     bar = _Progress(len(tuples), progress)
     try:
         for part in _each_tuple(job, tuples, search_workers(), bar):
@@ -462,6 +583,10 @@ def search(
             result.too_big += part.too_big
             if part.smallest is not None and (smallest is None or part.smallest[0] < smallest[0]):
                 smallest = part.smallest
+            if part.smallest is not None:  # exact: a tuple's first layout is worked out whole
+                cp = part.smallest[1]["cp_degree"]
+                if cp not in least_by_cp or part.smallest[0] < least_by_cp[cp][0]:
+                    least_by_cp[cp] = part.smallest
     finally:
         bar.close()
     result.planned = len(found)
@@ -470,7 +595,7 @@ def search(
         # ties (layouts the model cannot tell apart) go to the simpler layout: fewer ranks in
         # model parallelism, no offload, no recompute
         simple = (
-            c.strategy["pp_degree"] * c.strategy["mp_degree"],
+            c.strategy["pp_degree"] * c.strategy["mp_degree"] * c.strategy["cp_degree"],
             c.strategy["offload"],
             RECOMPUTE.index(c.strategy["recompute"]),
             c.strategy["virtual_stages"],
@@ -489,8 +614,32 @@ def search(
         cfg = job.legal(strategy, mb)
         if cfg is not None:
             result.smallest = Candidate(dict(strategy), mb, make_plan(cfg))
+    cps = sorted({t[4] for t in tuples})
+    if len(cps) > 1:
+        result.by_cp = _by_cp(job, cps, found, least_by_cp)
     result.elapsed_s = time.perf_counter() - started
     return result
+
+
+def _by_cp(
+    job: _Subtrees,
+    cps: list[int],
+    found: list[Candidate],
+    least: dict[int, tuple[float, dict[str, Any], int]],
+) -> dict[int, CpSummary]:
+    out = {cp: CpSummary(cp) for cp in cps}
+    for c in found:  # fastest first
+        s = out[c.strategy["cp_degree"]]
+        s.fitting += 1
+        if s.best_step_s is None:
+            s.best_step_s = c.plan.step_time_s
+    for cp, s in out.items():
+        if s.fitting == 0 and cp in least:
+            _, strategy, mb = least[cp]
+            cfg = job.legal(strategy, mb)
+            if cfg is not None:
+                s.least = Candidate(dict(strategy), mb, make_plan(cfg))
+    return out
 
 
 def explain(c: Candidate, best: Candidate, objective: str) -> str:

@@ -373,7 +373,7 @@ def _lean_layouts(job, degree_tuple):
     sequence parallel where legal, the smallest micro-batch)."""
     from fleetwise.plan.search import pipeline_options
 
-    dp, sh, mp, pp = degree_tuple
+    dp, sh, mp, pp, cp = degree_tuple
     for stage in [1, 2, 3] if sh > 1 else [None]:
         for sp in (True, False):
             for sched, v in pipeline_options(job.base, pp, {}):
@@ -389,6 +389,8 @@ def _lean_layouts(job, degree_tuple):
                         "schedule": sched,
                         "virtual_stages": v,
                         "recompute": "full",
+                        "cp_degree": cp,
+                        "cp_method": "ring",
                     },
                     1,
                 )
