@@ -691,10 +691,14 @@ def nothing_fits(result: SearchResult, headroom: float) -> Problem:
     s = result.smallest
     ratio = s.memory / result.budget_bytes if result.budget_bytes else float("inf")
     fixed = f"; or free the fixed keys ({', '.join(sorted(result.fixed))})" if result.fixed else ""
+    per_cp = "; ".join(  # context parallelism searched: what each degree needs at least
+        f"cp {cp} needs {gib(c.least.memory)}" for cp, c in result.by_cp.items() if c.least is not None
+    )
     return Problem(
         "hardware.memory_per_device_gib",
         f"no legal layout fits: the smallest needs {gib(s.memory)} per device ({s.layout_text()}) "
-        f"but {gib(result.budget_bytes)} are allowed (usable device memory less auto.headroom={headroom:g})",
+        f"but {gib(result.budget_bytes)} are allowed (usable device memory less auto.headroom={headroom:g})"
+        + (f" ({per_cp})" if per_cp else ""),
         f"use about {ratio:.1f}× the devices (hardware.nodes), or devices with {gib(s.memory / (1 - headroom))} "
         f"usable memory, or a lower auto.headroom{fixed}",
     )

@@ -191,3 +191,14 @@ def test_pruning_cp_subtrees_drops_no_legal_layout(monkeypatch, extra):
     monkeypatch.setattr(search, "_held", lambda problems, keys: False)
     assert pruned == ranked()
     assert any(" cp" in text for text, _, _ in pruned) == (extra == [])
+
+
+def test_when_nothing_fits_the_error_gives_each_cp_degree_s_least_memory(capsys):
+    """Two H100s for the 128k recipe: cp 2 cannot also shard (sharding_degree 1), cp 1 keeps the
+    whole sequence's activations; the exit-2 message says what each needs."""
+    from fleetwise import cli
+
+    argv = ["plan", "strategy=auto", *LONG, "hardware.devices_per_node=2", "--json"]
+    assert cli.main(argv) == 2
+    (err,) = json.loads(capsys.readouterr().out)["errors"]
+    assert "no legal layout fits" in err["msg"] and "cp 1 needs" in err["msg"] and "cp 2 needs" in err["msg"]
