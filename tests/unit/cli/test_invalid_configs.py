@@ -463,7 +463,6 @@ CASES = [
         ("recipe=llama/moe_tiny", *HYB, "strategy.cp_degree=2", "strategy.dp_degree=4"),
         "model.moe.num_experts",
     ),
-    (("strategy=auto", "strategy.cp_degree=2"), "strategy.cp_degree"),
     (
         (
             "recipe=llama/tiny",
@@ -515,6 +514,7 @@ CASES = [
     (("auto.top_k=0",), "auto.top_k"),
     (("auto.headroom=1.5",), "auto.headroom"),
     (("auto.max_mp=0",), "auto.max_mp"),
+    (("auto.max_cp=0",), "auto.max_cp"),
     (("hardware=h200", "hardware.nodes=0"), "hardware.nodes"),
     (("hardware.device_type=tpu",), "hardware.device_type"),
     (("hardware.fragmentation=1.5",), "hardware.fragmentation"),
