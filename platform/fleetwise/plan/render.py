@@ -91,13 +91,14 @@ def print_problems(console: Console, problems: list[Problem]) -> None:
         console.print(f"    [green]fix:[/] {escape(p.hint)}", highlight=False, soft_wrap=True)
 
 
+def mesh_text(m: dict[str, int]) -> str:
+    """The degrees as the world-size rule multiplies them (cp only in a plan with context parallelism)."""
+    cp = f" × cp {m['cp']}" if m.get("cp", 1) > 1 else ""
+    return f"pp {m['pp']} × dp {m['dp']} × sharding {m['sharding']}{cp} × mp {m['mp']}"
+
+
 def describe_job(cfg: RunConfig, plan: Plan) -> str:
-    m = plan.mesh
-    layout = (
-        ""
-        if cfg.strategy.name == "ps"
-        else f" (pp {m['pp']} × dp {m['dp']} × sharding {m['sharding']} × mp {m['mp']})"
-    )
+    layout = "" if cfg.strategy.name == "ps" else f" ({mesh_text(plan.mesh)})"
     return f"{cfg.recipe} · {cfg.strategy.name}{layout} · {cfg.hardware.name} × {plan.world_size}"
 
 
@@ -126,8 +127,7 @@ def _job_rows(t: Table, cfg: RunConfig, plan: Plan) -> None:
     if plan.ps is None:
         t.add_row(
             "mesh",
-            f"pp {m['pp']} × dp {m['dp']} × sharding {m['sharding']} × mp {m['mp']} = "
-            f"{plan.world_size} ranks · engine {plan.engine} · {plan.precision}",
+            f"{mesh_text(m)} = {plan.world_size} ranks · engine {plan.engine} · {plan.precision}",
         )
         t.add_row(
             "batch",

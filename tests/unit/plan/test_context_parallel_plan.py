@@ -81,3 +81,17 @@ def test_cp_divides_the_tokens_and_fsdp_shards_over_sharding_times_cp():
         "hardware.devices_per_node=4",
     )
     assert fsdp.stages[0]["params_per_device"] == fsdp.params // 4
+
+
+def test_the_plan_header_multiplies_to_the_world_size_with_cp():
+    """The mesh line is the world-size rule written out: with cp it names cp (it read
+    "pp 1 × dp 1 × sharding 2 × mp 1 = 4 ranks" for a 4-rank cp 2 layout); without, as it always was."""
+    from fleetwise.plan.render import mesh_text
+
+    cfg, _ = compose(*TINY, "strategy=hybrid", "strategy.cp_degree=2", "hardware.devices_per_node=4")
+    plan = make_plan(cfg)
+    assert mesh_text(plan.mesh) == "pp 1 × dp 2 × sharding 1 × cp 2 × mp 1"
+    assert (
+        mesh_text(plan_of("strategy=dp", "hardware.devices_per_node=4").mesh)
+        == "pp 1 × dp 4 × sharding 1 × mp 1"
+    )
