@@ -67,10 +67,18 @@ def take_turns(jobs: list[tuple[list[str], dict]], slice_s: float, cwd=None) -> 
     cmds = [cmd for cmd, _ in jobs]
     procs = []
     for cmd, env in jobs:
+        # Nobody runs until its turn: each job starts as a shell that stops itself and, once
+        # continued in its first window, becomes the job (exec). A SIGSTOP sent after Popen came
+        # too late on a loaded machine: the job had started and done work before any window.
         p = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd
+            ["sh", "-c", 'kill -STOP $$ && exec "$@"', "sh", *cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            cwd=cwd,
         )
-        signal_tree(p.pid, signal.SIGSTOP)  # nobody runs until its turn
+        wait_stopped(p.pid)
         procs.append(p)
     windows: list[list[Window]] = [[] for _ in cmds]
     outputs: list[bytes] = [b""] * len(cmds)
