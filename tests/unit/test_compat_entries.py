@@ -41,3 +41,22 @@ def test_on_the_checked_torch_entries_are_the_functions_themselves():
     for name in ("storage_key", "local_tensor", "set_last_lr", "flatten_mesh", "load_into_empty"):
         entry = getattr(compat, name)
         assert "guarded" not in entry.__qualname__ and inspect.getmodule(entry) is compat, name
+
+
+def test_a_half_written_error_file_is_reported_without_it(tmp_path):
+    """A rank killed while writing its error file (torch terminates a failed group's other ranks as
+    the report is made) leaves it empty or cut: the agent reports that rank by its exit code alone
+    instead of crashing on the JSON (seen once: the crash ended a job that was to be restarted)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    from fleetwise.compat import _readable_error_file
+
+    whole, cut, empty = tmp_path / "whole.json", tmp_path / "cut.json", tmp_path / "empty.json"
+    whole.write_text('{"message": {"message": "RuntimeError: boom", "extraInfo": {"timestamp": "1"}}}')
+    cut.write_text('{"message": {"mess')
+    empty.write_text("")
+    missing = str(tmp_path / "missing.json")
+    assert [_readable_error_file(str(p)) for p in (whole, cut, empty)] == [str(whole), "", ""]
+    assert _readable_error_file(missing) == missing
+    failure = api.ProcessFailure(local_rank=1, pid=1, exitcode=-15, error_file=_readable_error_file(str(cut)))
+    assert failure.exitcode == -15 and "SIGTERM" in failure.message
