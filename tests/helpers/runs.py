@@ -1,4 +1,5 @@
-"""What a finished run left in its directory: the metrics lines and the trained weights."""
+"""What a finished run left in its directory: the metrics lines and the trained weights; and a
+one-rank Trainer in the test's own process, for checks that need no launch."""
 
 from __future__ import annotations
 
@@ -33,3 +34,23 @@ def truncated_copy(src: Path, dst: Path, keep_step: int) -> None:
             shutil.rmtree(ck)
     lines = (dst / "metrics.jsonl").read_text().splitlines()[:keep_step]
     (dst / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def one_rank_trainer(run_dir: Path, *overrides: str):
+    """fleetwise's Trainer for `overrides` as rank 0 of a world of one, in this process, with its run
+    directory (config and plan) written to `run_dir` -- what a rank builds before its first step."""
+    import torch
+
+    from fleetwise.plan import make_plan
+    from fleetwise.rundir import write_config, write_plan
+    from fleetwise.runtime.mesh import DistEnv
+    from fleetwise.runtime.trainer import Trainer
+    from helpers.config import compose
+
+    cfg, problems = compose(*overrides)
+    assert problems == [], problems
+    run_dir.mkdir()
+    plan = make_plan(cfg)
+    write_config(run_dir, cfg)
+    write_plan(run_dir, plan)
+    return Trainer(cfg, plan, DistEnv(0, 1, 0, torch.device("cpu"), 0), run_dir)

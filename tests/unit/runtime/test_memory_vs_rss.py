@@ -36,10 +36,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers.config import compose
-
-from fleetwise.plan import make_plan
-from fleetwise.rundir import write_config, write_plan
+from helpers.runs import one_rank_trainer
 
 MB = 1e6
 STATUS = Path("/proc/self/status")
@@ -58,23 +55,12 @@ def reset_high_water_mark() -> None:
 def trainer(tmp_path, name: str, vocab: int):
     """gpt/tiny at width 128 with a vocabulary of `vocab`: the embedding and the untied LM head are
     vocab x 128 fp32 each, and the logits of one micro-batch 256 tokens (8 x 32) x vocab fp32."""
-    import torch
-
-    from fleetwise.runtime.mesh import DistEnv
-    from fleetwise.runtime.trainer import Trainer
-
-    cfg, problems = compose(
+    return one_rank_trainer(
+        tmp_path / name,
         "recipe=gpt/tiny", "hardware.devices_per_node=1", f"model.vocab_size={vocab}", "model.hidden_size=128",
         "train.global_batch_size=8", "train.micro_batch_size=8", "train.steps=2",
         "checkpoint.enabled=false", "tracking.enabled=false",
     )  # fmt: skip
-    assert problems == []
-    run_dir = tmp_path / name
-    run_dir.mkdir()
-    plan = make_plan(cfg)
-    write_config(run_dir, cfg)
-    write_plan(run_dir, plan)
-    return Trainer(cfg, plan, DistEnv(0, 1, 0, torch.device("cpu"), 0), run_dir)
 
 
 @pytest.mark.skipif(not CLEAR_REFS.exists(), reason="needs Linux's resettable VmHWM")

@@ -11,31 +11,17 @@ documented rule (start 2^16, halve on an overflow, double after 2000 clean steps
 
 from __future__ import annotations
 
-from helpers.config import compose
-
-from fleetwise.plan import make_plan
-from fleetwise.rundir import write_config, write_plan
+from helpers.runs import one_rank_trainer
 
 
 def trainer(tmp_path, precision: str, steps: int):
-    import torch
-
-    from fleetwise.runtime.mesh import DistEnv
-    from fleetwise.runtime.trainer import Trainer
-
-    cfg, problems = compose(
+    return one_rank_trainer(
+        tmp_path / precision,
         "recipe=gpt/tiny", "hardware=a100", "hardware.devices_per_node=1", f"train.precision={precision}",
         "train.global_batch_size=4", "train.micro_batch_size=2", f"train.steps={steps}", "train.log_interval=1",
         "optim=sgd", "optim.lr=0.1", "optim.momentum=0.0", "optim.warmup_steps=1",
         "checkpoint.enabled=false", "tracking.enabled=false",
     )  # fmt: skip
-    assert problems == []
-    run_dir = tmp_path / precision
-    run_dir.mkdir()
-    plan = make_plan(cfg)
-    write_config(run_dir, cfg)
-    write_plan(run_dir, plan)
-    return Trainer(cfg, plan, DistEnv(0, 1, 0, torch.device("cpu"), 0), run_dir)
 
 
 def head_dtypes(model) -> list:
