@@ -248,31 +248,38 @@ def test_memory_ranks_keep_the_ends_and_the_inner_rank_with_most_in_flight():
     assert sorted(kept) == [0, 1, 3]
 
 
-def test_pruning_by_problem_location_drops_no_legal_layout(monkeypatch):
+# seq_len 30: sequence parallelism is illegal at mp 4 (not at mp 2), so the lean probe of an mp-4
+# subtree fails at a key the subtree varies
+PRUNED_8_LAYERS = ["recipe=gpt/tiny", "model.num_layers=8", "model.seq_len=30", "hardware.devices_per_node=4"]
+# context parallelism searched on a short sequence (auto.max_cp): a cp subtree refused at a key it
+# holds (ZeRO-1, mp, pp; dropout: every cp degree) is skipped whole
+PRUNED_CP = [
+    "recipe=gpt/tiny", "hardware.devices_per_node=4", "model.seq_len=1024", "train.global_batch_size=2",
+    "auto.headroom=0", "hardware.memory_per_device_gib=0.04", "auto.max_cp=4",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv,with_cp,at_least",
+    [(PRUNED_8_LAYERS, False, 11), (PRUNED_CP, True, 1), ([*PRUNED_CP, "model.dropout=0.1"], False, 1)],
+    ids=["8_layers", "cp", "dropout_refuses_cp"],
+)
+def test_pruning_by_problem_location_drops_no_legal_layout(monkeypatch, argv, with_cp, at_least):
     """Subtrees whose lean probe fails at a key they hold fixed (ZeRO-1 under tensor parallelism,
-    ZBV with virtual_stages != 2, an uneven pipeline split) are skipped whole; the search must
-    rank exactly the same candidates as without that pruning (8 layers: several virtual-stage
-    counts, so the ZBV and interleaving rules are exercised)."""
+    ZBV with virtual_stages != 2, an uneven pipeline split, a cp subtree beside what cp refuses) are
+    skipped whole; the search must rank exactly the same candidates as without that pruning (8
+    layers: several virtual-stage counts, so the ZBV and interleaving rules are exercised)."""
     import fleetwise.plan.search as search
 
-    # seq_len 30: sequence parallelism is illegal at mp 4 (not at mp 2), so the lean probe of an mp-4
-    # subtree fails at a key the subtree varies
-    argv = [
-        "strategy=auto",
-        "recipe=gpt/tiny",
-        "model.num_layers=8",
-        "model.seq_len=30",
-        "hardware.devices_per_node=4",
-    ]
-
     def ranked():
-        r = resolve_auto(argv, progress=False).result
+        r = resolve_auto(["strategy=auto", *argv], progress=False).result
         return [(c.layout_text(), c.plan.step_time_s, c.memory) for c in r.ranked]
 
     pruned = ranked()
     monkeypatch.setattr(search, "_held", lambda problems, keys: False)
     assert pruned == ranked()
-    assert len(pruned) > 10
+    assert len(pruned) >= at_least
+    assert any(" cp" in text for text, _, _ in pruned) == with_cp
 
 
 def test_the_searchs_plan_is_the_full_plan_less_its_stages_and_roles_share_no_wrong_memory():

@@ -177,22 +177,6 @@ def test_the_128k_plan_prints_why_less_cp_does_not_fit(capsys):
     assert doc["by_cp"]["2"]["fitting"] == 0 and doc["by_cp"]["2"]["least_memory_bytes"] > doc["budget_bytes"]
 
 
-@pytest.mark.parametrize("extra", [[], ["model.dropout=0.1"]], ids=["cp", "dropout_refuses_cp"])
-def test_pruning_cp_subtrees_drops_no_legal_layout(monkeypatch, extra):
-    """A cp subtree refused at a key it holds (dropout: every cp degree; ZeRO-1, mp, pp) is skipped
-    whole: the search ranks exactly what it ranks without that pruning."""
-    argv = ["strategy=auto", *CP, *extra]
-
-    def ranked():
-        r = resolve_auto(argv, progress=False).result
-        return [(c.layout_text(), c.plan.step_time_s, c.memory) for c in r.ranked]
-
-    pruned = ranked()
-    monkeypatch.setattr(search, "_held", lambda problems, keys: False)
-    assert pruned == ranked()
-    assert any(" cp" in text for text, _, _ in pruned) == (extra == [])
-
-
 def test_when_nothing_fits_the_error_gives_each_cp_degree_s_least_memory(capsys):
     """Two H100s for the 128k recipe: cp 2 cannot also shard (sharding_degree 1), cp 1 keeps the
     whole sequence's activations; the exit-2 message says what each needs."""

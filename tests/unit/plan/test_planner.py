@@ -604,7 +604,9 @@ def _stage_memory(*overrides, rank=0):
     assert problems == [], problems
     layout = Layout.of(cfg)
     ranks = chunk_ranks(cfg.strategy.schedule, layout.pp, cfg.strategy.virtual_stages)
-    return pipeline_rank_memory(cfg, layout, assign_units(cfg, layout), ranks, rank, cfg.train.accumulate_steps)
+    return pipeline_rank_memory(
+        cfg, layout, assign_units(cfg, layout), ranks, rank, cfg.train.accumulate_steps
+    )
 
 
 def test_pipeline_stage_backward_peak_by_hand():
