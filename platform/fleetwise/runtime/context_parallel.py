@@ -17,8 +17,9 @@ Attention over the whole sequence, two ways (`strategy.cp_method`):
   head-sharded (1/cp of the heads, all the tokens), plain causal attention runs on whole sequences,
   and a second all-to-all turns the output back (Jacobs et al. 2023, "DeepSpeed Ulysses").
 
-Both are differentiable through torch.distributed.nn.functional (the all-gather's backward is a
-reduce-scatter, the all-to-all's another all-to-all) and compute in plain tensor ops (math
+Both are differentiable: the ring's all-gather through torch.distributed.nn.functional (its backward
+a reduce-scatter), ulysses' all-to-alls through the experts' differentiable exchange
+(compat.all_to_all_autograd; the backward another all-to-all). Both compute in plain tensor ops (math
 attention): torch's SDPA-based context_parallel does not run on a CPU.
 
 The model asks for this through its attention and position modules' `seq` attribute (None: the
@@ -40,6 +41,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
+
+from fleetwise.compat import all_to_all_autograd
 
 
 def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
@@ -167,16 +170,20 @@ class SeqShard:
         rank order along the sequence)."""
         b, h, s, d = x.shape
         send = x.reshape(b, self.cp, h // self.cp, s, d).transpose(0, 1).contiguous()
-        with _public_collectives():
-            recv = dist_fn.all_to_all_single(torch.empty_like(send), send, group=self.group)
+        recv = self._all_to_all(send)
         return recv.permute(1, 2, 0, 3, 4).reshape(b, h // self.cp, self.cp * s, d)
+
+    def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        """Row i of `send` [cp, ...] to cp rank i, differentiable: the experts' exchange
+        (compat.all_to_all_autograd, models/moe.py) with even splits."""
+        even = [1] * self.cp
+        return all_to_all_autograd(send, even, even, self.group)
 
     def _to_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse of _to_heads: [b, h/cp, s, d] -> [b, h, s_local, d]."""
         b, hc, s, d = x.shape
         send = x.reshape(b, hc, self.cp, s // self.cp, d).permute(2, 0, 1, 3, 4).contiguous()
-        with _public_collectives():
-            recv = dist_fn.all_to_all_single(torch.empty_like(send), send, group=self.group)
+        recv = self._all_to_all(send)
         return recv.transpose(0, 1).reshape(b, hc * self.cp, s // self.cp, d)
 
 
