@@ -143,7 +143,10 @@ def test_fixed_keys_stay_fixed():
 
 def test_headroom_leaves_memory_free():
     # gpt/tiny's layouts need ~1.2-6.2 MiB per rank: an 8.7 MiB device (4.35 MiB with half of
-    # it kept free) separates them (10 MiB did until DDP's planned peak lost a gradient copy)
+    # it kept free) separates them (10 MiB did until DDP's planned peak lost a gradient copy).
+    # 0.0085 GiB is not a product figure the test checks: it is chosen between the leanest and the
+    # largest planned layout; the assertions below (some but not all fit at half) fail if the
+    # planner's figures move out of that window, then pick a size between them again
     small = [*TINY4, "hardware.memory_per_device_gib=0.0085"]
     loose = resolve_auto(["strategy=auto", *small, "auto.headroom=0"], progress=False).result
     tight = resolve_auto(["strategy=auto", *small, "auto.headroom=0.5"], progress=False).result
@@ -449,5 +452,16 @@ def test_a_subtree_is_dropped_only_when_its_leanest_schedule_does_not_fit():
     ]
     out = resolve_auto(argv, progress=False)
     assert out.problems == [] and out.result.ranked
-    assert {c.strategy["schedule"] for c in out.result.ranked} == {"interleaved_zero_bubble"}
     assert all(c.memory <= 19.5e6 for c in out.result.ranked)
+    # the schedules that fit, derived here: the winner's layout planned under every schedule (and
+    # its virtual stages); those within 19.5 MB are the schedules ranked (interleaved zero bubble
+    # when this was written: a planner change to any schedule's peak changes the set, both sides)
+    fitting = set()
+    for sched, v in itertools.product(SCHEDULES, (1, 2, 4)):
+        over = [o for o in out.result.winner.overrides() if "schedule" not in o and "virtual_stages" not in o]
+        cfg, problems = compose(
+            *argv[1:], *over, f"strategy.schedule={sched}", f"strategy.virtual_stages={v}"
+        )
+        if not problems and worst_memory(cfg) <= 19.5e6:
+            fitting.add(sched)
+    assert fitting and {c.strategy["schedule"] for c in out.result.ranked} == fitting
