@@ -5,9 +5,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
+from helpers.timing import LOADED_FACTOR, run_timed
 
 
 def run(bin_, *args, cwd=None):
@@ -158,27 +158,27 @@ def test_validate_and_plan_do_not_import_torch():
 HEAVY_IMPORTS = re.compile(r"\|\s+(torch|mlflow)$", re.M)  # PYTHONPROFILEIMPORTTIME's top-level lines
 
 
+# README: `plan` "answers in about half a second": held at 1 s ("about": up to twice), under the
+# one load allowance of helpers/timing.py (busy: 2 s of CPU time)
+PLAN_S = 1.0
+
+
 def test_plan_starts_fast(fleetwise_bin):
     """`plan` answers in about half a second (README) because it never imports torch or mlflow
-    (~2-3 s each): asserted on the imports themselves, which load on the machine cannot change
-    (a fixed 3 s bound could fail under CPU hogs). The time is printed and bounded only against a
-    hang."""
+    (~2-3 s each): asserted on the imports themselves, which load on the machine cannot change,
+    and on its time: the best of 3 within PLAN_S (wall and CPU time at idle, CPU time x the load
+    allowance when busy)."""
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
     r = subprocess.run(
         [fleetwise_bin, "plan", "recipe=gpt/gpt3_1.3b"], capture_output=True, text=True, timeout=120, env=env
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert not HEAVY_IMPORTS.findall(r.stderr), HEAVY_IMPORTS.findall(r.stderr)
-    best = min(_timed(fleetwise_bin) for _ in range(3))
-    print(f"plan answered in {best:.2f} s (best of 3)")
-    assert best < 30, best
-
-
-def _timed(bin_):
-    t = time.perf_counter()
-    r = run(bin_, "plan", "recipe=gpt/gpt3_1.3b")
-    assert r.returncode == 0
-    return time.perf_counter() - t
+    tries = [run_timed([fleetwise_bin, "plan", "recipe=gpt/gpt3_1.3b"], timeout=120) for _ in range(3)]
+    assert all(r.returncode == 0 for r, _ in tries)
+    best = min((t for _, t in tries), key=lambda t: t.cpu)
+    print(f"plan answered in {best} (best of 3)")
+    assert best.within(PLAN_S), f"{best}: over {PLAN_S} s ({LOADED_FACTOR}x on CPU time when busy)"
 
 
 def test_calibrate_writes_a_profile_the_planner_uses(fleetwise_bin, tmp_path):
