@@ -25,6 +25,12 @@ def idle() -> bool:
     return os.getloadavg()[0] < IDLE_LOAD
 
 
+def has_a_free_core() -> bool:
+    """Whether the machine has a core no one else is using (1-minute load average below its cores):
+    where a measurement that subtracts two timings (calibrate's) can resolve its difference."""
+    return os.getloadavg()[0] < (os.cpu_count() or 1)
+
+
 @dataclass
 class Timed:
     wall: float
