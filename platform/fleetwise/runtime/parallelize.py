@@ -55,6 +55,7 @@ class ParallelModel:
     scaler: object | None = None  # fp16's GradScaler: the pipeline scales the loss it back-propagates
     expert_grads: object | None = None  # expert parallelism: runtime/expert_parallel.py ExpertGrads
     sequence: SeqShard | None = None  # context parallelism: this rank's chunks of every sequence
+    expert_mesh: DeviceMesh | None = None  # expert parallelism: [edp, ep] (runtime/expert_parallel.py)
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss, in fp32 on every engine: FSDP's mixed precision runs without
@@ -164,7 +165,7 @@ def parallelize(
         if engine == Engine.FSDP:
             allocate(parts[i])
 
-    pm = ParallelModel(parts, chunk_ids, num_chunks, engine, spec, sequence=sequence)
+    pm = ParallelModel(parts, chunk_ids, num_chunks, engine, spec, sequence=sequence, expert_mesh=ep_mesh)
     if ep_mesh is not None and engine == Engine.DDP:  # (FSDP reduces the experts' gradients itself)
         pm.expert_grads = ExpertGrads(parts, ep_mesh, layout.dp)
     if layout.pp > 1:
