@@ -346,7 +346,12 @@ def stage_comm_bytes(
     """Bytes a device of pipeline rank `rank` sends per step, by mesh dimension: gradient and
     parameter traffic for its own parameters `p`, pipeline traffic for its own chunks. `again`:
     block_recomputes of the chunks, when the caller has it."""
-    vol = data_parallel_comm(cfg, layout, p, n, engine, 1).bytes
+    units = rank_units(chunks, ranks, rank)
+    ep = cfg.strategy.ep_degree
+    experts = sum(u.expert_params for u in units) / (layout.mp * ep) if ep > 1 else 0.0
+    vol = data_parallel_comm(cfg, layout, p - experts, n, engine, 1).bytes
+    if experts:  # (as collective_comm: the experts' gradients over edp)
+        vol["edp"] = edp_traffic(cfg, layout, experts, n, engine, units).bytes
     if layout.cp > 1:
         vol["cp"] = (
             vol.get("cp", 0.0)
@@ -358,7 +363,7 @@ def stage_comm_bytes(
     vol["pp"] = pp_bytes_of_rank(chunks, ranks, rank, n, cfg.train.micro_batch_size, residual)
     if layout.mp > 1:
         again = again if again is not None else block_recomputes(cfg.strategy.schedule, layout.pp, chunks)
-        vol["mp"] = mp_traffic(cfg, layout, rank_units(chunks, ranks, rank), n, engine, again).bytes
+        vol["mp"] = mp_traffic(cfg, layout, units, n, engine, again).bytes
     return {d: int(v) for d, v in vol.items()}
 
 
