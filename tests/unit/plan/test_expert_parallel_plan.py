@@ -82,3 +82,17 @@ def test_expert_states_inside_sharding_split_over_edp_and_their_gradients_go_ove
         dense = plan("recipe=llama/moe_tiny", "strategy=dp", f"hardware.devices_per_node={dp}").comm_bytes_per_step
         # (DDP's all-reduce: every parameter but the experts)
         assert got.comm_bytes_per_step["dp"] == int(dense["dp"] - 2 * (dp - 1) / dp * 4 * experts_moe_tiny)
+
+
+def test_the_largest_gradient_transient_splits_the_experts_over_ep():
+    """On a CPU AdamW's per-tensor step makes two temporaries of the largest tensor a rank steps:
+    Mixtral's expert weight [8, 14336, 4096] whole, an eighth of it under ep 8 -- then the
+    embedding [32000, 4096] is the largest."""
+    cpu = ("hardware=cpu", "hardware.devices_per_node=16", "hardware.nodes=1", "train.precision=fp32")
+    mixtral = (*MIXTRAL[:3], *cpu)
+    temporaries = {ep: plan(*mixtral, f"strategy.ep_degree={ep}").memory_bytes["step_temporaries"] for ep in (1, 2, 8)}
+    assert temporaries == {
+        1: 2 * 4 * 8 * 14336 * 4096,
+        2: 2 * 4 * 4 * 14336 * 4096,
+        8: 2 * 4 * 32000 * 4096,
+    }

@@ -129,4 +129,4 @@ def step_temporaries(ctx: RankContext) -> float:
         return 0.0
     if ctx.cfg.hardware.device_type == "cuda":
         return FP32 * (ctx.p_shard if ctx.engine == Engine.FSDP else ctx.p / own)
-    return 2 * FP32 * max((u.largest_on_rank(ctx.mp) for u, _ in ctx.units), default=0.0) / own
+    return 2 * FP32 * max((u.largest_on_rank(ctx.mp, ctx.ep) for u, _ in ctx.units), default=0.0) / own
