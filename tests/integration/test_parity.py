@@ -456,3 +456,25 @@ def test_llama_jsonl_fine_tuning_sharded_and_tensor_parallel_equals_single_proce
         log = (tmp_path / run_dir / "logs" / f"rank_{rank}.log").read_text()
         assert "data=jsonl: 48 documents -> " in log and "end-of-sequence id 2" in log
         assert f"packing index read from {tmp_path / run_dir / 'data_index.npz'}" in log
+
+
+def test_moe_expert_parallel_inside_sharding_equals_single_process_and_resumes_without_it(tmp_path, moe_ref):
+    """ep 2 inside ZeRO-3 over 4 ranks (sharding 4 = edp 2 × ep 2: each rank holds 2 of the 4
+    experts of every MoE block, FSDP-shards them with the rank of the other expert group holding
+    the same experts, and the dense rest over all 4) equals one process in losses, parameters,
+    balance losses and expert counts; its checkpoint at step 2 (experts as DTensors over [edp, ep])
+    resumes in one process, ending where the uninterrupted run ends."""
+    moe = ("recipe=llama/moe_tiny", *SGD)
+    layout = ("strategy=sharding", "strategy.sharding_stage=3", "strategy.ep_degree=2")
+    got = run(tmp_path, "zero3_ep2", *moe, *layout, "checkpoint.interval=2", procs=4)
+    ref, ref_dir = moe_ref
+    assert_same(ref, got, SGD_TOL)
+    for a, b in zip(read_metrics(tmp_path / "zero3_ep2"), read_metrics(ref_dir), strict=True):
+        assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
+        counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+        assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+    truncated_copy(tmp_path / "zero3_ep2", tmp_path / "to_ep1", keep_step=2)
+    loss, params, _ = run(tmp_path, "to_ep1", "strategy=dp", *moe, "checkpoint.resume=auto", procs=1)
+    assert loss[-1] == pytest.approx(ref[0][-1], abs=SGD_TOL["loss"])
+    worst = max((params[k] - ref[1][k]).abs().max().item() for k in ref[1])
+    assert worst <= SGD_TOL["param"], worst

@@ -197,12 +197,15 @@ class Counters(compat.TorchDispatchMode):
         }
 
 
-def mesh_group_labels(mesh) -> dict[str, str]:
-    """Process-group name -> mesh dimension, for every dimension (and flattened pairs) of `mesh`."""
+def mesh_group_labels(mesh, *more) -> dict[str, str]:
+    """Process-group name -> mesh dimension, for every dimension (and flattened pairs) of `mesh`,
+    and of the meshes `more` (the experts' [edp, ep] mesh: runtime/expert_parallel.py), so that
+    their traffic is counted under the planner's names ("ep", "edp") rather than c10d's numbers."""
     out = {dist.group.WORLD.group_name: "world"}
-    for dim in mesh.mesh_dim_names:
-        with contextlib.suppress(Exception):
-            out[mesh[dim].get_group().group_name] = dim
+    for m in (mesh, *(x for x in more if x is not None)):
+        for dim in m.mesh_dim_names:
+            with contextlib.suppress(Exception):
+                out[m[dim].get_group().group_name] = dim
     from fleetwise.runtime.mesh import flattened_groups
 
     for dims, group in flattened_groups().items():

@@ -170,7 +170,7 @@ def _run_trainer(
     SET_ASIDE.clear()  # keyed by id(): a previous trainer's receive-buffer dicts are gone
     trainer = Trainer(cfg, plan, env, run_dir, allocate=fx.allocate(env.device))
     built = time.perf_counter()
-    labels = mesh_group_labels(trainer.mesh)
+    labels = mesh_group_labels(trainer.mesh, trainer.model.expert_mesh)
     n = cfg.train.accumulate_steps
     counts = sampled_counts(trainer, n) if sample and not helper else None
     full_schedule = trainer.model.schedule

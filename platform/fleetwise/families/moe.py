@@ -215,7 +215,8 @@ def moe_block(dense: Unit, moe: MoE, seq: int, hidden: int, dense_ffn: int, atte
         fwd_ops=dense.fwd_ops - (3 * 4 + 2) + 54 + (14 if fs else 0),
         fwd_gemms=dense.fwd_gemms - 3 + 1 + 3 + (3 if fs else 0),
         param_tensors=dense.param_tensors - 3 + 1 + 3 + (3 if fs else 0),
-        largest_split=max(attention_largest, e * h * f, h * fs),
+        largest_split=max(attention_largest, h * fs),
+        largest_expert=e * h * f,  # (a routed expert weight [e, f, h]: split over ep too)
         fwd_elementwise=dense.fwd_elementwise
         - 2 * s * dense_ffn
         + s * e

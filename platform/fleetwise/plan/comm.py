@@ -270,8 +270,11 @@ def collective_comm(
     for c, r in enumerate(ranks):
         units_per_rank[r].extend(chunks[c])
     worst_units = max(units_per_rank, key=lambda us: sum(u.params for u in us))
-    comm = data_parallel_comm(cfg, layout, p, n, engine, max(1, len(worst_units)))
     mp, pp = layout.mp, layout.pp
+    experts = sum(u.expert_params for u in worst_units) / (mp * s.ep_degree) if s.ep_degree > 1 else 0.0
+    comm = data_parallel_comm(cfg, layout, p - experts, n, engine, max(1, len(worst_units)))
+    if experts:
+        comm.bytes["edp"], comm.calls["edp"] = edp_traffic(cfg, layout, experts, n, engine, worst_units)
     if mp > 1:
         again = block_recomputes(s.schedule, pp, chunks)
         comm.bytes["mp"], comm.calls["mp"] = mp_traffic(cfg, layout, worst_units, n, engine, again)
@@ -291,6 +294,25 @@ def collective_comm(
         comm.bytes["pp"] = n * local_chunks * 2 * b * boundary * residual / (mp if s.sequence_parallel else 1)
         comm.calls["pp"] = n * local_chunks * 2
     return comm
+
+
+def edp_traffic(
+    cfg: RunConfig, layout: Layout, experts: float, n: int, engine: Engine, units: list[Unit]
+) -> Traffic:
+    """The experts' data-parallel traffic (runtime/expert_parallel.py): their gradients (`experts`
+    elements on this rank, E / ep) reduced over the edp = sharding × dp / ep ranks holding the same
+    experts -- under DDP one fp32 all-reduce per step (ExpertGrads); under FSDP each MoE layer's
+    experts a unit of their own over edp, gathered and reduce-scattered like every unit."""
+    s = cfg.strategy
+    edp = layout.sharding * layout.dp // s.ep_degree
+    if edp == 1:
+        return Traffic(0.0, 0)
+    if engine == Engine.DDP:
+        return Traffic(2 * (edp - 1) / edp * FP32 * experts, 1)
+    gathers_per_step, scatters = fsdp_collectives(s, layout, n)
+    gathered = gathers_per_step * compute_bytes(cfg.train.precision) * experts
+    blocks = sum(1 for u in units if u.expert_params)
+    return Traffic((edp - 1) / edp * (gathered + scatters * FP32 * experts), (gathers_per_step + scatters) * blocks)
 
 
 def ep_traffic(cfg: RunConfig, ep: int, units: list[Unit], n: int) -> Traffic:
@@ -324,7 +346,12 @@ def stage_comm_bytes(
     """Bytes a device of pipeline rank `rank` sends per step, by mesh dimension: gradient and
     parameter traffic for its own parameters `p`, pipeline traffic for its own chunks. `again`:
     block_recomputes of the chunks, when the caller has it."""
-    vol = data_parallel_comm(cfg, layout, p, n, engine, 1).bytes
+    units = rank_units(chunks, ranks, rank)
+    ep = cfg.strategy.ep_degree
+    experts = sum(u.expert_params for u in units) / (layout.mp * ep) if ep > 1 else 0.0
+    vol = data_parallel_comm(cfg, layout, p - experts, n, engine, 1).bytes
+    if experts:  # (as collective_comm: the experts' gradients over edp)
+        vol["edp"] = edp_traffic(cfg, layout, experts, n, engine, units).bytes
     if layout.cp > 1:
         vol["cp"] = (
             vol.get("cp", 0.0)
@@ -336,7 +363,7 @@ def stage_comm_bytes(
     vol["pp"] = pp_bytes_of_rank(chunks, ranks, rank, n, cfg.train.micro_batch_size, residual)
     if layout.mp > 1:
         again = again if again is not None else block_recomputes(cfg.strategy.schedule, layout.pp, chunks)
-        vol["mp"] = mp_traffic(cfg, layout, rank_units(chunks, ranks, rank), n, engine, again).bytes
+        vol["mp"] = mp_traffic(cfg, layout, units, n, engine, again).bytes
     return {d: int(v) for d, v in vol.items()}
 
 
@@ -353,8 +380,11 @@ def bandwidth(cfg: RunConfig, layout: Layout, dim: str) -> float:
 
 def _span(cfg: RunConfig, layout: Layout, dim: str) -> int:
     """Consecutive ranks one group of `dim` spans; an expert group ("ep") is ep_degree consecutive
-    data-parallel ranks (runtime/expert_parallel.py; only dp exceeds 1 beside it)."""
-    return cfg.strategy.ep_degree if dim == "ep" else layout.span(dim)
+    data-parallel ranks, and the ranks holding the same experts ("edp") one of every group: all
+    sharding × dp of them (runtime/expert_parallel.py; only sharding and dp exceed 1 beside it)."""
+    if dim == "ep":
+        return cfg.strategy.ep_degree
+    return layout.sharding * layout.dp if dim == "edp" else layout.span(dim)
 
 
 def latency(cfg: RunConfig, layout: Layout, dim: str) -> float:

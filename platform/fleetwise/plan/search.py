@@ -25,6 +25,11 @@ gpt/gpt3_175b), and the layouts of the recipes stay what they were. An explicit 
 cp at any length (on llama/llama3_8b at 8k the planner then prefers cp 4 ulysses by 9%).
 The rules decide what cp combines with (not pp, mp, ZeRO-1, …): a cp subtree they refuse at a key
 it holds is skipped whole.
+
+Expert parallelism (ep_degree) is searched for a mixture of experts: every divisor of num_experts
+that divides the tuple's data-parallel ranks (sharding × dp); the rules decide what it combines
+with (DDP and ZeRO-2/3 without pp, mp or cp, config/rules/moe.py), as for cp. A dense model's
+search, its output and overrides are what they were (ep 1 is not printed).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ SEARCHED = (
     "recompute",
     "cp_degree",
     "cp_method",
+    "ep_degree",
 )
 # the sequence length from which strategy=auto searches context parallelism (module doc)
 CP_MIN_SEQ_LEN = 32768
@@ -85,6 +91,8 @@ class Candidate:
         for key in SEARCHED:
             if key.startswith("cp_") and self.strategy.get("cp_degree", 1) == 1:
                 continue  # the hybrid default: the overrides of layouts without cp stay as they were
+            if key == "ep_degree" and self.strategy.get("ep_degree", 1) == 1:
+                continue  # (likewise without experts split)
             value = self.strategy[key]
             text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
             out.append(f"strategy.{key}={text}")
@@ -101,6 +109,8 @@ class Candidate:
         ]
         if s.get("cp_degree", 1) > 1:
             parts.append(f"cp{s['cp_degree']} {s['cp_method']}")
+        if s.get("ep_degree", 1) > 1:
+            parts.append(f"ep{s['ep_degree']}")
         if s["sharding_stage"]:
             parts.append(f"zero{s['sharding_stage']}" + ("+offload" if s["offload"] else ""))
         if s["sequence_parallel"]:
@@ -218,6 +228,16 @@ def _degree_tuples(
                         yield dp, sh, mp, pp, cp
 
 
+def ep_degrees(base: RunConfig, data: int, fixed: dict[str, Any]) -> tuple[int, ...]:
+    """The ep degrees the search tries on `data` = sharding × dp ranks: the user's; else, for a
+    mixture of experts, every divisor of num_experts that divides `data`; else 1."""
+    if "ep_degree" in fixed:
+        return (int(fixed["ep_degree"]),)
+    moe = getattr(base.model, "moe", None)
+    experts = moe.num_experts if moe is not None else 0
+    return tuple(d for d in _divisors(experts) if data % d == 0) if experts else (1,)
+
+
 def cp_degrees(base: RunConfig, max_cp: int | None, fixed: dict[str, Any]) -> tuple[int, ...]:
     """The cp degrees the search tries: the user's; else, for a family with context parallelism,
     every divisor of the world up to max_cp -- by default (null) one node's devices when seq_len >=
@@ -249,6 +269,7 @@ SUBTREE_KEYS = frozenset(
         "offload",
         "cp_degree",
         "cp_method",
+        "ep_degree",
     )
 )
 # where the context-parallel rule locates what cp does not combine with or what the shapes refuse:
@@ -262,6 +283,9 @@ CP_HELD_KEYS = SUBTREE_KEYS | {
     "train.compile",
     "data.source",
 }
+# where the expert-parallel rules locate what no searched key cures (config/rules/moe.py: fp16's
+# loss scaling, compile, the experts' count)
+EP_HELD_KEYS = SUBTREE_KEYS | {"train.precision", "train.compile", "model.moe.num_experts"}
 PIPELINE_KEYS = frozenset({"strategy.schedule", "strategy.virtual_stages"})
 
 
@@ -369,8 +393,9 @@ class _Subtrees:
         methods = (
             _choices("cp_method", list(CP_METHODS), fixed) if cp > 1 else [self.strategy_data["cp_method"]]
         )
-        held = CP_HELD_KEYS if cp > 1 else SUBTREE_KEYS
-        for stage, offload, method in self._subtrees(sh, stages, methods):
+        eps = ep_degrees(base, dp * sh, fixed)
+        for stage, offload, method, ep in self._subtrees(sh, stages, methods, eps):
+            held = CP_HELD_KEYS if cp > 1 else EP_HELD_KEYS if ep > 1 else SUBTREE_KEYS
             degrees = {
                 "dp_degree": dp,
                 "sharding_degree": sh,
@@ -380,6 +405,7 @@ class _Subtrees:
                 "offload": offload,
                 "cp_degree": cp,
                 "cp_method": method,
+                "ep_degree": ep,
             }
             # the subtree at its least memory (full recompute, the smallest micro-batch,
             # sequence parallel; 1F1B, else each other schedule): if that does not fit,
@@ -419,8 +445,10 @@ class _Subtrees:
                     break
         return out
 
-    def _subtrees(self, sh: int, stages: list[Any], methods: list[str]) -> Iterator[tuple[Any, bool, str]]:
-        """(sharding stage, offload, cp method) of a degree tuple's subtrees, in search order."""
+    def _subtrees(
+        self, sh: int, stages: list[Any], methods: list[str], eps: tuple[int, ...]
+    ) -> Iterator[tuple[Any, bool, str, int]]:
+        """(sharding stage, offload, cp method, ep degree) of a degree tuple's subtrees, in search order."""
         for stage in _choices("sharding_stage", stages, self.fixed):
             offloads = (
                 [False, True]
@@ -429,7 +457,8 @@ class _Subtrees:
             )
             for offload in _choices("offload", offloads, self.fixed):
                 for method in methods:
-                    yield stage, offload, method
+                    for ep in eps:
+                        yield stage, offload, method, ep
 
     def _lean_fits(self, out: _Found, lean: dict[str, Any], cfg: RunConfig, mb: int) -> bool:
         """Whether the subtree's lean layout fits under 1F1B (`cfg`) or, failing that, under any

@@ -500,7 +500,8 @@ def step_time(job: Job, roles: list[RankRole], rank_params: list[float], worst: 
     # Gradient all-reduce / reduce-scatter and FSDP gathers overlap with compute on GPUs (NCCL runs
     # on its own stream), but only with the compute that runs while they are in flight. On a CPU
     # the same cores run both, so nothing is hidden.
-    overlappable = seconds["dp"] + seconds["sharding"]
+    # (the experts' own data-parallel reduction over edp is such traffic too)
+    overlappable = seconds["dp"] + seconds["sharding"] + seconds.get("edp", 0.0)
     window = overlap_window(job.engine, layout, n, compute)
     hidden = min(overlappable, window) if cfg.hardware.device_type == "cuda" else 0.0
     # the experts' all-to-alls sit between the router and the experts, and context parallelism's

@@ -108,6 +108,8 @@ class Unit:
     # extra gradient of (at most) this size is briefly alive. A test compares with torch.
     largest_split: int = 0
     largest_whole: int = 0
+    # the largest routed-expert weight [E, out, in] (split by mp and, over ep ranks, by ep)
+    largest_expert: int = 0
     # of the parameters, those a token does not use: a mixture of experts' experts it is not
     # routed to (top_k of num_experts are). Memory counts every parameter, FLOPs the active ones.
     inactive_params: int = 0
@@ -125,13 +127,13 @@ class Unit:
     def active_params(self) -> int:
         return self.params - self.inactive_params
 
-    def largest_on_rank(self, mp: int) -> float:
-        return max(self.largest_split / mp, self.largest_whole)
+    def largest_on_rank(self, mp: int, ep: int = 1) -> float:
+        return max(self.largest_split / mp, self.largest_whole, self.largest_expert / (mp * ep))
 
-    def fresh_grad_on_rank(self, mp: int) -> float:
+    def fresh_grad_on_rank(self, mp: int, ep: int = 1) -> float:
         """Elements of the largest gradient tensor the unit's backward makes on this rank (the
         vocabulary-parallel embedding's is its own rows: models/tp_plan.py VocabParallelEmbedding)."""
-        return self.largest_on_rank(mp)
+        return self.largest_on_rank(mp, ep)
 
     def params_on_rank(self, mp: int, ep: int = 1) -> float:
         """Parameters a rank holds: split by mp, and the routed experts by ep too."""

@@ -2,9 +2,10 @@
 groups of ep_degree data-parallel ranks, the tokens exchanged by all-to-all (models/moe.py
 `MoE.exchange`), the experts' gradients reduced over the ranks that hold the same experts.
 
-The mesh: the data-parallel ranks (dp_degree; config/rules/moe.py admits no sharding, pipeline or
-tensor parallelism beside ep in this stage) as [dp / ep, ep] -- consecutive ranks form an expert
-group ("ep"), and the ranks at the same place of every group hold the same experts ("edp").
+The mesh: the data-parallel ranks (sharding_degree × dp_degree; config/rules/moe.py admits no
+pipeline, context or tensor parallelism beside ep in this stage, so they are the whole job) as
+[data / ep, ep] -- consecutive ranks form an expert group ("ep"), and the ranks at the same place
+of every group hold the same experts ("edp").
 
 Each expert weight [E, out, in] becomes a DTensor sharded along the experts over "ep" (on meta,
 before allocation): each rank allocates and initialises its E / ep experts only (the slice of the
@@ -12,11 +13,21 @@ layout-invariant initial value, models/init.py), the gradient norm and the optim
 one more mesh (runtime/optim.py groups by mesh), and a checkpoint stores the whole [E, out, in]
 tensor in shards (DCP), so it loads into any ep_degree, or none.
 
-Gradients: DDP averages the dense parameters over all dp ranks and leaves the experts alone
+Gradients under DDP: DDP averages the dense parameters over all dp ranks and leaves the experts alone
 (`ddp_ignore`). An expert's gradient on its rank already sums the contributions of the tokens of
 every rank of its group (the all-to-all's backward brought them); `reduce_grads` sums it over
 "edp" and divides by dp_degree -- the mean over the data-parallel ranks that DDP takes of a dense
 gradient, so every layout computes one process's update.
+
+Under FSDP (sharding_degree > 1, ZeRO-2/3), torchtitan's way: every MoE layer's experts are one
+FSDP unit of their own on the "edp" mesh (each block's unit, on the job's FSDP mesh, holds the
+rest: router, shared experts, attention), so an expert weight is a DTensor over [edp, ep],
+sharded along the experts over "ep" and FSDP-sharded over "edp". FSDP's reduce-scatter over
+"edp" sums the experts' gradients and divides by data = sharding × dp (not by edp, its default):
+the same mean over the data-parallel ranks as above. FSDP shards the experts along their output
+rows (Shard(1); torchtitan does so when edp × ep exceeds the experts), never along the experts
+again: Shard(0) over both dims would be a strided placement that the layout-invariant
+initialisation (models/init.py) and the checkpoint's resharding would have to interleave.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from fleetwise.compat import ddp_ignore, foreach_mul_, local_tensor
@@ -33,10 +45,10 @@ from fleetwise.models.moe import MoE
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
-def expert_mesh(dp: int, ep: int, device_type: str) -> DeviceMesh:
-    """[dp / ep, ep] over the job's ranks (all data-parallel here), named ("edp", "ep")
-    (called collectively by every rank)."""
-    return init_device_mesh(device_type, (dp // ep, ep), mesh_dim_names=("edp", "ep"))
+def expert_mesh(data: int, ep: int, device_type: str) -> DeviceMesh:
+    """[data / ep, ep] over the job's ranks (all data-parallel here: data = sharding × dp), named
+    ("edp", "ep") (called collectively by every rank)."""
+    return init_device_mesh(device_type, (data // ep, ep), mesh_dim_names=("edp", "ep"))
 
 
 def shard_experts(part: nn.Module, mesh: DeviceMesh) -> list[str]:
@@ -56,6 +68,24 @@ def shard_experts(part: nn.Module, mesh: DeviceMesh) -> list[str]:
             experts.register_parameter(attr, nn.Parameter(sharded, requires_grad=w.requires_grad))
             names.append(f"{mname}.experts.{attr}")
     return names
+
+
+def fully_shard_experts(part: nn.Module, mesh: DeviceMesh, data: int, **kwargs) -> None:
+    """FSDP-shard every MoE layer's experts (already sharded over mesh["ep"]) over mesh["edp"], one
+    unit per layer, before the blocks' units take the rest (see the module's doc); `kwargs`: the
+    job's other fully_shard arguments (reshard_after_forward, mp_policy, offload_policy)."""
+    for module in part.modules():
+        if not isinstance(module, MoE):
+            continue
+        unit = fully_shard(module.experts, mesh=mesh["edp"], shard_placement_fn=_rows, **kwargs)
+        # sum over edp, then divide by every data-parallel rank (a plain sum, then a division:
+        # gloo has no pre-multiplied sum, and a sum in fp32 neither overflows nor underflows)
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_gradient_divide_factor(float(data))
+
+
+def _rows(_param: nn.Parameter) -> Shard:
+    return Shard(1)
 
 
 def keep_from_ddp(part: nn.Module, names: list[str]) -> None:

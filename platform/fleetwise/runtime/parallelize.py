@@ -29,7 +29,13 @@ from fleetwise.families import ModelSpec, family_of
 from fleetwise.models.pipeline import pipeline_chunk
 from fleetwise.plan.pipeline import chunk_ranks, split_layers
 from fleetwise.runtime.context_parallel import SeqShard, apply_context_parallel
-from fleetwise.runtime.expert_parallel import ExpertGrads, expert_mesh, keep_from_ddp, shard_experts
+from fleetwise.runtime.expert_parallel import (
+    ExpertGrads,
+    expert_mesh,
+    fully_shard_experts,
+    keep_from_ddp,
+    shard_experts,
+)
 from fleetwise.runtime.mesh import process_group
 from fleetwise.runtime.modeling import build_meta_model, materialize, model_spec
 from fleetwise.runtime.recompute import apply_recompute
@@ -49,6 +55,7 @@ class ParallelModel:
     scaler: object | None = None  # fp16's GradScaler: the pipeline scales the loss it back-propagates
     expert_grads: object | None = None  # expert parallelism: runtime/expert_parallel.py ExpertGrads
     sequence: SeqShard | None = None  # context parallelism: this rank's chunks of every sequence
+    expert_mesh: DeviceMesh | None = None  # expert parallelism: [edp, ep] (runtime/expert_parallel.py)
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss, in fp32 on every engine: FSDP's mixed precision runs without
@@ -130,7 +137,8 @@ def parallelize(
     else:
         num_chunks, chunk_ids, parts = 1, [0], [model]
     # 1b. expert parallelism: each rank keeps its experts only (a DTensor shard, still on meta)
-    ep_mesh = expert_mesh(layout.dp, s.ep_degree, mesh.device_type) if s.ep_degree > 1 else None
+    data = layout.sharding * layout.dp
+    ep_mesh = expert_mesh(data, s.ep_degree, mesh.device_type) if s.ep_degree > 1 else None
     experts = [shard_experts(part, ep_mesh) if ep_mesh is not None else [] for part in parts]
 
     for i, part in enumerate(parts):
@@ -151,14 +159,14 @@ def parallelize(
         # DDP broadcasts real values when it is built, so its part is allocated before.
         if engine != Engine.FSDP:
             allocate(part)
-        if experts[i]:
+        if experts[i] and engine == Engine.DDP:
             keep_from_ddp(part, experts[i])  # reduced by ExpertGrads
-        parts[i] = _data_parallel(part, cfg, mesh, engine, device)
+        parts[i] = _data_parallel(part, cfg, mesh, engine, device, ep_mesh)
         if engine == Engine.FSDP:
             allocate(parts[i])
 
-    pm = ParallelModel(parts, chunk_ids, num_chunks, engine, spec, sequence=sequence)
-    if ep_mesh is not None:
+    pm = ParallelModel(parts, chunk_ids, num_chunks, engine, spec, sequence=sequence, expert_mesh=ep_mesh)
+    if ep_mesh is not None and engine == Engine.DDP:  # (FSDP reduces the experts' gradients itself)
         pm.expert_grads = ExpertGrads(parts, ep_mesh, layout.dp)
     if layout.pp > 1:
         _build_pipeline(pm, cfg, mesh, device)
@@ -246,7 +254,12 @@ def _existing(module: nn.Module, plan: dict) -> dict:
 
 
 def _data_parallel(
-    part: nn.Module, cfg: RunConfig, mesh: DeviceMesh, engine: Engine, device: torch.device
+    part: nn.Module,
+    cfg: RunConfig,
+    mesh: DeviceMesh,
+    engine: Engine,
+    device: torch.device,
+    ep_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     s = cfg.strategy
     assert isinstance(s, CollectiveStrategy)
@@ -285,6 +298,9 @@ def _data_parallel(
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=False)
         for bn in [m for m in part.modules() if isinstance(m, BATCH_NORMS)]:
             fully_shard(bn, reshard_after_forward=reshard, **{**kwargs, "mp_policy": fp32})
+    if ep_mesh is not None:  # the experts first: units of their own over "edp" (runtime/expert_parallel.py)
+        rest = {k: v for k, v in kwargs.items() if k != "mesh"}
+        fully_shard_experts(part, ep_mesh, layout.sharding * layout.dp, reshard_after_forward=reshard, **rest)
     for block in part.layers.values():
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(part, reshard_after_forward=reshard, **kwargs)

@@ -479,7 +479,10 @@ CASES = [
     (("strategy=dp", "strategy.ep_degree=2"), "strategy.ep_degree"),
     (("recipe=llama/moe_tiny", "strategy=dp", "strategy.ep_degree=3"), "model.moe.num_experts"),
     (("recipe=llama/moe_tiny", "strategy=dp", "strategy.ep_degree=16"), "strategy.ep_degree"),
-    (("recipe=llama/moe_tiny", "strategy=sharding", "strategy.ep_degree=2"), "strategy.sharding_degree"),
+    (
+        ("recipe=llama/moe_tiny", "strategy=sharding", "strategy.sharding_stage=1", "strategy.ep_degree=2"),
+        "strategy.sharding_stage",
+    ),
     (("recipe=llama/moe_tiny", *PP2, "strategy.ep_degree=2"), "strategy.pp_degree"),
     (
         (

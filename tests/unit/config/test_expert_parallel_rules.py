@@ -15,6 +15,18 @@ def test_an_expert_parallel_data_parallel_layout_is_valid():
     assert cfg.strategy.ep_degree == 2
     _, problems = compose(*MOE, "strategy=dp", "strategy.ep_degree=4", "hardware.devices_per_node=4")
     assert problems == []
+    # inside sharding (ZeRO-2/3: the experts FSDP-sharded over the ranks outside their group), and HSDP
+    for stage in (2, 3):
+        _, problems = compose(
+            *MOE, "strategy=sharding", f"strategy.sharding_stage={stage}", "strategy.ep_degree=2",
+            "hardware.devices_per_node=4",
+        )  # fmt: skip
+        assert problems == []
+    _, problems = compose(
+        *MOE, "strategy=hybrid", "strategy.dp_degree=2", "strategy.sharding_degree=2", "strategy.sharding_stage=3",
+        "strategy.ep_degree=4", "hardware.devices_per_node=4",
+    )  # fmt: skip
+    assert problems == []
 
 
 def test_every_problem_at_once_with_its_fix():
@@ -25,14 +37,14 @@ def test_every_problem_at_once_with_its_fix():
         "strategy.dp_degree=2",
         "strategy.pp_degree=2",
         "strategy.sharding_degree=2",
-        "strategy.sharding_stage=3",
+        "strategy.sharding_stage=1",
         "hardware.devices_per_node=8",
     )
     by_loc = {p.loc: p for p in problems}
     assert set(by_loc) == {
         "model.moe.num_experts",
         "strategy.ep_degree",
-        "strategy.sharding_degree",
+        "strategy.sharding_stage",
         "strategy.pp_degree",
     }, problems
     assert (
@@ -41,7 +53,8 @@ def test_every_problem_at_once_with_its_fix():
     )
     assert "2 × 2 = 4" in by_loc["strategy.ep_degree"].msg
     assert "divisor of 4" in by_loc["strategy.ep_degree"].hint
-    assert "strategy.sharding_degree=1" in by_loc["strategy.sharding_degree"].hint
+    assert "ZeRO-1" in by_loc["strategy.sharding_stage"].msg
+    assert "strategy.sharding_stage=2 or 3" in by_loc["strategy.sharding_stage"].hint
     assert "strategy.pp_degree=1" in by_loc["strategy.pp_degree"].hint
     assert all(p.hint for p in problems)
 

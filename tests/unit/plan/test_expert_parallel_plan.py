@@ -58,3 +58,41 @@ def test_all_to_all_bytes_by_hand():
         "strategy.recompute=full",
     )
     assert recompute.comm_bytes_per_step["ep"] == 786_432 * 6 // 4  # the forward's two again
+
+
+def test_expert_states_inside_sharding_split_over_edp_and_their_gradients_go_over_edp():
+    """Inside ZeRO-3 the experts are FSDP-sharded over edp = sharding / ep ranks, not over sharding
+    (runtime/expert_parallel.py): per rank E / (ep · edp) = E / sharding of them, the dense rest
+    / sharding -- so with sharding 16 the states equal ep 1's; the experts' gradients travel over
+    "edp", the rest over "sharding"."""
+    zero3 = ("strategy=sharding", "strategy.sharding_stage=3", "strategy.sharding_degree=16")
+    mixtral = (*MIXTRAL[:1], *zero3, *MIXTRAL[3:])
+    base = plan(*mixtral)
+    for ep in (2, 8):
+        got = plan(*mixtral, f"strategy.ep_degree={ep}")
+        for k in ("optimizer", "grads"):
+            assert got.memory_bytes[k] == pytest.approx(base.memory_bytes[k], rel=1e-9), (ep, k)
+    # DDP: one fp32 all-reduce of this rank's experts (E / ep) over edp = dp / ep ranks
+    experts_moe_tiny = 3 * 4 * 3 * 64 * 64  # 3 MoE blocks × 4 experts × (w1, w2, w3) [64, 64]
+    for dp, ep in ((4, 2), (8, 2), (8, 4)):
+        got = plan("recipe=llama/moe_tiny", "strategy=dp", f"strategy.ep_degree={ep}",
+                   f"hardware.devices_per_node={dp}")  # fmt: skip
+        edp = dp // ep
+        assert got.comm_bytes_per_step["edp"] == int(2 * (edp - 1) / edp * 4 * experts_moe_tiny / ep), (dp, ep)
+        dense = plan("recipe=llama/moe_tiny", "strategy=dp", f"hardware.devices_per_node={dp}").comm_bytes_per_step
+        # (DDP's all-reduce: every parameter but the experts)
+        assert got.comm_bytes_per_step["dp"] == int(dense["dp"] - 2 * (dp - 1) / dp * 4 * experts_moe_tiny)
+
+
+def test_the_largest_gradient_transient_splits_the_experts_over_ep():
+    """On a CPU AdamW's per-tensor step makes two temporaries of the largest tensor a rank steps:
+    Mixtral's expert weight [8, 14336, 4096] whole, an eighth of it under ep 8 -- then the
+    embedding [32000, 4096] is the largest."""
+    cpu = ("hardware=cpu", "hardware.devices_per_node=16", "hardware.nodes=1", "train.precision=fp32")
+    mixtral = (*MIXTRAL[:3], *cpu)
+    temporaries = {ep: plan(*mixtral, f"strategy.ep_degree={ep}").memory_bytes["step_temporaries"] for ep in (1, 2, 8)}
+    assert temporaries == {
+        1: 2 * 4 * 8 * 14336 * 4096,
+        2: 2 * 4 * 4 * 14336 * 4096,
+        8: 2 * 4 * 32000 * 4096,
+    }

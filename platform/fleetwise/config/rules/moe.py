@@ -7,10 +7,11 @@ Tensor parallelism of the experts is not done: mp_degree > 1 with experts is ref
 experts with sharding_degree instead: FSDP splits each [experts, out, in] weight along the experts).
 
 Expert parallelism (`strategy.ep_degree`, runtime/expert_parallel.py) in this stage: groups of
-ep_degree consecutive data-parallel replicas of a DDP job (strategy dp or hybrid with only
-dp_degree > 1). Unlike torchtitan, mp does not join the expert group (mp is refused with experts);
-sharding (FSDP / ZeRO-1 of the experts over the ranks outside the group), pipeline stages,
-context parallelism and fp16's loss scaling are refused with ep_degree > 1, each with what to do instead.
+ep_degree consecutive data-parallel ranks (sharding × dp) of a DDP job or of an FSDP one
+(ZeRO-2/3: the experts FSDP-sharded over the ranks outside their group, torchtitan's "edp").
+Unlike torchtitan, mp does not join the expert group (mp is refused with experts); ZeRO-1,
+pipeline stages, context parallelism and fp16's loss scaling are refused with ep_degree > 1, each
+with what to do instead.
 """
 
 from __future__ import annotations
@@ -97,12 +98,16 @@ def expert_parallel(ctx: Context) -> Iterator[Problem]:
             f"{lay.sharding} × {lay.dp} = {data}: the expert groups are carved out of them",
             f"set strategy.ep_degree to a divisor of {data}",
         )
+    if lay.sharding > 1 and s.sharding_stage == 1:
+        # runtime/zero1.py keeps whole gradient buffers per parameter and knows no DTensor shard
+        yield Problem(
+            "strategy.sharding_stage",
+            f"sharding_stage=1 (ZeRO-1) with ep_degree={ep}: fleetwise's distributed optimizer does not "
+            "hold expert-parallel experts",
+            "set strategy.sharding_stage=2 or 3 (FSDP shards the experts over the ranks outside their "
+            "group), or strategy.ep_degree=1",
+        )
     for degree, value, why in (
-        (
-            "sharding_degree",
-            lay.sharding,
-            "sharding the experts over the ranks outside their group (FSDP, ZeRO-1)",
-        ),
         ("pp_degree", lay.pp, "pipeline stages with expert groups"),
         ("cp_degree", lay.cp, "context-parallel ranks with expert groups"),
     ):
@@ -110,6 +115,6 @@ def expert_parallel(ctx: Context) -> Iterator[Problem]:
             yield Problem(
                 f"strategy.{degree}",
                 f"{degree}={value} with ep_degree={ep}: fleetwise does not combine {why} yet",
-                f"set strategy.{degree}=1 and use strategy.dp_degree for the data-parallel ranks "
-                f"(strategy=dp strategy.ep_degree={ep}), or set strategy.ep_degree=1",
+                f"set strategy.{degree}=1 and use strategy.dp_degree or strategy.sharding_degree for the "
+                f"data-parallel ranks (strategy=dp strategy.ep_degree={ep}), or set strategy.ep_degree=1",
             )

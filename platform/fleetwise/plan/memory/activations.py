@@ -51,7 +51,7 @@ def unit_activations(ctx: RankContext, u: Unit) -> UnitActivations:
     else:
         per_sample += cp_extra
     if own:
-        peak = max(peak, own + ctx.fresh * u.fresh_grad_on_rank(mp))
+        peak = max(peak, own + ctx.fresh * u.fresh_grad_on_rank(mp, ctx.ep))
     if u.output_split:
         # the loss's forward (ParallelModel.loss): the logits' fp32 upcast is alive
         # beside the log-softmax output it saves; the 16-bit logits themselves die at
@@ -149,7 +149,7 @@ def _add_late_peaks(out: Activations, ctx: RankContext) -> None:
     """A parameter's fresh gradient, and ZB-V's input-gradient step."""
     b, chunks = ctx.b, ctx.chunks
     if ctx.fresh:
-        fresh = max((u.fresh_grad_on_rank(ctx.mp) for u, _ in ctx.units), default=0.0)
+        fresh = max((u.fresh_grad_on_rank(ctx.mp, ctx.ep) for u, _ in ctx.units), default=0.0)
         out.transient = max(out.transient, ctx.fresh * fresh)
     if ctx.schedule == PipelineSchedule.ZBV_ZERO_BUBBLE and ctx.pipelined:
         # ZB-V peaks inside an input-gradient step (torch 2.13's lists: each is followed at once by

@@ -40,6 +40,10 @@ class RankContext:
     local: list[int]  # the chunks this rank holds
     units: list[UnitGroup]  # their units, equal ones once with their count
     p: float  # parameters on this rank (after the mp split, before sharding)
+    # of which FSDP keeps this many between steps: p / sh, except that expert-parallel experts
+    # (their E / ep on this rank) are FSDP-sharded over the edp = sharding × dp / ep ranks outside
+    # their group, not over sharding (runtime/expert_parallel.py)
+    p_shard: float
     block_params: float  # of which the blocks' (the rest is the root's: embedding, head, norm)
     k: int  # optimizer state tensors per parameter
     mixed: bool  # bf16 or fp16
@@ -95,6 +99,10 @@ def rank_context(
         fresh = gather_bytes if pipelined else 0.0
     else:
         fresh = FP32 if accumulating else 0.0
+    sh = layout.sharding * (layout.cp if engine == Engine.FSDP else 1)
+    p = sum(count * u.params_on_rank(mp, s.ep_degree) for u, count in units)
+    experts = sum(count * u.expert_params for u, count in units) / (mp * s.ep_degree) if s.ep_degree > 1 else 0.0
+    edp = layout.sharding * layout.dp // s.ep_degree
     return RankContext(
         cfg=cfg,
         strategy=s,
@@ -106,12 +114,13 @@ def rank_context(
         mp=mp,
         ep=s.ep_degree,
         # FSDP shards over sharding × cp (cp ranks hold the same parameters: config/layout.py)
-        sh=layout.sharding * (layout.cp if engine == Engine.FSDP else 1),
+        sh=sh,
         engine=engine,
         schedule=schedule,
         local=local,
         units=units,
-        p=sum(count * u.params_on_rank(mp, s.ep_degree) for u, count in units),
+        p=p,
+        p_shard=(p - experts) / sh + experts / edp if engine == Engine.FSDP else p / sh,
         block_params=sum(count * u.params_on_rank(mp, s.ep_degree) for u, count in units if u.kind == "block"),
         k=optimizer_state_factor(cfg.optim.name, cfg.optim.momentum),
         mixed=mixed,

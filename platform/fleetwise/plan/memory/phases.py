@@ -144,7 +144,7 @@ def block_backward(ctx: RankContext, acts: Activations, during: dict[str, float]
     blocks = [u for u, _ in ctx.units if u.kind == "block"]
     block = max((u.params_on_rank(mp, ctx.ep) for u in blocks), default=0.0)
     heads = sum(count * u.params_on_rank(mp, ctx.ep) for u, count in ctx.units if u.kind == "head")
-    first_grad = max((u.fresh_grad_on_rank(mp) for u in blocks), default=0.0)
+    first_grad = max((u.fresh_grad_on_rank(mp, ctx.ep) for u in blocks), default=0.0)
     mlp = max(
         (
             b * u.backward_transient.elements(mp, ctx.strategy.sequence_parallel) * ctx.act.matmul

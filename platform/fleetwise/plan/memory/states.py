@@ -37,8 +37,8 @@ def model_states(ctx: RankContext) -> ModelStates:
 
 
 def _fsdp_states(ctx: RankContext) -> ModelStates:
-    s, p, sh, gather_bytes = ctx.strategy, ctx.p, ctx.sh, ctx.gather_bytes
-    resting = 0.0 if ctx.offloaded else FP32 * p / sh
+    s, p, gather_bytes = ctx.strategy, ctx.p, ctx.gather_bytes
+    resting = 0.0 if ctx.offloaded else FP32 * ctx.p_shard
     if reshard_after_forward(s.sharding_stage) and not ctx.pipelined:
         # each block is an FSDP unit; the rest of the chunk (embedding, head, final norm) is
         # the root unit, which FSDP2 never reshards after forward (its parameters are needed
@@ -49,7 +49,7 @@ def _fsdp_states(ctx: RankContext) -> ModelStates:
         working = gather_bytes * (root + 2 * max(blocks, default=0.0))
     else:  # stage 2 / replication, and any pipelined FSDP (kept gathered across micro-batches)
         working = gather_bytes * p
-    grads_sharded = 0.0 if ctx.offloaded else FP32 * p / sh
+    grads_sharded = 0.0 if ctx.offloaded else FP32 * ctx.p_shard
     return ModelStates(
         params=resting + working,
         # Under a pipeline schedule FSDP2 accumulates unsharded gradients (in the fp32 reduce
@@ -58,7 +58,7 @@ def _fsdp_states(ctx: RankContext) -> ModelStates:
         # its sharded ones appear; the optimizer's zero_grad left no sharded gradients behind: one
         # fp32 copy of the chunk's gradients at most.
         grads=FP32 * p if ctx.pipelined else grads_sharded,
-        optimizer=0.0 if ctx.offloaded else ctx.k * FP32 * p / sh,
+        optimizer=0.0 if ctx.offloaded else ctx.k * FP32 * ctx.p_shard,
         resting=resting,
         grads_sharded=grads_sharded,
     )
@@ -99,16 +99,16 @@ class OptimizerStep:
 
 
 def optimizer_step(ctx: RankContext, states: ModelStates) -> OptimizerStep:
-    engine, p, sh = ctx.engine, ctx.p, ctx.sh
+    engine, p = ctx.engine, ctx.p
     fsdp = engine == Engine.FSDP
     # autocast's low-precision weight cache is gone by the optimizer step (cleared on leaving autocast)
     params = states.resting if fsdp else (FP32 * p if engine in (Engine.NONE, Engine.DDP) else states.params)
-    grads = (0.0 if ctx.offloaded else FP32 * p / sh) if fsdp else states.grads
+    grads = (0.0 if ctx.offloaded else FP32 * ctx.p_shard) if fsdp else states.grads
     temporaries, host = step_temporaries(ctx), 0.0
     if ctx.offloaded:
         # the step runs on the offloaded shards, in host memory, with torch's fused CPU kernel:
         # no temporaries (runtime/optim.py step_kernel)
-        host = FP32 * p / sh * (2 + ctx.k)
+        host = FP32 * ctx.p_shard * (2 + ctx.k)
         temporaries = 0.0
     if engine == Engine.ZERO1:
         # (the reduce-scatter is in place in the gradient buffer); after the update one bucket's
@@ -128,5 +128,5 @@ def step_temporaries(ctx: RankContext) -> float:
     if ctx.k != 2:
         return 0.0
     if ctx.cfg.hardware.device_type == "cuda":
-        return FP32 * ctx.p / own
-    return 2 * FP32 * max((u.largest_on_rank(ctx.mp) for u, _ in ctx.units), default=0.0) / own
+        return FP32 * (ctx.p_shard if ctx.engine == Engine.FSDP else ctx.p / own)
+    return 2 * FP32 * max((u.largest_on_rank(ctx.mp, ctx.ep) for u, _ in ctx.units), default=0.0) / own

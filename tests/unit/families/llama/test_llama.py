@@ -249,6 +249,34 @@ def test_mixtral_has_the_published_total_and_active_parameter_counts():
     assert make_plan(cfg).active_params == MIXTRAL_ACTIVE
 
 
+def test_qwen3_30b_a3b_has_the_published_parameter_count():
+    """Qwen/Qwen3-30B-A3B's config.json, by hand: 30,532,122,624 parameters (the model card's 30.5B)."""
+    import torch
+
+    from fleetwise.runtime.modeling import build_meta_model
+
+    cfg, problems = compose("recipe=llama/qwen3_30b_a3b")
+    assert problems == [], problems
+    layers, h, heads, kv, d, v, experts, k, f = 48, 2048, 32, 4, 128, 151936, 128, 8, 768
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.head_width) == (layers, h, heads, kv, d)
+    assert (m.vocab_size, m.moe.num_experts, m.moe.top_k, m.moe.expert_ffn_size) == (v, experts, k, f)
+    assert (m.moe.num_shared_experts, m.tie_word_embeddings, m.qk_norm) == (0, False, True)
+    assert (m.rope_theta, m.rms_norm_eps) == (1e6, 1e-6)
+    attention = 2 * h * heads * d + 2 * h * kv * d + 2 * d  # q, o; k, v; q and k norms (one head wide)
+    block = attention + h * experts + experts * 3 * h * f + 2 * h  # + router, experts, two norms
+    total = layers * block + 2 * v * h + h  # + embedding, untied head, final norm
+    assert total == 30_532_122_624
+    assert total_params(m) == total
+    with torch.device("meta"):
+        model = build_meta_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == total
+    from fleetwise.plan.planner import make_plan
+
+    active = layers * (attention + h * experts + k * 3 * h * f + 2 * h) + 2 * v * h + h
+    assert make_plan(cfg).active_params == active == 3_353_032_704  # the card's 3.3B
+
+
 def test_moe_tiny_matches_its_units_and_keeps_its_first_block_dense():
     _, model, units, counted = built_and_planned("recipe=llama/moe_tiny", "model.moe.interval=2")
     assert counted == [u.params for u in units]
