@@ -97,3 +97,16 @@ def test_what_this_stage_does_not_combine_is_refused_with_a_reason():
     assert "model.moe.num_experts=0" in moe["model.moe.num_experts"]
     packed = _problems("recipe=llama/tiny", "data=jsonl", *CP, "hardware.devices_per_node=2")
     assert "document mask across the chunks" in packed["data.source"]
+
+
+def test_a_sharding_stage_shards_over_cp_alone_but_still_needs_something_to_shard_over():
+    """sharding_degree 1 with stage 2/3 under cp: FSDP over the cp ranks (no problem); stage 1
+    is ZeRO-1's (refused with cp); without cp a stage at sharding 1 still has nothing to shard."""
+    assert _problems("recipe=gpt/tiny", *CP, "strategy.sharding_stage=3", "hardware.devices_per_node=2") == {}
+    stage1 = _problems("recipe=gpt/tiny", *CP, "strategy.sharding_stage=1", "hardware.devices_per_node=2")
+    assert list(stage1) == ["strategy.sharding_stage"] and "ZeRO-1" in stage1["strategy.sharding_stage"]
+    alone = _problems(
+        "recipe=gpt/tiny", "strategy=hybrid", "strategy.sharding_stage=3", "hardware.devices_per_node=2"
+    )
+    assert "nothing to shard over" in alone["strategy.sharding_stage"]
+

@@ -81,6 +81,16 @@ def test_cp_divides_the_tokens_and_fsdp_shards_over_sharding_times_cp():
         "hardware.devices_per_node=4",
     )
     assert fsdp.stages[0]["params_per_device"] == fsdp.params // 4
+    # sharding_degree 1 with a stage: FSDP over cp alone (the runtime's engine and mesh agree)
+    from fleetwise.config.engine import dp_engine
+    from fleetwise.config.layout import Layout
+
+    cfg, problems = compose(*TINY, *cp2, "strategy.sharding_stage=3")
+    assert problems == [], problems
+    assert dp_engine(Layout.of(cfg), 3) == "fsdp" and Layout.of(cfg).fsdp_dims == ("sharding_cp",)
+    over_cp = make_plan(cfg)
+    assert over_cp.engine == "fsdp" and over_cp.stages[0]["params_per_device"] == over_cp.params // 2
+    assert over_cp.memory_bytes["optimizer"] == ring.memory_bytes["optimizer"] / 2
 
 
 def test_the_plan_header_multiplies_to_the_world_size_with_cp():
