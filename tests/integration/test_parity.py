@@ -193,6 +193,19 @@ GPT_LAYOUTS = {
         ),
         4,
     ),
+    # context × tensor parallelism with sequence parallelism: ulysses' all-to-alls over the cp
+    # ranks of each mp rank's 2 heads (4 heads / mp 2 / cp 2: one per rank), the cp rank's two
+    # chunks split over mp between the blocks; FSDP (mp > 1) over the cp ranks
+    "cp2_ulysses_mp2_sequence_parallel": (
+        (
+            "strategy=hybrid",
+            "strategy.cp_degree=2",
+            "strategy.cp_method=ulysses",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+        ),
+        4,
+    ),
     "hybrid_pp2_sh2_mp2": (
         (
             "strategy=hybrid",

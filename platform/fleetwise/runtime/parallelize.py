@@ -110,7 +110,10 @@ def parallelize(
     # chunks and allocates only its shards, after TP/FSDP have decided what they are.
     model = build_meta_model(cfg)
     # 0. context parallel: attention and position tables learn this rank's place in the sequence
-    # (validate allows it without pp and mp only: the whole model is one part here)
+    # (on the whole model, before the pipeline split: every chunk's modules share the SeqShard).
+    # Under tensor parallelism attention sees its mp rank's heads as plain local tensors (and,
+    # with sequence parallelism, the cp rank's whole chunks, gathered by the q/k/v projections):
+    # the cp group is the ranks of the same mp coordinate, so each mp rank's heads meet their own.
     sequence = apply_context_parallel(model, mesh["cp"].get_group(), s.cp_method) if layout.cp > 1 else None
 
     # 1. pipeline: keep only this rank's chunks

@@ -79,14 +79,12 @@ def test_what_this_stage_does_not_combine_is_refused_with_a_reason():
         "recipe=gpt/tiny",
         *CP,
         "strategy.pp_degree=2",
-        "strategy.mp_degree=2",
         "strategy.sharding_degree=2",
         "strategy.sharding_stage=1",
         "train.compile=true",
-        "hardware.devices_per_node=16",
+        "hardware.devices_per_node=8",
     )
-    assert "pipeline or tensor parallelism" in got["strategy.pp_degree"]
-    assert "pipeline or tensor parallelism" in got["strategy.mp_degree"]
+    assert "pipeline parallelism" in got["strategy.pp_degree"]
     assert "sharding_stage=2 or 3" in got["strategy.sharding_stage"]
     assert "train.compile=false" in got["train.compile"]
     assert (
@@ -110,3 +108,30 @@ def test_a_sharding_stage_shards_over_cp_alone_but_still_needs_something_to_shar
     )
     assert "nothing to shard over" in alone["strategy.sharding_stage"]
 
+
+def test_tensor_parallelism_combines_and_tightens_the_shapes():
+    """cp × mp runs; sequence parallelism splits each cp rank's chunks over mp (seq_len divides by
+    2·cp·mp), ulysses splits an mp rank's heads over cp (heads divide by cp·mp) -- all at once."""
+    ring = ("recipe=gpt/tiny", *CP, "strategy.mp_degree=2", "hardware.devices_per_node=4")
+    assert _problems(*ring, "strategy.sequence_parallel=true") == {}  # seq 32, 4 heads
+    assert _problems(*ring, "strategy.cp_method=ulysses") == {}
+    got = _problems(
+        *ring,
+        "strategy.sequence_parallel=true",
+        "strategy.cp_method=ulysses",
+        "model.seq_len=36",
+        "model.hidden_size=48",
+        "model.num_attention_heads=6",
+    )
+    assert "2 × cp_degree × mp_degree 2 (sequence parallel) = 8" in got["model.seq_len"]
+    assert "multiple of 8 (e.g. 32)" in got["model.seq_len"]
+    heads = got["model.num_attention_heads"]
+    assert "num_attention_heads=6 does not divide by cp_degree=2 × mp_degree=2 = 4" in heads
+    assert "cp_method=ring" in heads
+    # without sequence parallelism the chunks need 2·cp only
+    assert "model.seq_len" not in _problems(*ring, "model.seq_len=36")
+    kv = _problems(
+        "recipe=llama/tiny", *CP, "strategy.mp_degree=2", "strategy.cp_method=ulysses",
+        "hardware.devices_per_node=4", "model.num_kv_heads=2",
+    )
+    assert "num_kv_heads=2 does not divide by cp_degree=2 × mp_degree=2 = 4" in kv["model.num_kv_heads"]
