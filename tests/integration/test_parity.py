@@ -206,6 +206,21 @@ GPT_LAYOUTS = {
         ),
         4,
     ),
+    # the case, cp 2 × mp 2 × pp 2 (8 ranks): the ring over each mp rank's heads, sequence
+    # parallel between the blocks, and 1F1B stages passing this cp rank's chunks (positions per
+    # chunk on the first stage); FSDP over the cp ranks (seq 32: the one-process reference's;
+    # the rules ask 2·cp·mp = 8)
+    "cp2_ring_mp2_sequence_parallel_pp2_1F1B": (
+        (
+            "strategy=hybrid",
+            "strategy.cp_degree=2",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "strategy.pp_degree=2",
+            "strategy.schedule=1F1B",
+        ),
+        8,
+    ),
     "hybrid_pp2_sh2_mp2": (
         (
             "strategy=hybrid",

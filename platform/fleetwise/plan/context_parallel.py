@@ -10,7 +10,7 @@ computes it:
   (2·S·heads·d); and, per block a query chunk attends to (a causal rank: 2·cp + 1 blocks of c×c),
   the fp32 scores and probabilities (log-sum-exp and exp each save one).
   Traffic per layer and micro-batch: the all-gather of (cp-1)/cp of the whole K/V forward, and
-  its backward (an all-to-all of the same bytes on gloo; a reduce-scatter on NCCL).
+  its backward (an all-to-all of the same bytes, summed: runtime/context_parallel.py _GatherKV).
 - ulysses: attention saves the head-sharded q, k, v in sequence order instead of the local ones (the
   same sizes: already counted), and its output apart from the output's all-to-all copy back that
   the out-projection saves (one is a view of the other without cp): heads·d·S/cp more;

@@ -440,7 +440,6 @@ CASES = [
         (*HYB, "strategy.cp_degree=8", "strategy.dp_degree=1", "strategy.cp_method=ulysses"),
         "model.num_attention_heads",
     ),
-    ((*HYB, "strategy.cp_degree=2", "strategy.pp_degree=2", "strategy.dp_degree=2"), "strategy.pp_degree"),
     (  # sequence parallelism splits each cp chunk over mp: seq_len divides by 2·cp·mp = 8
         (
             *HYB,

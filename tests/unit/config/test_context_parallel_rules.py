@@ -78,13 +78,24 @@ def test_what_this_stage_does_not_combine_is_refused_with_a_reason():
     got = _problems(
         "recipe=gpt/tiny",
         *CP,
-        "strategy.pp_degree=2",
         "strategy.sharding_degree=2",
         "strategy.sharding_stage=1",
         "train.compile=true",
-        "hardware.devices_per_node=8",
+        "hardware.devices_per_node=4",
     )
-    assert "pipeline parallelism" in got["strategy.pp_degree"]
+    # pipeline and tensor (and sequence) parallelism combine: cp 2 × mp 2 × pp 2 validates
+    assert "strategy.pp_degree" not in got and "strategy.mp_degree" not in got
+    assert (
+        _problems(
+            "recipe=gpt/tiny",
+            *CP,
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "strategy.pp_degree=2",
+            "hardware.devices_per_node=8",
+        )
+        == {}
+    )
     assert "sharding_stage=2 or 3" in got["strategy.sharding_stage"]
     assert "train.compile=false" in got["train.compile"]
     assert (

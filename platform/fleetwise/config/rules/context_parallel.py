@@ -3,12 +3,12 @@ the shapes it needs, the families that have it, and what this stage of it does n
 each refused with the reason and what to do instead, never run differently from what was asked.
 
 Shapes: the sequence is cut into 2·cp chunks (head-tail load balance), so seq_len divides by 2·cp;
-with sequence parallelism each of those chunks is split again over the mp ranks (a cp rank's two
-chunks, laid end to end, are what sequence parallelism cuts in mp pieces: with whole chunks per
-piece-boundary the shards stay equal), so seq_len divides by 2·cp·mp. Ulysses hands each cp rank
+with sequence parallelism the mp ranks cut a cp rank's two chunks (laid end to end) into mp equal
+pieces between the blocks, and each chunk is asked to split evenly too (the issue's rule: every
+piece within one chunk), so seq_len divides by 2·cp·mp. Ulysses hands each cp rank
 1/cp of the heads an mp rank holds (tensor parallelism splits them first), so the query heads and
 Llama's kv heads divide by cp·mp.
-Not yet combined: pipeline parallelism, ZeRO-1 (its gradient reduction spans sharding and dp, not cp), torch.compile (the
+Not yet combined: ZeRO-1 (its gradient reduction spans sharding and dp, not cp), torch.compile (the
 blockwise attention's loop and collectives are not traced), packed documents (data=jsonl: a document
 mask across chunks), attention dropout and mixtures of experts.
 """
@@ -92,16 +92,8 @@ def _model(ctx: Context, cp: int, method: str, mp: int, sequence_parallel: bool)
 
 
 def _combinations(ctx: Context, here: str) -> Iterator[Problem]:
-    s, lay, cfg = ctx.collective, ctx.layout, ctx.cfg
+    s, cfg = ctx.collective, ctx.cfg
     assert s is not None
-    pp = lay.pp if lay else s.pp_degree
-    if pp != 1:
-        yield Problem(
-            "strategy.pp_degree",
-            f"pp_degree={pp} with {here}: fleetwise does not yet combine context parallelism with "
-            "pipeline parallelism",
-            "set strategy.pp_degree=1 and use the ranks for cp, dp or sharding; or strategy.cp_degree=1",
-        )
     if s.sharding_stage == 1:
         yield Problem(
             "strategy.sharding_stage",
