@@ -41,6 +41,7 @@ NOT_TORCH = {
     "_get_node",  # omegaconf's node lookup (launcher/train.py)
     "_process",  # MLflow's system-metrics sampler thread (tracking/run_tracker.py)
     "_forkserver_pid",  # the standard library's fork server (launcher/agent.py)
+    "_init_weights",  # transformers' PreTrainedModel initializer, its documented hook (families/custom/initializer.py)
 }
 
 # Files allowed a private torch name besides the two doors (none: keep it that way).

@@ -270,7 +270,9 @@ def test_validate_names_a_foreign_target_and_does_not_import_it(tmp_path, monkey
     pipeline += ("strategy.schedule=interleaved_1F1B", "hardware.devices_per_node=2")
     assert main(["validate", *foreign, *pipeline]) == 0
     out, err = capsys.readouterr()
-    assert "notice" in err and "model.module._target_=foreignpkg.Net" in err and str(pkg / "__init__.py") in err
+    assert (
+        "notice" in err and "model.module._target_=foreignpkg.Net" in err and str(pkg / "__init__.py") in err
+    )
     assert "did not import" in err and "not imported (foreignpkg.Net)" in " ".join(out.split())
     assert not marker.exists() and "foreignpkg" not in sys.modules
     # still validated: a wrong degree is reported as for any config
@@ -282,3 +284,32 @@ def test_validate_names_a_foreign_target_and_does_not_import_it(tmp_path, monkey
     assert "notice" not in capsys.readouterr().err
     # plan imports and traces it
     assert main(["plan", *foreign]) == 0 and marker.exists()
+
+
+def test_the_mlflow_run_records_the_targets_and_their_kwargs():
+    """What the launcher logs as MLflow params (launcher/job_tracking.py: the validated config,
+    flattened): a custom run says which class and dataset it trained, with their arguments."""
+    from fleetwise.tracking.params import flatten_config
+
+    params = flatten_config(_cfg().model_dump(mode="json"))
+    assert {k: params.get(k) for k in (
+        "model.module._target_", "model.module.dim", "model.module.depth", "model.blocks",
+        "model.loss._target_", "data.dataset._target_", "data.dataset.n",
+    )} == {
+        "model.module._target_": "mynet.net.Net", "model.module.dim": "32", "model.module.depth": "4",
+        "model.blocks": "trunk", "model.loss._target_": "mynet.net.loss", "data.dataset._target_": "mynet.data.Blobs",
+        "data.dataset.n": "1024",
+    }  # fmt: skip
+
+
+def test_strategy_auto_searches_your_model_with_its_tp_plan_and_chain():
+    """strategy=auto on a custom model: the candidates use what the model allows (mp through its
+    tp_plan, pp through its chain of blocks), the ranked ones fit, the winner is the fastest of them
+    (the search's pruning against a brute force is tests/unit/plan/test_auto_search.py's)."""
+    from fleetwise.launcher.auto import resolve_auto
+
+    r = resolve_auto(["recipe=mynet", "strategy=auto", "hardware.devices_per_node=4"], progress=False).result
+    degrees = {(c.strategy["mp_degree"], c.strategy["pp_degree"]) for c in r.ranked}
+    assert {(2, 1), (1, 2), (4, 1)} <= degrees, sorted(degrees)
+    assert r.ranked and all(c.memory <= r.budget_bytes for c in r.ranked)  # ranked: the fitting ones
+    assert r.winner.plan.step_time_s == min(c.plan.step_time_s for c in r.ranked)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetwise.config.problems import Problem, did_you_mean
+from fleetwise.families.custom.initializer import initializer
 from fleetwise.families.custom.targets import target_problems
 from fleetwise.plan.units import Acts, Unit
 
@@ -427,10 +428,11 @@ def _tp_plan(m: Any, net) -> tuple[dict[str, tuple[str, int]], list[Problem]]:
 def _init_problems(net) -> list[Problem]:
     """Every module that owns tensors must say how they start (reset_parameters): fleetwise builds on
     meta and replays the constructor's initialisation module by module (families/custom/model.py)."""
+    init_of = initializer(net)
     out = []
     for name, x in net.named_modules():
         own = [*x.named_parameters(recurse=False), *x.named_buffers(recurse=False)]
-        if own and not callable(getattr(x, "reset_parameters", None)):
+        if own and init_of(x) is None:
             out.append(
                 Problem(
                     "model.module",

@@ -16,6 +16,11 @@ on, and nothing else:
   the modules are registered, drawing from one RNG stream; `InitReplay` replays that stream module
   by module on the host -- one module's tensors at a time, never the whole model -- and each rank
   keeps the slices of its shards. Equal in every layout, and equal to the plain eager build.
+  A Hugging Face model (a transformers PreTrainedModel) is initialised by its own `_init_weights`,
+  module by module from the same one stream: the values transformers gives weights it does not
+  load (normal(0, initializer_range), norms at one, rotary frequencies computed). Not bit-equal to
+  an eager `from_config` under the same seed: transformers builds each nested sub-model and runs
+  its initialisation before constructing the next part, an order fleetwise does not replay.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from torch import nn
 
 from fleetwise.families.custom.derive import Derived, output_loss
+from fleetwise.families.custom.initializer import initializer
 
 
 class BlockList(nn.ModuleDict):
@@ -75,6 +81,7 @@ class InitReplay:
         self._current = {}
 
     def _each_module(self, state: torch.Tensor):
+        init_of = initializer(self.template)
         for mname, module in self.template.named_modules():
             own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
             if not own:
@@ -82,11 +89,12 @@ class InitReplay:
             # this module alone on the host: a copy whose own tensors are allocated, its
             # children left on meta (its reset_parameters sets only its own)
             one = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
+            init = init_of(one)  # derive refused a module with tensors and no initializer
             outer = torch.get_rng_state()
             torch.set_rng_state(state)
             try:
                 with torch.no_grad():
-                    one.reset_parameters()
+                    init()
                 state = torch.get_rng_state()
             finally:
                 torch.set_rng_state(outer)

@@ -59,7 +59,7 @@ def memory_phases(
     zero3 = unpipelined_fsdp and reshard_after_forward(s.sharding_stage)
     if unpipelined_fsdp:
         backward = block_backward(ctx, acts, during)
-        if not zero3:
+        if not (zero3 and acts.head_peak):  # (with a loss peak it is the forward/backward moment, below)
             phases.append(Phase("block backward", backward))
     if zero3 and acts.head_peak:
         # ZeRO-3: the loss's backward (its gradients of the log-softmax output and of the logits)
