@@ -1,13 +1,14 @@
 """The console script as users run it: exit codes, JSON contracts, no torch on the fast path."""
 
 import json
+import math
 import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
+from helpers.timing import LOADED_FACTOR, has_a_free_core, run_timed
 
 
 def run(bin_, *args, cwd=None):
@@ -158,27 +159,27 @@ def test_validate_and_plan_do_not_import_torch():
 HEAVY_IMPORTS = re.compile(r"\|\s+(torch|mlflow)$", re.M)  # PYTHONPROFILEIMPORTTIME's top-level lines
 
 
+# README: `plan` "answers in about half a second": held at 1 s ("about": up to twice), under the
+# one load allowance of helpers/timing.py (busy: 2 s of CPU time)
+PLAN_S = 1.0
+
+
 def test_plan_starts_fast(fleetwise_bin):
     """`plan` answers in about half a second (README) because it never imports torch or mlflow
-    (~2-3 s each): asserted on the imports themselves, which load on the machine cannot change
-    (a fixed 3 s bound could fail under CPU hogs). The time is printed and bounded only against a
-    hang."""
+    (~2-3 s each): asserted on the imports themselves, which load on the machine cannot change,
+    and on its time: the best of 3 within PLAN_S (wall and CPU time at idle, CPU time x the load
+    allowance when busy)."""
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
     r = subprocess.run(
         [fleetwise_bin, "plan", "recipe=gpt/gpt3_1.3b"], capture_output=True, text=True, timeout=120, env=env
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert not HEAVY_IMPORTS.findall(r.stderr), HEAVY_IMPORTS.findall(r.stderr)
-    best = min(_timed(fleetwise_bin) for _ in range(3))
-    print(f"plan answered in {best:.2f} s (best of 3)")
-    assert best < 30, best
-
-
-def _timed(bin_):
-    t = time.perf_counter()
-    r = run(bin_, "plan", "recipe=gpt/gpt3_1.3b")
-    assert r.returncode == 0
-    return time.perf_counter() - t
+    tries = [run_timed([fleetwise_bin, "plan", "recipe=gpt/gpt3_1.3b"], timeout=120) for _ in range(3)]
+    assert all(r.returncode == 0 for r, _ in tries)
+    best = min((t for _, t in tries), key=lambda t: t.cpu)
+    print(f"plan answered in {best} (best of 3)")
+    assert best.within(PLAN_S), f"{best}: over {PLAN_S} s ({LOADED_FACTOR}x on CPU time when busy)"
 
 
 def test_calibrate_writes_a_profile_the_planner_uses(fleetwise_bin, tmp_path):
@@ -210,23 +211,29 @@ def test_calibrate_writes_a_profile_the_planner_uses(fleetwise_bin, tmp_path):
             (tmp_path / "hardware" / "local.yaml").read_text()
         )
 
-    # Several host costs are differences of two timings (an op with and without the thing
-    # measured); on a heavily loaded machine one can come out 0. Measure again, at most twice more,
-    # rather than accept a profile that misses one.
-    for _ in range(3):
-        measured, profile = calibrate()
-        curve = profile["gemm_efficiency"]
-        if all(profile[k] > 0 for k in keys) and curve[0][1] < curve[-1][1]:
-            break
+    # One run; every check below counts. Several host costs are differences of two timings, and
+    # with no core free the difference drowns: measured here at load 5.7 on 2 cores (with and
+    # without `nice -15`), op overhead 4.2 ms (not µs), a flat GEMM curve of 1.0, three host costs
+    # 0 -- calibrate itself is then wrong, and a retry until it happens to look right proved
+    # nothing. So the values' quality is held where the machine had a core free (load average
+    # below its cores, before and after), on that one run; what holds at any load always.
+    free = has_a_free_core()
+    measured, profile = calibrate()
+    free = free and has_a_free_core()
+    curve = profile["gemm_efficiency"]
+    print(f"a core free throughout: {free}; " + ", ".join(f"{k} {profile[k]}" for k in keys))
     assert measured["peak_flops"]["fp32"] > 1e9
-    # the host costs the planner's time model charges, each measured (> 0) on this machine
-    for key in keys:
-        assert profile[key] > 0, key
-    assert curve[0][1] < curve[-1][1] <= 1.0  # small GEMMs run further below peak than large ones
+    for key in keys:  # the host costs the planner's time model charges, each written as a number
+        assert math.isfinite(profile[key]) and profile[key] >= 0, key
+    assert all(0 < e <= 1.0 for _, e in curve), curve
+    if free:
+        for key in keys:
+            assert profile[key] > 0, key  # measured on this machine
+        assert curve[0][1] < curve[-1][1]  # small GEMMs run further below peak than large ones
     r = subprocess.run(
         [fleetwise_bin, "plan", "recipe=gpt/tiny", "hardware=local", "--json"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
-    assert plan["time_s"]["elementwise"] > 0 and plan["time_s"]["update"] > 0
+    assert plan["time_s"]["update"] > 0 and (plan["time_s"]["elementwise"] > 0 or not free)

@@ -422,32 +422,45 @@ else:
     start = time.perf_counter()
     c.sendall(bytes(nbytes))
     c.recv(1)
-    print(statistics.median(rtts), nbytes * 8 / (time.perf_counter() - start))
+    print(statistics.median(rtts), min(rtts), nbytes * 8 / (time.perf_counter() - start))
 """
 
 
-def _rtt_and_rate(hosts) -> tuple[float, float]:
-    """TCP between host 1 and host 0: median round trip of 1 byte (s), and bits/s of 8 MB."""
+def _rtt_and_rate(hosts) -> tuple[float, float, float]:
+    """TCP between host 1 and host 0: median and least round trip of 1 byte (s), bits/s of 8 MB."""
     argv = [sys.executable, "-c", _PING_PONG]
     server = hosts.popen(0, [*argv, "server", hosts.addrs[0], str(8 << 20)])
     r = hosts.run(
         1, [*argv, "client", hosts.addrs[0], str(8 << 20)], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and server.wait(30) == 0, r.stderr
-    rtt, rate = map(float, r.stdout.split())
-    return rtt, rate
+    median, least, rate = map(float, r.stdout.split())
+    return median, least, rate
 
 
 def test_a_shaped_link_has_its_latency_and_rate_and_calibrate_measures_it(netns_hosts, tmp_path):
     """hosts.shape(400mbit, 2ms): every frame between hosts goes through scripts/netns_link.py,
     4 ms a round trip, 400 Mbit/s at most; `fleetwise calibrate --link-only --nodes 2`, run on both
     hosts as on two machines, writes a profile whose inter-node keys match that link; unshaped
-    (veth) again, the round trip is back under a millisecond."""
+    (veth) again, the round trip is back under the shaped link's floor.
+
+    The user-space switch is a Python process: on a busy machine it forwards late and slowly, so
+    no figure here is an absolute wall-clock one. What the shaper guarantees holds at any load
+    (a round trip is never under the 4 ms of delay, the rate never over 400 Mbit/s); what it only
+    promises (no more delay than asked, the rate reached) is held against the same switch
+    unshaped (no rate limit, no delay), measured in the same run just before."""
     hosts = netns_hosts(2)
+    hosts.shape("0", "0ms")  # the switch alone: what it adds and carries at this moment's load
+    _, switch_least, switch_rate = _rtt_and_rate(hosts)
     applied = hosts.shape("400mbit", "2ms")
     assert applied["rate"] == "400mbit" and applied["delay"] == "2ms"
-    rtt, rate = _rtt_and_rate(hosts)
-    assert 4e-3 <= rtt <= 12e-3 and 0.5 * 400e6 <= rate <= 1.02 * 400e6, (rtt, rate)
+    rtt, least, rate = _rtt_and_rate(hosts)
+    print(f"switch alone: {switch_least * 1e3:.2f} ms, {switch_rate / 1e6:.0f} Mbit/s; shaped: "
+          f"{least * 1e3:.2f} ms (median {rtt * 1e3:.2f}), {rate / 1e6:.0f} Mbit/s")  # fmt: skip
+    assert least >= 4e-3 and rate <= 1.02 * 400e6, (least, rate)  # at any load
+    # the delay added is the one asked (a round trip's two 2 ms, not four), the rate reached
+    assert least - switch_least <= 6e-3, (least, switch_least)
+    assert rate >= 0.5 * min(400e6, switch_rate), (rate, switch_rate)
 
     profiles = [tmp_path / f"node{i}.yaml" for i in range(2)]
     procs = []
@@ -463,14 +476,17 @@ def test_a_shaped_link_has_its_latency_and_rate_and_calibrate_measures_it(netns_
     measured = [yaml.safe_load(p.read_text()) for p in profiles]
     assert measured[0] == measured[1]  # both nodes wrote the same link
     latency_us, gbps = measured[0]["inter_node_latency_us"], measured[0]["inter_node_gbps"]
-    # a 4-byte all-reduce of 2 ranks: a send each way, at least one round trip; 16 MiB at <= the rate
-    assert 4000 <= latency_us <= 12000 and 0.5 * 0.05 <= gbps <= 1.02 * 0.05, (latency_us, gbps)
+    print(f"calibrate: {latency_us} us, {gbps} GB/s")
+    # a 4-byte all-reduce of 2 ranks: a send each way, at least one round trip (the floor at any
+    # load), at most 3 of the median ones measured above; 16 MiB at <= the rate, and at least half
+    # of what the ping measured on the same link
+    assert 4000 <= latency_us <= 3 * rtt * 1e6 and 0.5 * rate / 8e9 <= gbps <= 1.02 * 0.05, (latency_us, gbps)
     assert "measured by fleetwise calibrate" in profiles[0].read_text()
     assert measured[0]["intra_node_gbps"] == 1.3  # the rest of the profile as it was
 
     stats = hosts.unshape()
     assert stats["frames"] > 1000 and stats["bytes"] > 2 * (16 << 20), stats
-    assert _rtt_and_rate(hosts)[0] < 1e-3
+    assert _rtt_and_rate(hosts)[1] < 4e-3  # the veth again: no delay left
     assert hosts.leftover() == {}
 
 

@@ -347,7 +347,10 @@ KNOWN: dict[tuple[str, str], float] = {
     # blocks' backward (they were missing: a 0.84B GPT, 16 layers, was -6.9%, now +0.6%); here the
     # peak is the 3rd block back of 4, with 2 of them (+0.79 MB), where the dry run holds two
     # blocks gathered but not the root the planner keeps gathered through the backward (+0.56 MB):
-    # -0.33% before was that overcount hiding the missing gradients; now +3.35%
+    # -0.33% before was that overcount hiding the missing gradients; now +3.35%.
+    # 0.034 is that +3.35% (this test prints each rank's error: `pytest -s -k sharding3_w8_full_wide`)
+    # rounded up, not a product figure: a planner or dry-run change that moves it re-measures it and
+    # writes the new error here, or deletes the entry once within the 3% target
     ("sharding3_w8_full_wide", "memory"): 0.034,
 }
 
@@ -370,13 +373,21 @@ def test_planner_matches_the_dry_run(capsys, name):
             + ", ".join(f"{d} {v['rel']:+.2%}" for d, v in cmp["comm_bytes_per_step"].items() if v["dryrun"])
         )
         assert abs(cmp["flops_per_step"]["rel"]) <= 0.01, (x["rank"], cmp["flops_per_step"])
+        # every group the dry run saw traffic on is in the comparison
+        assert sum(v["dryrun"] for v in cmp["comm_bytes_per_step"].values()) == sum(
+            x["comm_bytes_per_step"].values()
+        )
         assert abs(cmp["memory_bytes"]["rel"]) <= KNOWN.get((name, "memory"), 0.03), (
             x["rank"],
             cmp["memory_bytes"],
         )
         for dim, v in cmp["comm_bytes_per_step"].items():
-            if v["dryrun"] or v["planner"]:
-                assert abs(v["rel"]) <= KNOWN.get((name, dim), 0.01), (x["rank"], dim, v)
+            if v["dryrun"] or v["planner"]:  # a group on one side only is "missing" the other
+                assert "missing" not in v and abs(v["rel"]) <= KNOWN.get((name, dim), 0.01), (
+                    x["rank"],
+                    dim,
+                    v,
+                )
         # a GPU job's offloaded state, in host RAM: reported apart, held against the planner's
         offload = "strategy.offload=true" in LAYOUTS[name]
         assert (x.get("host_memory_bytes") is not None) == offload, x.get("host_memory_bytes")
@@ -438,8 +449,8 @@ def test_llama_planner_matches_the_dry_run(capsys):
         assert abs(cmp["flops_per_step"]["rel"]) <= 0.01, (x["rank"], cmp["flops_per_step"])
         assert abs(cmp["memory_bytes"]["rel"]) <= 0.03, (x["rank"], cmp["memory_bytes"])
         for dim, v in cmp["comm_bytes_per_step"].items():
-            if v["dryrun"] or v["planner"]:
-                assert abs(v["rel"]) <= 0.01, (x["rank"], dim, v)
+            if v["dryrun"] or v["planner"]:  # a group on one side only is "missing" the other
+                assert "missing" not in v and abs(v["rel"]) <= 0.01, (x["rank"], dim, v)
 
 
 @pytest.mark.slow
@@ -456,8 +467,8 @@ def test_planner_matches_the_dry_run_for_a_mixture_of_experts(capsys):
         assert abs(cmp["flops_per_step"]["rel"]) <= 0.01, cmp["flops_per_step"]
         assert abs(cmp["memory_bytes"]["rel"]) <= 0.03, cmp["memory_bytes"]
         for dim, v in cmp["comm_bytes_per_step"].items():
-            if v["dryrun"] or v["planner"]:
-                assert abs(v["rel"]) <= 0.01, (dim, v)
+            if v["dryrun"] or v["planner"]:  # a group on one side only is "missing" the other
+                assert "missing" not in v and abs(v["rel"]) <= 0.01, (dim, v)
 
 
 @pytest.mark.slow

@@ -260,13 +260,19 @@ def compare(plan: Plan, report: dict[str, Any]) -> dict[str, Any]:
     measured = report["comm_bytes_per_step"]
     comm = {}
     # flattened groups by the planner's dim: DDP over dp × cp counts as dp, FSDP over sharding × cp
-    # as sharding (config/layout.py); context parallelism's own collectives as cp, when there is cp
-    merged = {"dp": ("dp+sharding", "dp+cp"), "sharding": ("sharding+cp",)}
+    # as sharding (config/layout.py); every other group under its own name
+    merged = {"dp+sharding": "dp", "dp+cp": "dp", "sharding+cp": "sharding"}
     planned = stage.get("comm_bytes_per_step", plan.comm_bytes_per_step)
-    for dim in (*DIMS, "cp") if "cp" in planned or "cp" in measured else DIMS:
-        got = measured.get(dim, 0) + sum(measured.get(m, 0) for m in merged.get(dim, ()))
-        want = planned.get(dim, 0)
-        comm[dim] = {"planner": want, "dryrun": got, "rel": rel(want, got)}
+    got: dict[str, int] = {}
+    for group, n in measured.items():
+        got[merged.get(group, group)] = got.get(merged.get(group, group), 0) + n
+    # every group either side names, so that traffic the planner has no figure for (or a figure
+    # the dry run saw no group for) shows, with "missing" naming the side without it
+    for dim in (*DIMS, *sorted(set(planned) - set(DIMS)), *sorted(set(got) - set(planned) - set(DIMS))):
+        want, seen = planned.get(dim, 0), got.get(dim, 0)
+        comm[dim] = {"planner": want, "dryrun": seen, "rel": rel(want, seen)}
+        if want and dim not in got or seen and dim not in planned:
+            comm[dim]["missing"] = "dryrun" if dim not in got else "planner"
     flops = stage.get("flops_per_device", 0.0)
     out = {
         "memory_bytes": {"planner": planned_mem, "dryrun": report["memory_bytes"]["peak"]}

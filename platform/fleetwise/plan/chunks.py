@@ -11,6 +11,7 @@ asks of every candidate (the units, the chunks, their groups and roles) is kept 
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -26,7 +27,9 @@ from fleetwise.plan.units import Unit
 def units_of(model) -> list[Unit]:
     """The model's units, built once per model config (`PLAN_CACHE`), each given its class of
     equal units (its fields but the name)."""
-    key = model.model_dump_json()
+    # a custom model's units are traced on its dataset's items, which its section holds outside the
+    # dump (a bad dataset's fallback units were served to the same model with a good one: a sweep)
+    key = model.model_dump_json() + json.dumps(getattr(model, "dataset", None), sort_keys=True, default=str)
     if key not in PLAN_CACHE.units:
         if len(PLAN_CACHE.units) > MAX_MODELS:
             PLAN_CACHE.clear()

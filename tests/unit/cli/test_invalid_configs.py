@@ -12,11 +12,12 @@ within 2 CPU-seconds (what an idle machine answers in), however loaded the machi
 
 import json
 import signal
-import time
+import sys
 from pathlib import Path
 
 import pytest
 from helpers.repo import REPO
+from helpers.timing import LOADED_FACTOR, run_timed, timed_here
 
 MYNET = REPO / "examples" / "mynet" / "my_conf"
 
@@ -707,12 +708,12 @@ def test_train_refuses_it_with_exit_2_spawning_and_writing_nothing(
     def hung(signum, frame):
         raise TimeoutError(f"no answer within {HANG_S} s")
 
+    torch_before = "torch" in sys.modules
     previous = signal.signal(signal.SIGALRM, hung)
     signal.alarm(HANG_S)
     try:
-        t = time.perf_counter()
-        code = cli.main(["train", *overrides, f"run.dir={tmp_path / 'run'}"])
-        elapsed = time.perf_counter() - t
+        with timed_here() as took:
+            code = cli.main(["train", *overrides, f"run.dir={tmp_path / 'run'}"])
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
@@ -722,15 +723,15 @@ def test_train_refuses_it_with_exit_2_spawning_and_writing_nothing(
     assert all(p.msg and p.hint for p in reported), reported
     assert "Traceback" not in err and loc in " ".join(err.split())
     assert list(tmp_path.iterdir()) == []
-    print(f"answered in {elapsed:.2f} s")
+    print(f"answered in {took}")
+    # within what a `fleetwise` process is promised (the sample below), in this process; a custom
+    # model's case that imported torch here first is held to it in the sample, beside `import torch`
+    if torch_before or "torch" not in sys.modules:
+        assert took.within(CLI_S), f"{took}: over {CLI_S} s ({LOADED_FACTOR}x on CPU time when busy)"
 
 
 CLI_SAMPLE = CASES[:: len(CASES) // 20][:20]  # every group of the table, in the order it is written
-CLI_S = 2.0  # an invalid config is answered within this at idle (issue 44)
-# On a busy machine the same work takes more CPU time too (shared caches and cores: up to 1.5x
-# measured here at load 9 on 2 cores), and wall time means nothing: there the bound is doubled and
-# taken on CPU time, which still catches what matters (importing torch or mlflow on the way: ~2 s).
-LOADED_FACTOR = 2.0
+CLI_S = 2.0  # an invalid config is answered within this at idle (issue 44); under load: helpers/timing.py
 
 
 @pytest.mark.slow
@@ -738,39 +739,27 @@ def test_the_cli_answers_a_sample_within_two_seconds_at_idle(tmp_path, corpus_fi
     """20 cases of the corpus as `fleetwise train` processes (the user's view: interpreter, imports,
     Hydra, rules): exit 2, the location on stderr, no traceback; at idle (1-minute load below 0.5)
     each within CLI_S of wall and CPU time, else within LOADED_FACTOR x CLI_S of CPU time (user +
-    system, the kernel's accounting of the child). A custom model's problem is found by importing
+    system, the kernel's accounting of the child; helpers/timing.py). A custom model's problem is found by importing
     it, which imports torch: its budget adds what `import torch` costs, measured here beside it."""
     import os
-    import resource
-    import subprocess
     import sys
 
     exe = str(Path(sys.executable).parent / "fleetwise")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "FLEETWISE_"))}
     env["FLEETWISE_CACHE_DIR"] = str(corpus_files["cache"])
-
-    def cpu_of(cmd, **kw):
-        before, t = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S, **kw)
-        wall, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
-        return r, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall
-
-    _, torch_cpu, _ = cpu_of([sys.executable, "-c", "import torch"])
-    idle = os.getloadavg()[0] < 0.5
-    print(
-        f"1-minute load {os.getloadavg()[0]:.2f}: {'idle' if idle else 'busy'}; import torch {torch_cpu:.2f} CPU-s"
-    )
+    _, torch_import = run_timed([sys.executable, "-c", "import torch"], env=env, timeout=HANG_S)
+    print(f"import torch: {torch_import}")
     slow = []
     for overrides, loc in CLI_SAMPLE:
         custom = "{mynet}" in overrides
         cwd = MYNET.parent.parent if custom else tmp_path
         cmd = [exe, "train", *with_files(overrides, corpus_files), f"run.dir={tmp_path / 'run'}"]
-        r, cpu, wall = cpu_of(cmd, cwd=cwd)
-        budget = (CLI_S + (torch_cpu if custom else 0.0)) * (1.0 if idle else LOADED_FACTOR)
+        r, took = run_timed(cmd, cwd=cwd, env=env, timeout=HANG_S)
+        promise = CLI_S + (torch_import.cpu if custom else 0.0)
         assert r.returncode == 2 and loc in " ".join(r.stderr.split()), (overrides, r.stderr[-2000:])
         assert "Traceback" not in r.stderr + r.stdout
-        print(f"{cpu:5.2f} CPU-s {wall:5.2f} s (budget {budget:.2f})  {' '.join(overrides)[:100]}")
-        if cpu > budget or (idle and wall > budget):
-            slow.append(f"{cpu:.2f} CPU-s {wall:.2f} s (budget {budget:.2f}): {' '.join(overrides)}")
+        print(f"{took} (promise {promise:.2f} s)  {' '.join(overrides)[:100]}")
+        if not took.within(promise):
+            slow.append(f"{took} (promise {promise:.2f} s): {' '.join(overrides)}")
     assert not (tmp_path / "run").exists()
     assert not slow, slow

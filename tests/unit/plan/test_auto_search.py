@@ -58,19 +58,14 @@ def _hybrid(data):
     return HybridStrategy.model_validate({**data, "name": "hybrid"})
 
 
-def test_the_winner_is_the_fastest_of_a_brute_force_search(tiny4):
-    """The pruning (dominated schedules, recompute, sequence parallel, micro-batch growth) never
-    drops a layout faster than the one chosen: every legal combination of gpt/tiny on 4 ranks."""
-    base = compose(*TINY4)[0]
-    budget = tiny4.result.budget_bytes
-    best = None
-    degrees = [
-        (dp, sh, mp, pp)
-        for dp, sh, mp, pp in itertools.product((1, 2, 4), repeat=4)
-        if dp * sh * mp * pp == 4
-    ]
-    for (dp, sh, mp, pp), stage, sp, sched, v, rc, mb in itertools.product(
-        degrees, (None, 1, 2, 3), (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2, 4, 8)
+def _brute_force_fastest(argv: list[str], budget: float, ranks: int, offloads=(False,)) -> dict[bool, float]:
+    """The fastest step time, within `budget` bytes, of every combination of the search's keys
+    that config validation accepts (each planned whole, no pruning), by offload."""
+    base = compose(*argv)[0]
+    best: dict[bool, float] = {}
+    degrees = [d for d in itertools.product((1, 2, 4), repeat=4) if d[0] * d[1] * d[2] * d[3] == ranks]
+    for (dp, sh, mp, pp), stage, off, sp, sched, v, rc, mb in itertools.product(
+        degrees, (None, 1, 2, 3), offloads, (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2, 4, 8)
     ):
         data = {
             **base.strategy.model_dump(),
@@ -79,6 +74,7 @@ def test_the_winner_is_the_fastest_of_a_brute_force_search(tiny4):
             "mp_degree": mp,
             "pp_degree": pp,
             "sharding_stage": stage,
+            "offload": off,
             "sequence_parallel": sp,
             "schedule": sched,
             "virtual_stages": v,
@@ -92,11 +88,43 @@ def test_the_winner_is_the_fastest_of_a_brute_force_search(tiny4):
         )
         if check(cfg):
             continue
-        cfg = resolve(cfg)
-        plan = make_plan(cfg)
-        if plan.memory_bytes["total"] <= budget and (best is None or plan.step_time_s < best):
-            best = plan.step_time_s
+        plan = make_plan(resolve(cfg))
+        if plan.memory_bytes["total"] <= budget and plan.step_time_s < best.get(off, float("inf")):
+            best[off] = plan.step_time_s
+    assert best
+    return best
+
+
+def test_the_winner_is_the_fastest_of_a_brute_force_search(tiny4):
+    """The pruning (dominated schedules, recompute, sequence parallel, micro-batch growth) never
+    drops a layout faster than the one chosen: every legal combination of gpt/tiny on 4 ranks."""
+    best = _brute_force_fastest(TINY4, tiny4.result.budget_bytes, 4)[False]
     assert tiny4.result.winner.plan.step_time_s == pytest.approx(best, rel=1e-9)
+
+
+# on an H100 profile, where offload and the overlap windows of the GPU cost model are in play; the
+# device is 3.56 MB with nothing reserved (gpt/tiny's layouts need ~2.9-6.3 MB on 4 ranks), so that
+# the fastest layouts (ZeRO-2/3 without offload, 3.6 MB and up) do not fit and offload decides
+H100_SMALL = [
+    "recipe=gpt/tiny",
+    "hardware=h100",
+    "hardware.devices_per_node=4",
+    f"hardware.memory_per_device_gib={3.56e6 / 2**30}",
+    "hardware.device_overhead_gib=0",
+    "hardware.fragmentation=0",
+    "auto.headroom=0",
+]
+
+
+def test_the_winner_on_a_gpu_profile_with_offload_is_the_fastest_of_a_brute_force_search():
+    """The same brute force on the GPU cost model, offload among the keys: a pruning rule wrong only
+    where offload or the GPU's overlap windows count (their time, their memory) fails here."""
+    r = resolve_auto(["strategy=auto", *H100_SMALL], progress=False).result
+    assert r.budget_bytes == 3_560_000
+    best = _brute_force_fastest(H100_SMALL, r.budget_bytes, 4, offloads=(False, True))
+    assert r.winner.plan.step_time_s == pytest.approx(min(best.values()), rel=1e-9)
+    # a case where offload decides: the fastest fitting layout offloads, in both
+    assert best[True] < best[False] and r.winner.strategy["offload"]
 
 
 def test_fixed_keys_stay_fixed():
@@ -115,7 +143,10 @@ def test_fixed_keys_stay_fixed():
 
 def test_headroom_leaves_memory_free():
     # gpt/tiny's layouts need ~1.2-6.2 MiB per rank: an 8.7 MiB device (4.35 MiB with half of
-    # it kept free) separates them (10 MiB did until DDP's planned peak lost a gradient copy)
+    # it kept free) separates them (10 MiB did until DDP's planned peak lost a gradient copy).
+    # 0.0085 GiB is not a product figure the test checks: it is chosen between the leanest and the
+    # largest planned layout; the assertions below (some but not all fit at half) fail if the
+    # planner's figures move out of that window, then pick a size between them again
     small = [*TINY4, "hardware.memory_per_device_gib=0.0085"]
     loose = resolve_auto(["strategy=auto", *small, "auto.headroom=0"], progress=False).result
     tight = resolve_auto(["strategy=auto", *small, "auto.headroom=0.5"], progress=False).result
@@ -421,5 +452,16 @@ def test_a_subtree_is_dropped_only_when_its_leanest_schedule_does_not_fit():
     ]
     out = resolve_auto(argv, progress=False)
     assert out.problems == [] and out.result.ranked
-    assert {c.strategy["schedule"] for c in out.result.ranked} == {"interleaved_zero_bubble"}
     assert all(c.memory <= 19.5e6 for c in out.result.ranked)
+    # the schedules that fit, derived here: the winner's layout planned under every schedule (and
+    # its virtual stages); those within 19.5 MB are the schedules ranked (interleaved zero bubble
+    # when this was written: a planner change to any schedule's peak changes the set, both sides)
+    fitting = set()
+    for sched, v in itertools.product(SCHEDULES, (1, 2, 4)):
+        over = [o for o in out.result.winner.overrides() if "schedule" not in o and "virtual_stages" not in o]
+        cfg, problems = compose(
+            *argv[1:], *over, f"strategy.schedule={sched}", f"strategy.virtual_stages={v}"
+        )
+        if not problems and worst_memory(cfg) <= 19.5e6:
+            fitting.add(sched)
+    assert fitting and {c.strategy["schedule"] for c in out.result.ranked} == fitting
