@@ -193,6 +193,34 @@ GPT_LAYOUTS = {
         ),
         4,
     ),
+    # context × tensor parallelism with sequence parallelism: ulysses' all-to-alls over the cp
+    # ranks of each mp rank's 2 heads (4 heads / mp 2 / cp 2: one per rank), the cp rank's two
+    # chunks split over mp between the blocks; FSDP (mp > 1) over the cp ranks
+    "cp2_ulysses_mp2_sequence_parallel": (
+        (
+            "strategy=hybrid",
+            "strategy.cp_degree=2",
+            "strategy.cp_method=ulysses",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+        ),
+        4,
+    ),
+    # the issue's case, cp 2 × mp 2 × pp 2 (8 ranks): the ring over each mp rank's heads, sequence
+    # parallel between the blocks, and 1F1B stages passing this cp rank's chunks (positions per
+    # chunk on the first stage); FSDP over the cp ranks (seq 32: the one-process reference's;
+    # the rules ask 2·cp·mp = 8)
+    "cp2_ring_mp2_sequence_parallel_pp2_1F1B": (
+        (
+            "strategy=hybrid",
+            "strategy.cp_degree=2",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "strategy.pp_degree=2",
+            "strategy.schedule=1F1B",
+        ),
+        8,
+    ),
     "hybrid_pp2_sh2_mp2": (
         (
             "strategy=hybrid",
@@ -339,15 +367,22 @@ def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers
         "zero3x2": ("strategy=sharding", "strategy.sharding_stage=3"),
         # context parallel 2 with grouped-query attention: ring (the 4 kv heads gathered, then
         # widened to the 8 query heads) and ulysses (each rank 4 query heads and their 2 kv heads);
-        # the rotary angles and q/k norms of each chunk's true positions
+        # the rotary angles and q/k norms of each chunk's true positions. ulysses with ZeRO-3 at
+        # sharding_degree 1: FSDP shards over the cp ranks alone (the ring runs DDP over cp)
         "cp2_ring": ("strategy=hybrid", "strategy.cp_degree=2"),
-        "cp2_ulysses": ("strategy=hybrid", "strategy.cp_degree=2", "strategy.cp_method=ulysses"),
+        "cp2_ulysses_stage3": (
+            "strategy=hybrid",
+            "strategy.cp_degree=2",
+            "strategy.cp_method=ulysses",
+            "strategy.sharding_stage=3",
+        ),
     }
     for name, layout in layouts.items():
         got = run(tmp_path, name, *base, *layout, procs=4 if name.startswith("mp2") else 2)
         assert_same(ref, got, SGD_TOL)
-    for rank in (0, 1):  # ZeRO-3: each rank read its half of every tensor, no more
-        log = (tmp_path / "zero3x2" / "logs" / f"rank_{rank}.log").read_text()
+    for rank, name in ((0, "zero3x2"), (1, "zero3x2"), (1, "cp2_ulysses_stage3")):
+        # ZeRO-3 (over sharding, or over cp alone): each rank read its half of every tensor, no more
+        log = (tmp_path / name / "logs" / f"rank_{rank}.log").read_text()
         read, whole = map(int, re.search(r"init_from \S+: read (\d+) of the (\d+) bytes", log).groups())
         assert 0.45 * whole <= read <= 0.55 * whole, (read, whole)
 

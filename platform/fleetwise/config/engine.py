@@ -13,7 +13,9 @@ model in), so that both always agree. No torch import here.
 | dp > 1 with mp > 1 or pp > 1, no sharding | fsdp  | fully_shard on (dp, sharding=1): HSDP that only replicates |
 
 Context parallel ranks (cp > 1) count as data-parallel ones here: dp = 1 and cp > 1 without
-sharding is DDP over cp; with sharding, FSDP shards over sharding × cp (config/layout.py).
+sharding is DDP over cp; with sharding, FSDP shards over sharding × cp (config/layout.py) -- and
+over cp alone when sharding_degree is 1 and a sharding_stage 2 or 3 is set (the same flattened
+"sharding_cp" dim, of size cp).
 
 FSDP2 always stores parameters sharded between steps, so "stage 2" here differs from ZeRO-2 on
 paper (which keeps whole parameters on every rank): parameters are gathered once per forward and
@@ -73,6 +75,8 @@ class Engine(StrEnum):
 def dp_engine(layout: Layout, sharding_stage: int | None) -> Engine:
     if layout.sharding > 1:
         return Engine.ZERO1 if sharding_stage == 1 else Engine.FSDP
+    if layout.cp > 1 and sharding_stage in (2, 3):  # FSDP over cp alone: "sharding_cp" of sharding 1
+        return Engine.FSDP
     if layout.dp > 1 or layout.cp > 1:  # cp ranks' gradients are averaged like dp replicas'
         return Engine.FSDP if (layout.mp > 1 or layout.pp > 1) else Engine.DDP
     return Engine.NONE

@@ -170,8 +170,9 @@ def mp_traffic(
     half = (mp - 1) / mp  # an all-gather's or a reduce-scatter's share of the full tensor
     hidden = max((u.boundary_elements for u in units), default=0.0)
     tally = _Tally()
+    tokens = 1 / layout.cp if layout.cp > 1 else 1  # a cp rank's share of every sample's tokens
     for u in units:
-        size = b * (u.boundary_elements or hidden)
+        size = b * (u.boundary_elements or hidden) * tokens
         if u.kind == "block":
             again = (recomputes or {}).get(id(u), 1)
             k = _block_mp(tally, u, s.recompute, sp, half, act, residual, size, again)
@@ -292,6 +293,8 @@ def collective_comm(
         # activations forward, gradients back (under sequence parallelism: the sequence shard)
         b = cfg.train.micro_batch_size
         comm.bytes["pp"] = n * local_chunks * 2 * b * boundary * residual / (mp if s.sequence_parallel else 1)
+        if layout.cp > 1:  # a stage passes this cp rank's chunks
+            comm.bytes["pp"] /= layout.cp
         comm.calls["pp"] = n * local_chunks * 2
     return comm
 
@@ -360,6 +363,7 @@ def stage_comm_bytes(
     residual = activation_bytes(cfg.train.precision, engine, family_of(cfg.model).convolutional).residual
     # under sequence parallelism a stage sends its output's sequence shard
     residual /= layout.mp if cfg.strategy.sequence_parallel else 1
+    residual /= layout.cp if layout.cp > 1 else 1  # (and this cp rank's chunks)
     vol["pp"] = pp_bytes_of_rank(chunks, ranks, rank, n, cfg.train.micro_batch_size, residual)
     if layout.mp > 1:
         again = again if again is not None else block_recomputes(cfg.strategy.schedule, layout.pp, chunks)

@@ -7,10 +7,12 @@ computes it:
 
 - ring: the all-gathered keys and values of the whole sequence (2·S·kv_heads·d), saved by the block
   matmuls that read them; under grouped-query attention their copies at the query heads' count
-  (2·S·heads·d); and, per block a query chunk attends to (a causal rank: 2·cp + 1 blocks of c×c),
-  the fp32 scores and probabilities (log-sum-exp and exp each save one).
+  (2·S·heads·d); per block a query chunk attends to (a causal rank: 2·cp + 1 blocks of c×c),
+  the fp32 scores and probabilities (log-sum-exp and exp each save one); and the fp32 block
+  outputs the log-sum-exp merge saves (4·cp - 2 of c×d per head).
+  Under tensor parallelism every count is of the mp rank's heads (1/mp of them).
   Traffic per layer and micro-batch: the all-gather of (cp-1)/cp of the whole K/V forward, and
-  its backward (an all-to-all of the same bytes on gloo; a reduce-scatter on NCCL).
+  its backward (an all-to-all of the same bytes, summed: runtime/context_parallel.py _GatherKV).
 - ulysses: attention saves the head-sharded q, k, v in sequence order instead of the local ones (the
   same sizes: already counted), and its output apart from the output's all-to-all copy back that
   the out-projection saves (one is a view of the other without cp): heads·d·S/cp more;
@@ -44,11 +46,16 @@ class AttentionShape:
     layers: int
 
     @classmethod
-    def of(cls, cfg: RunConfig) -> AttentionShape:
+    def of(cls, cfg: RunConfig, mp: int = 1) -> AttentionShape:
+        """mp: tensor parallelism's degree -- each mp rank attends with its 1/mp of the heads (and of
+        the kv heads), so a cp rank's ring or all-to-alls carry those only."""
         m = cfg.model
         heads = m.num_attention_heads
         head_dim = getattr(m, "head_width", None) or m.hidden_size // heads
-        return cls(m.seq_len, heads, getattr(m, "num_kv_heads", None) or heads, head_dim, m.num_layers)
+        kv = getattr(m, "num_kv_heads", None) or heads
+        if mp > 1:
+            heads, kv = heads // mp, max(1, kv // mp)
+        return cls(m.seq_len, heads, kv, head_dim, m.num_layers)
 
 
 def saved_per_layer(cfg: RunConfig, layout: Layout, act_bytes: float) -> float:
@@ -56,14 +63,18 @@ def saved_per_layer(cfg: RunConfig, layout: Layout, act_bytes: float) -> float:
     cp = layout.cp
     if cp == 1:
         return 0.0
-    a = AttentionShape.of(cfg)
+    a = AttentionShape.of(cfg, layout.mp)
     if cfg.strategy.cp_method == "ulysses":
         return a.heads * a.head_dim * a.seq / cp * act_bytes
     c = a.seq / (2 * cp)
     kv = 2 * a.seq * a.kv_heads * a.head_dim * act_bytes
     expanded = 2 * a.seq * a.heads * a.head_dim * act_bytes if a.kv_heads != a.heads else 0.0
     scores = 2 * a.heads * (2 * cp + 1) * c * c * FP32
-    return kv + expanded + scores
+    # the blockwise merge saves both outputs it weighs: every block's output but that of a chunk
+    # seeing one block, and every merged output but the last -- 2k - 2 of [heads, c, d] fp32 for a
+    # chunk over k > 1 blocks, 4·cp - 2 for any rank's two chunks (r + 1 and 2·cp - r blocks)
+    merged = (4 * cp - 2) * a.heads * c * a.head_dim * FP32
+    return kv + expanded + scores + merged
 
 
 def traffic_per_layer(cfg: RunConfig, layout: Layout, act_bytes: float) -> tuple[float, int]:
@@ -72,7 +83,7 @@ def traffic_per_layer(cfg: RunConfig, layout: Layout, act_bytes: float) -> tuple
     cp = layout.cp
     if cp == 1:
         return 0.0, 0
-    a = AttentionShape.of(cfg)
+    a = AttentionShape.of(cfg, layout.mp)
     share = (cp - 1) / cp
     if cfg.strategy.cp_method == "ulysses":
         local = (2 * a.heads + 2 * a.kv_heads) * a.head_dim * a.seq / cp * act_bytes

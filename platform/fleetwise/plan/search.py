@@ -23,8 +23,10 @@ like mp's collectives) when seq_len >= CP_MIN_SEQ_LEN, and not below: there a sa
 are not what runs out of memory, the cp subtrees lengthen the search by 40-60% (llama/llama3_8b,
 gpt/gpt3_175b), and the layouts of the recipes stay what they were. An explicit auto.max_cp searches
 cp at any length (on llama/llama3_8b at 8k the planner then prefers cp 4 ulysses by 9%).
-The rules decide what cp combines with (not pp, mp, ZeRO-1, …): a cp subtree they refuse at a key
-it holds is skipped whole.
+The rules decide what cp combines with (not ZeRO-1, …): a cp subtree they refuse at a key it holds
+is skipped whole. cp with mp or pp runs (and matches one process), but the search tries it only
+where the user fixes mp_degree or pp_degree: the planner's cp × mp numbers are checked against one
+dry-run layout so far, and the search's picks (llama/llama3_8b_128k's) stay what they were.
 
 Expert parallelism (ep_degree) is searched for a mixture of experts: every divisor of num_experts
 that divides the tuple's data-parallel ranks (sharding × dp); the rules decide what it combines
@@ -212,6 +214,8 @@ def _degree_tuples(
         want = fixed.get(name)
         return want is None or want == "auto" or int(want) == value
 
+    # cp × (mp or pp) only when asked for (the module's docstring)
+    combine = any(fixed.get(k) not in (None, "auto") for k in ("mp_degree", "pp_degree"))
     for cp in cps:
         if world % cp:
             continue
@@ -220,7 +224,7 @@ def _degree_tuples(
             if mp > max_mp or not allowed("mp_degree", mp):
                 continue
             for pp in _divisors(rest // mp):
-                if not allowed("pp_degree", pp):
+                if not allowed("pp_degree", pp) or (cp > 1 and (mp > 1 or pp > 1) and not combine):
                     continue
                 for sh in _divisors(rest // (mp * pp)):
                     dp = rest // (mp * pp * sh)

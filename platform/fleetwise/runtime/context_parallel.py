@@ -17,8 +17,11 @@ Attention over the whole sequence, two ways (`strategy.cp_method`):
   head-sharded (1/cp of the heads, all the tokens), plain causal attention runs on whole sequences,
   and a second all-to-all turns the output back (Jacobs et al. 2023, "DeepSpeed Ulysses").
 
-Both are differentiable: the ring's all-gather through torch.distributed.nn.functional (its backward
-a reduce-scatter), ulysses' all-to-alls through the experts' differentiable exchange
+Both are differentiable: the ring's all-gather through `_GatherKV` (its backward an all-to-all of
+the gradients, summed: a reduce-scatter's bytes, on every backend -- torch.distributed.nn.functional's
+all-gather, used before, runs its gloo backward as scatters from the group's ranks taken as global
+ranks: any cp group but the one holding ranks 0..cp-1 failed, "Global rank 0 is not part of group",
+e.g. cp 2 × mp 2), ulysses' all-to-alls through the experts' differentiable exchange
 (compat.all_to_all_autograd; the backward another all-to-all). Both compute in plain tensor ops (math
 attention): torch's SDPA-based context_parallel does not run on a CPU.
 
@@ -30,15 +33,12 @@ average) is the whole sequence's mean.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
@@ -136,8 +136,7 @@ class SeqShard:
 
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         c = q.shape[-2] // 2
-        with _public_collectives():
-            gathered = dist_fn.all_gather(torch.stack((k, v)), group=self.group)  # [2, b, kv, 2c, d] per rank
+        gathered = _GatherKV.apply(torch.stack((k, v)), self.group, self.cp)  # [cp, 2, b, kv, 2c, d]
         k_chunks: dict[int, torch.Tensor] = {}
         v_chunks: dict[int, torch.Tensor] = {}
         for j, kv in enumerate(gathered):
@@ -187,21 +186,32 @@ class SeqShard:
         return recv.transpose(0, 1).reshape(b, hc * self.cp, s // self.cp, d)
 
 
-@contextlib.contextmanager
-def _public_collectives() -> Iterator[None]:
-    """torch.distributed.nn.functional's autograd collectives, without their FutureWarning: torch
-    points to its private functional collectives instead, which fleetwise keeps out of the runtime
-    (fleetwise.compat); the public ones run on every torch fleetwise supports."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        yield
+class _GatherKV(torch.autograd.Function):
+    """Every cp rank's x, stacked in rank order [cp, ...]; backward: each rank's share of the stacked
+    gradient sent back to it by one all-to-all and summed there (what a reduce-scatter computes;
+    gloo has none over a subgroup that torch's own autograd all-gather gets right)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+        ctx.group = group
+        out = torch.empty((cp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # (gloo: along dim 0 only)
+        return out.view(cp, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mine = torch.empty_like(grad)  # row i: rank i's gradient of this rank's x
+        dist.all_to_all_single(mine, grad.contiguous(), group=ctx.group)
+        return mine.sum(0), None, None
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, method: str) -> SeqShard:
+def apply_context_parallel(parts: Iterable[nn.Module], group: dist.ProcessGroup, method: str) -> SeqShard:
     """Give every module that takes part (those with a `seq` attribute: attention, position tables)
-    this rank's SeqShard; returns it (the trainer shards each batch with it)."""
+    in this rank's model parts (its pipeline chunks, or the whole model) this rank's SeqShard;
+    returns it (the trainer shards each batch with it, a pipeline's first stage included)."""
     shard = SeqShard(group, dist.get_rank(group), dist.get_world_size(group), method)
-    for module in model.modules():
-        if hasattr(module, "seq"):
-            module.seq = shard
+    for part in parts:
+        for module in part.modules():
+            if hasattr(module, "seq"):
+                module.seq = shard
     return shard

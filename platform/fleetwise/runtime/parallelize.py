@@ -116,10 +116,6 @@ def parallelize(
     # On `meta`: the structure of the whole model, no memory. Every rank keeps only its pipeline
     # chunks and allocates only its shards, after TP/FSDP have decided what they are.
     model = build_meta_model(cfg)
-    # 0. context parallel: attention and position tables learn this rank's place in the sequence
-    # (validate allows it without pp and mp only: the whole model is one part here)
-    sequence = apply_context_parallel(model, mesh["cp"].get_group(), s.cp_method) if layout.cp > 1 else None
-
     # 1. pipeline: keep only this rank's chunks
     if layout.pp > 1:
         v = s.virtual_stages
@@ -136,6 +132,12 @@ def parallelize(
         del model
     else:
         num_chunks, chunk_ids, parts = 1, [0], [model]
+    # 1a. context parallel: attention and position tables learn this rank's place in the sequence
+    # (after the pipeline split, which deep-copies the chunks: a SeqShard holds a process group).
+    # Under tensor parallelism attention sees its mp rank's heads as plain local tensors (and,
+    # with sequence parallelism, the cp rank's whole chunks, gathered by the q/k/v projections):
+    # the cp group is the ranks of the same mp coordinate, so each mp rank's heads meet their own.
+    sequence = apply_context_parallel(parts, mesh["cp"].get_group(), s.cp_method) if layout.cp > 1 else None
     # 1b. expert parallelism: each rank keeps its experts only (a DTensor shard, still on meta)
     data = layout.sharding * layout.dp
     ep_mesh = expert_mesh(data, s.ep_degree, mesh.device_type) if s.ep_degree > 1 else None

@@ -146,6 +146,8 @@ class Trainer:
             self.experts.set_grad_scale(scale * (self.scaler.get_scale() if self.scaler is not None else 1.0))
         if self.model.schedule is not None:
             batch = self.data.whole(step)
+            if self.model.sequence is not None:  # context parallel: the stages pass this rank's chunks
+                batch = {k: self.model.sequence.shard(t) for k, t in batch.items()}
             args = [self._to_device(batch[k]) for k in spec.inputs] if self.model.has_first else []
             target = self._to_device(batch[spec.label]) if self.model.has_last else None
             losses: list[torch.Tensor] = []

@@ -441,8 +441,17 @@ CASES = [
         (*HYB, "strategy.cp_degree=8", "strategy.dp_degree=1", "strategy.cp_method=ulysses"),
         "model.num_attention_heads",
     ),
-    ((*HYB, "strategy.cp_degree=2", "strategy.pp_degree=2", "strategy.dp_degree=2"), "strategy.pp_degree"),
-    ((*HYB, "strategy.cp_degree=2", "strategy.mp_degree=2", "strategy.dp_degree=2"), "strategy.mp_degree"),
+    (  # sequence parallelism splits each cp chunk over mp: seq_len divides by 2·cp·mp = 8
+        (
+            *HYB,
+            "strategy.cp_degree=2",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "strategy.dp_degree=2",
+            "model.seq_len=36",
+        ),
+        "model.seq_len",
+    ),
     ((*HYB, "strategy.cp_degree=2", "strategy.dp_degree=4", "train.compile=true"), "train.compile"),
     ((*HYB, "strategy.cp_degree=2", "strategy.dp_degree=4", "model.dropout=0.1"), "model.dropout"),
     (

@@ -78,15 +78,24 @@ def test_what_this_stage_does_not_combine_is_refused_with_a_reason():
     got = _problems(
         "recipe=gpt/tiny",
         *CP,
-        "strategy.pp_degree=2",
-        "strategy.mp_degree=2",
         "strategy.sharding_degree=2",
         "strategy.sharding_stage=1",
         "train.compile=true",
-        "hardware.devices_per_node=16",
+        "hardware.devices_per_node=4",
     )
-    assert "pipeline or tensor parallelism" in got["strategy.pp_degree"]
-    assert "pipeline or tensor parallelism" in got["strategy.mp_degree"]
+    # pipeline and tensor (and sequence) parallelism combine: cp 2 × mp 2 × pp 2 validates
+    assert "strategy.pp_degree" not in got and "strategy.mp_degree" not in got
+    assert (
+        _problems(
+            "recipe=gpt/tiny",
+            *CP,
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "strategy.pp_degree=2",
+            "hardware.devices_per_node=8",
+        )
+        == {}
+    )
     assert "sharding_stage=2 or 3" in got["strategy.sharding_stage"]
     assert "train.compile=false" in got["train.compile"]
     assert (
@@ -97,3 +106,43 @@ def test_what_this_stage_does_not_combine_is_refused_with_a_reason():
     assert "model.moe.num_experts=0" in moe["model.moe.num_experts"]
     packed = _problems("recipe=llama/tiny", "data=jsonl", *CP, "hardware.devices_per_node=2")
     assert "document mask across the chunks" in packed["data.source"]
+
+
+def test_a_sharding_stage_shards_over_cp_alone_but_still_needs_something_to_shard_over():
+    """sharding_degree 1 with stage 2/3 under cp: FSDP over the cp ranks (no problem); stage 1
+    is ZeRO-1's (refused with cp); without cp a stage at sharding 1 still has nothing to shard."""
+    assert _problems("recipe=gpt/tiny", *CP, "strategy.sharding_stage=3", "hardware.devices_per_node=2") == {}
+    stage1 = _problems("recipe=gpt/tiny", *CP, "strategy.sharding_stage=1", "hardware.devices_per_node=2")
+    assert list(stage1) == ["strategy.sharding_stage"] and "ZeRO-1" in stage1["strategy.sharding_stage"]
+    alone = _problems(
+        "recipe=gpt/tiny", "strategy=hybrid", "strategy.sharding_stage=3", "hardware.devices_per_node=2"
+    )
+    assert "nothing to shard over" in alone["strategy.sharding_stage"]
+
+
+def test_tensor_parallelism_combines_and_tightens_the_shapes():
+    """cp × mp runs; sequence parallelism splits each cp rank's chunks over mp (seq_len divides by
+    2·cp·mp), ulysses splits an mp rank's heads over cp (heads divide by cp·mp) -- all at once."""
+    ring = ("recipe=gpt/tiny", *CP, "strategy.mp_degree=2", "hardware.devices_per_node=4")
+    assert _problems(*ring, "strategy.sequence_parallel=true") == {}  # seq 32, 4 heads
+    assert _problems(*ring, "strategy.cp_method=ulysses") == {}
+    got = _problems(
+        *ring,
+        "strategy.sequence_parallel=true",
+        "strategy.cp_method=ulysses",
+        "model.seq_len=36",
+        "model.hidden_size=48",
+        "model.num_attention_heads=6",
+    )
+    assert "2 × cp_degree × mp_degree 2 (sequence parallel) = 8" in got["model.seq_len"]
+    assert "multiple of 8 (e.g. 32)" in got["model.seq_len"]
+    heads = got["model.num_attention_heads"]
+    assert "num_attention_heads=6 does not divide by cp_degree=2 × mp_degree=2 = 4" in heads
+    assert "cp_method=ring" in heads
+    # without sequence parallelism the chunks need 2·cp only
+    assert "model.seq_len" not in _problems(*ring, "model.seq_len=36")
+    kv = _problems(
+        "recipe=llama/tiny", *CP, "strategy.mp_degree=2", "strategy.cp_method=ulysses",
+        "hardware.devices_per_node=4", "model.num_kv_heads=2",
+    )
+    assert "num_kv_heads=2 does not divide by cp_degree=2 × mp_degree=2 = 4" in kv["model.num_kv_heads"]

@@ -75,6 +75,11 @@ def test_cp_is_searched_for_long_sequences_only_in_legal_layouts():
     assert {c.strategy["cp_degree"] for c in capped.ranked} == {1, 2}
     fixed = resolve_auto(["strategy=auto", *SMALL, "strategy.cp_degree=4"], progress=False).result
     assert fixed.ranked and {c.strategy["cp_degree"] for c in fixed.ranked} == {4}
+    # cp × mp is searched where mp is fixed (the rules allow it; unasked, the search leaves it out)
+    tp = resolve_auto(["strategy=auto", *SMALL, "strategy.cp_degree=2", "strategy.mp_degree=2"], progress=False)
+    assert tp.result.ranked and {(c.strategy["cp_degree"], c.strategy["mp_degree"]) for c in tp.result.ranked} == {
+        (2, 2)
+    }
 
 
 def test_by_default_cp_is_searched_from_32k_tokens_for_gpt_and_llama_only():

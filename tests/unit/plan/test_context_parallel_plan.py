@@ -25,13 +25,14 @@ def test_ring_and_ulysses_save_and_send_what_their_attention_does():
     ulysses = plan_of(*cp, "strategy.cp_method=ulysses")
     # per layer and sample, fp32. ring: the whole sequence's gathered K and V, and per block a query
     # chunk sees (chunks of c = 32/4 = 8 tokens; rank 0's chunks 0 and 3 see 1 + 4 blocks: 2cp+1)
-    # the scores and their probabilities
+    # the scores and their probabilities; and the merge's saved block outputs (chunk 3 over 4
+    # blocks: its 4 block outputs and 2 of its 3 merged ones; chunk 0 over one block, none)
     c = SEQ // 4
-    ring_extra = 2 * SEQ * HEADS * D * 4 + 2 * HEADS * 5 * c * c * 4
+    ring_extra = 2 * SEQ * HEADS * D * 4 + 2 * HEADS * 5 * c * c * 4 + 6 * HEADS * c * D * 4
     # ulysses: attention's output (head-sharded, whole sequence) beside its all-to-all copy back
     # (without cp the out-projection saves a view of it); q, k, v saved as before, head-sharded
     ulysses_extra = HEADS * D * SEQ // 2 * 4
-    assert (ring_extra, ulysses_extra) == (26_624, 4_096)
+    assert (ring_extra, ulysses_extra) == (38_912, 4_096)
     assert ring.memory_bytes["activations"] - ulysses.memory_bytes["activations"] == LAYERS * B * (
         ring_extra - ulysses_extra
     )
@@ -81,6 +82,16 @@ def test_cp_divides_the_tokens_and_fsdp_shards_over_sharding_times_cp():
         "hardware.devices_per_node=4",
     )
     assert fsdp.stages[0]["params_per_device"] == fsdp.params // 4
+    # sharding_degree 1 with a stage: FSDP over cp alone (the runtime's engine and mesh agree)
+    from fleetwise.config.engine import dp_engine
+    from fleetwise.config.layout import Layout
+
+    cfg, problems = compose(*TINY, *cp2, "strategy.sharding_stage=3")
+    assert problems == [], problems
+    assert dp_engine(Layout.of(cfg), 3) == "fsdp" and Layout.of(cfg).fsdp_dims == ("sharding_cp",)
+    over_cp = make_plan(cfg)
+    assert over_cp.engine == "fsdp" and over_cp.stages[0]["params_per_device"] == over_cp.params // 2
+    assert over_cp.memory_bytes["optimizer"] == ring.memory_bytes["optimizer"] / 2
 
 
 def test_the_plan_header_multiplies_to_the_world_size_with_cp():
@@ -95,3 +106,21 @@ def test_the_plan_header_multiplies_to_the_world_size_with_cp():
         mesh_text(plan_of("strategy=dp", "hardware.devices_per_node=4").mesh)
         == "pp 1 × dp 4 × sharding 1 × mp 1"
     )
+
+
+def test_under_tensor_parallelism_cp_carries_the_mp_ranks_heads_and_mp_the_cp_ranks_tokens():
+    """cp 2 × mp 2: the ring gathers (and saves) the K/V of each mp rank's 2 heads, half of cp 2's;
+    the blocks' tensor-parallel collectives carry a cp rank's 16 tokens, half of mp 2's (the
+    dry run's numbers for cp 2 × mp 2 sequence parallel: cp bytes equal, memory -1.3%)."""
+    cp, mp = ("strategy=hybrid", "strategy.cp_degree=2"), ("strategy.mp_degree=2",)
+    alone = plan_of(*cp, "hardware.devices_per_node=2")
+    both = plan_of(*cp, *mp, "hardware.devices_per_node=4")
+    ddp = alone.params * 4  # cp 2 alone: DDP's all-reduce over cp is in its cp entry
+    assert both.comm_bytes_per_step["cp"] == (alone.comm_bytes_per_step["cp"] - ddp) / 2 == 524_288
+    tp = plan_of("strategy=hybrid", *mp, "strategy.dp_degree=1", "hardware.devices_per_node=2")
+    # mp 2 (no sequence parallelism): per micro-batch, each block's two (b, s, h) all-reduces
+    # forward (fp32) and two backward, ½ of each sent; the embedding's output and the head's input
+    # gradient one each: n·(layers·2·2·½·8 + 2·2·½·4)·b·s·h bytes -- s 32 alone, 16 a cp rank's
+    n = 8
+    whole = n * (LAYERS * 2 * 2 * 0.5 * 8 + 2 * 2 * 0.5 * 4) * B * SEQ * 64
+    assert tp.comm_bytes_per_step["mp"] == whole == 2 * both.comm_bytes_per_step["mp"] == 2_359_296

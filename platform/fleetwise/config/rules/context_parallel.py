@@ -3,12 +3,14 @@ the shapes it needs, the families that have it, and what this stage of it does n
 each refused with the reason and what to do instead, never run differently from what was asked.
 
 Shapes: the sequence is cut into 2·cp chunks (head-tail load balance), so seq_len divides by 2·cp;
-ulysses hands each cp rank 1/cp of the heads, so the query heads and Llama's kv heads divide by cp.
-Not yet combined: pipeline and tensor parallelism (the chunks would have to travel with the stages'
-activations, and ulysses' heads are split by mp first), ZeRO-1 (its gradient reduction spans
-sharding and dp, not cp), torch.compile (the blockwise attention's loop and collectives are not
-traced), packed documents (data=jsonl: a document mask across chunks), attention dropout and
-mixtures of experts.
+with sequence parallelism the mp ranks cut a cp rank's two chunks (laid end to end) into mp equal
+pieces between the blocks, and each chunk is asked to split evenly too (the issue's rule: every
+piece within one chunk), so seq_len divides by 2·cp·mp. Ulysses hands each cp rank
+1/cp of the heads an mp rank holds (tensor parallelism splits them first), so the query heads and
+Llama's kv heads divide by cp·mp.
+Not yet combined: ZeRO-1 (its gradient reduction spans sharding and dp, not cp), torch.compile (the
+blockwise attention's loop and collectives are not traced), packed documents (data=jsonl: a document
+mask across chunks), attention dropout and mixtures of experts.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ def context_parallel(ctx: Context) -> Iterator[Problem]:
             f"use strategy=hybrid strategy.cp_degree={cp} (with the other degrees you need), or set "
             "strategy.cp_degree=1",
         )
-    yield from _model(ctx, cp, s.cp_method)
+    mp = ctx.layout.mp if ctx.layout else s.mp_degree
+    yield from _model(ctx, cp, s.cp_method, mp if isinstance(mp, int) else 1, s.sequence_parallel)
     yield from _combinations(ctx, here)
 
 
-def _model(ctx: Context, cp: int, method: str) -> Iterator[Problem]:
+def _model(ctx: Context, cp: int, method: str, mp: int, sequence_parallel: bool) -> Iterator[Problem]:
     m = ctx.cfg.model
     if m.family not in CP_FAMILIES:
         yield Problem(
@@ -49,13 +52,17 @@ def _model(ctx: Context, cp: int, method: str) -> Iterator[Problem]:
             "set strategy.cp_degree=1, and split the job with dp_degree or sharding_degree",
         )
         return
-    if m.seq_len % (2 * cp):
-        fits = [c for c in range(cp, 0, -1) if m.seq_len % (2 * c) == 0][:1]
+    sp = mp if sequence_parallel else 1  # sequence parallelism splits each cp rank's chunks over mp
+    unit = 2 * cp * sp
+    if m.seq_len % unit:
+        fits = [c for c in range(cp, 0, -1) if m.seq_len % (2 * c * sp) == 0][:1]
+        split = f" × mp_degree {mp} (sequence parallel)" if sp > 1 else ""
         yield Problem(
             "model.seq_len",
-            f"seq_len={m.seq_len} does not divide into 2 × cp_degree = {2 * cp} equal chunks (each cp rank "
-            "holds a head and a tail chunk of every sequence)",
-            f"set model.seq_len to a multiple of {2 * cp} (e.g. {m.seq_len - m.seq_len % (2 * cp) or 2 * cp})"
+            f"seq_len={m.seq_len} does not divide into 2 × cp_degree{split} = {unit} equal pieces (each cp "
+            "rank holds a head and a tail chunk of every sequence"
+            + (", each split again over the mp ranks)" if sp > 1 else ")"),
+            f"set model.seq_len to a multiple of {unit} (e.g. {m.seq_len - m.seq_len % unit or unit})"
             + (f", or strategy.cp_degree={fits[0]}" if fits and fits[0] > 1 else ""),
         )
     if getattr(m, "dropout", 0.0):
@@ -70,30 +77,23 @@ def _model(ctx: Context, cp: int, method: str) -> Iterator[Problem]:
     heads = {"model.num_attention_heads": m.num_attention_heads}
     if getattr(m, "num_kv_heads", None) is not None:
         heads["model.num_kv_heads"] = m.num_kv_heads
+    by = f"cp_degree={cp} × mp_degree={mp} = {cp * mp}" if mp > 1 else f"cp_degree={cp}"
     for path, n in heads.items():
-        if n % cp:
+        if n % (cp * mp):
             yield Problem(
                 path,
-                f"{path.split('.')[-1]}={n} does not divide by cp_degree={cp}: cp_method=ulysses gives each cp "
-                "rank a whole share of the heads",
-                f"use strategy.cp_method=ring (any head count), or a cp_degree dividing {n}",
+                f"{path.split('.')[-1]}={n} does not divide by {by}: cp_method=ulysses gives each cp "
+                "rank a whole share of the heads"
+                + (" an mp rank holds (tensor parallelism splits them first)" if mp > 1 else ""),
+                "use strategy.cp_method=ring (any head count), or a cp_degree"
+                + (" × mp_degree" if mp > 1 else "")
+                + f" dividing {n}",
             )
 
 
 def _combinations(ctx: Context, here: str) -> Iterator[Problem]:
-    s, lay, cfg = ctx.collective, ctx.layout, ctx.cfg
+    s, cfg = ctx.collective, ctx.cfg
     assert s is not None
-    for name, degree in (
-        ("pp_degree", lay.pp if lay else s.pp_degree),
-        ("mp_degree", lay.mp if lay else s.mp_degree),
-    ):
-        if degree != 1:
-            yield Problem(
-                f"strategy.{name}",
-                f"{name}={degree} with {here}: fleetwise does not yet combine context parallelism with "
-                "pipeline or tensor parallelism",
-                f"set strategy.{name}=1 and use the ranks for cp, dp or sharding; or strategy.cp_degree=1",
-            )
     if s.sharding_stage == 1:
         yield Problem(
             "strategy.sharding_stage",

@@ -157,7 +157,10 @@ def sharding_options(ctx: Context) -> Iterator[Problem]:
     if s is None:
         return
     sh = lay.sharding if lay else s.sharding_degree
-    if s.sharding_stage is not None and sh == 1:
+    cp = lay.cp if lay else s.cp_degree
+    # cp ranks share parameter shards like sharding ones (FSDP over sharding × cp): with cp > 1 a
+    # stage shards over cp even at sharding_degree 1 (stage 1 with cp: config/rules/context_parallel.py)
+    if s.sharding_stage is not None and sh == 1 and cp == 1:
         yield Problem(
             "strategy.sharding_stage",
             f"sharding_stage={s.sharding_stage} but sharding_degree=1: nothing to shard over",
