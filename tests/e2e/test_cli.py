@@ -159,13 +159,15 @@ def test_validate_and_plan_do_not_import_torch():
 HEAVY_IMPORTS = re.compile(r"\|\s+(torch|mlflow)$", re.M)  # PYTHONPROFILEIMPORTTIME's top-level lines
 
 
-# README: `plan` "answers in about half a second": held at 1 s ("about": up to twice), under the
-# one load allowance of helpers/timing.py (busy: 2 s of CPU time)
-PLAN_S = 1.0
+# README: `plan` "answers in about a second" (measured at idle on the 2-core VM: 1.0 s with Python's
+# bytecode cache, 1.2-1.8 s without it -- PYTHONDONTWRITEBYTECODE there): held at 2 s ("about": up to
+# twice), under the one load allowance of helpers/timing.py (busy: 4 s of CPU time). Importing torch
+# on the way costs ~3.4 CPU-s more here; the import check above names it first.
+PLAN_S = 2.0
 
 
 def test_plan_starts_fast(fleetwise_bin):
-    """`plan` answers in about half a second (README) because it never imports torch or mlflow
+    """`plan` answers in about a second (README) because it never imports torch or mlflow
     (~2-3 s each): asserted on the imports themselves, which load on the machine cannot change,
     and on its time: the best of 3 within PLAN_S (wall and CPU time at idle, CPU time x the load
     allowance when busy)."""
