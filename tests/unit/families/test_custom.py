@@ -195,6 +195,37 @@ def test_initial_values_are_the_eager_builds():
         assert torch.equal(ours[name], value), name
 
 
+def test_a_hugging_face_model_starts_from_its_own_init_weights(monkeypatch):
+    """README: a transformers model (examples/tinylm) is accepted and initialised by its own
+    `_init_weights`, module by module in module order from one stream seeded by train.seed; the
+    reference is transformers' eager model re-set that way here (normal(0, 0.02) weights, norms at
+    one), not fleetwise's replay."""
+    transformers = pytest.importorskip("transformers")
+    from omegaconf import OmegaConf
+
+    from fleetwise.runtime.modeling import build_model
+
+    conf = EXAMPLES / "tinylm" / "my_conf"
+    monkeypatch.setenv("FLEETWISE_EXTRA_CONFIG_DIRS", str(conf))
+    from fleetwise.config.validate import load_config
+
+    ours = build_model(
+        load_config(["recipe=hf_llama", "train.seed=7", "hardware.devices_per_node=1"])
+    ).state_dict()
+    shape = OmegaConf.to_container(OmegaConf.load(conf / "recipe" / "hf_llama.yaml").model.module.config)
+    shape.pop("_target_")
+    eager = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**shape))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for module in eager.modules():
+            if [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                eager._init_weights(module)
+    want = eager.state_dict()
+    assert list(ours) == list(want)
+    for name, value in want.items():
+        assert torch.equal(ours[name], value), name
+
+
 def test_blocks_read_like_the_module_list():
     from fleetwise.families.custom.model import BlockList
 
