@@ -12,3 +12,36 @@ def compose(*overrides: str):
         return load_config(list(overrides)), []
     except ConfigError as err:
         return None, err.problems
+
+
+def with_layout(base, strategy: dict, micro_batch_size: int):
+    """`base` with a hybrid strategy of `strategy`'s keys (the rest as in base) and a micro-batch
+    size: a strategy=auto candidate as a config, unvalidated (check() says whether it is legal)."""
+    from fleetwise.config.strategy import HybridStrategy
+
+    data = {**base.strategy.model_dump(), **strategy, "name": "hybrid"}
+    return base.model_copy(
+        update={
+            "strategy": HybridStrategy.model_validate(data),
+            "train": base.train.model_copy(
+                update={"micro_batch_size": micro_batch_size, "accumulate_steps": None}
+            ),
+        }
+    )
+
+
+def fastest_fitting(base, budget: float, candidates):
+    """A brute force of strategy=auto: every (strategy, micro-batch size) of `candidates` that
+    validate accepts, planned; (step time, strategy) of the fastest within `budget` bytes, or None."""
+    from fleetwise.config.validate import check, resolve
+    from fleetwise.plan import make_plan
+
+    best = None
+    for strategy, mb in candidates:
+        cfg = with_layout(base, strategy, mb)
+        if check(cfg):
+            continue
+        plan = make_plan(resolve(cfg))
+        if plan.memory_bytes["total"] <= budget and (best is None or plan.step_time_s < best[0]):
+            best = (plan.step_time_s, strategy)
+    return best

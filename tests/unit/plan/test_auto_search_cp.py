@@ -8,7 +8,7 @@ import itertools
 import json
 
 import pytest
-from helpers.config import compose
+from helpers.config import compose, fastest_fitting, with_layout
 
 import fleetwise.plan.search as search
 from fleetwise.config.validate import check, resolve
@@ -31,21 +31,6 @@ SMALL = [
 CP = [*SMALL, "auto.max_cp=4"]  # cp searched although the sequence is short of CP_MIN_SEQ_LEN
 
 
-def _hybrid(data):
-    from fleetwise.config.strategy import HybridStrategy
-
-    return HybridStrategy.model_validate({**data, "name": "hybrid"})
-
-
-def _config(base, strategy, mb):
-    return base.model_copy(
-        update={
-            "strategy": _hybrid({**base.strategy.model_dump(), **strategy}),
-            "train": base.train.model_copy(update={"micro_batch_size": mb, "accumulate_steps": None}),
-        }
-    )
-
-
 def test_cp_is_searched_for_long_sequences_only_in_legal_layouts():
     out = resolve_auto(["strategy=auto", *CP], progress=False)
     r = out.result
@@ -58,7 +43,7 @@ def test_cp_is_searched_for_long_sequences_only_in_legal_layouts():
         out.base
     )  # SMALL composed as strategy=hybrid (under its dp preset, 2 samples on 4 ranks is refused)
     for c in r.ranked:
-        assert check(_config(base, c.strategy, c.micro_batch_size)) == [], c.layout_text()
+        assert check(with_layout(base, c.strategy, c.micro_batch_size)) == [], c.layout_text()
         if c.strategy["cp_degree"] > 1:  # what stage 1 of cp combines with
             s = c.strategy
             assert (s["mp_degree"], s["pp_degree"]) == (1, 1) and s["sharding_stage"] != 1
@@ -76,10 +61,12 @@ def test_cp_is_searched_for_long_sequences_only_in_legal_layouts():
     fixed = resolve_auto(["strategy=auto", *SMALL, "strategy.cp_degree=4"], progress=False).result
     assert fixed.ranked and {c.strategy["cp_degree"] for c in fixed.ranked} == {4}
     # cp × mp is searched where mp is fixed (the rules allow it; unasked, the search leaves it out)
-    tp = resolve_auto(["strategy=auto", *SMALL, "strategy.cp_degree=2", "strategy.mp_degree=2"], progress=False)
-    assert tp.result.ranked and {(c.strategy["cp_degree"], c.strategy["mp_degree"]) for c in tp.result.ranked} == {
-        (2, 2)
-    }
+    tp = resolve_auto(
+        ["strategy=auto", *SMALL, "strategy.cp_degree=2", "strategy.mp_degree=2"], progress=False
+    )
+    assert tp.result.ranked and {
+        (c.strategy["cp_degree"], c.strategy["mp_degree"]) for c in tp.result.ranked
+    } == {(2, 2)}
 
 
 def test_by_default_cp_is_searched_from_32k_tokens_for_gpt_and_llama_only():
@@ -111,33 +98,31 @@ def test_the_winner_with_cp_is_the_fastest_of_a_brute_force_search():
     base = out.base
     budget = out.result.budget_bytes
     assert 0 < budget < 0.04 * 2**30
-    best = None
     tuples = [t for t in itertools.product((1, 2, 4), repeat=5) if t[0] * t[1] * t[2] * t[3] * t[4] == 4]
-    for (dp, sh, mp, pp, cp), method, stage, sp, sched, v, rc, mb in itertools.product(
-        tuples, ("ring", "ulysses"), (None, 1, 2, 3), (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2)
-    ):
-        strategy = {
-            "dp_degree": dp,
-            "sharding_degree": sh,
-            "mp_degree": mp,
-            "pp_degree": pp,
-            "cp_degree": cp,
-            "cp_method": method,
-            "sharding_stage": stage,
-            "sequence_parallel": sp,
-            "schedule": sched,
-            "virtual_stages": v,
-            "recompute": rc,
-        }
-        cfg = _config(base, strategy, mb)
-        if check(cfg):
-            continue
-        plan = make_plan(resolve(cfg))
-        if plan.memory_bytes["total"] <= budget and (best is None or plan.step_time_s < best[0]):
-            best = (plan.step_time_s, cp)
+
+    def candidates():
+        for (dp, sh, mp, pp, cp), method, stage, sp, sched, v, rc, mb in itertools.product(
+            tuples, ("ring", "ulysses"), (None, 1, 2, 3), (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2)
+        ):
+            strategy = {
+                "dp_degree": dp,
+                "sharding_degree": sh,
+                "mp_degree": mp,
+                "pp_degree": pp,
+                "cp_degree": cp,
+                "cp_method": method,
+                "sharding_stage": stage,
+                "sequence_parallel": sp,
+                "schedule": sched,
+                "virtual_stages": v,
+                "recompute": rc,
+            }
+            yield strategy, mb
+
+    best = fastest_fitting(base, budget, candidates())
     winner = out.result.winner
     assert winner.plan.step_time_s == pytest.approx(best[0], rel=1e-9)
-    assert winner.strategy["cp_degree"] == best[1] == 2
+    assert winner.strategy["cp_degree"] == best[1]["cp_degree"] == 2
 
 
 # Llama 3.1 8B on one 8×H100 node at 131,072 tokens (recipes/llama/llama3_8b_128k.yaml)
@@ -163,7 +148,7 @@ def test_the_128k_recipe_has_llama_3_1_8b_s_parameters_and_its_auto_winner_fits_
     assert floor > r.budget_bytes
     base = compose(*LONG)[0]
     lean = {"dp_degree": 1, "sharding_degree": 8, "cp_degree": 1, "sharding_stage": 3, "offload": True}
-    cfg = resolve(_config(base, {**lean, "recompute": "full"}, 1))
+    cfg = resolve(with_layout(base, {**lean, "recompute": "full"}, 1))
     assert check(cfg) == [] and make_plan(cfg).memory_bytes["total"] >= floor
     # and the search says so per cp degree: cp 2 does not fit either (half the floor is 47 GiB:
     # its leanest is above the budget), cp 4 does

@@ -7,9 +7,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from helpers.config import compose
+from helpers.config import compose, fastest_fitting, with_layout
 
-from fleetwise.config.validate import check, resolve
+from fleetwise.config.validate import check
 from fleetwise.launcher.auto import resolve_auto
 from fleetwise.plan import make_plan
 from fleetwise.plan.search import RECOMPUTE, SCHEDULES
@@ -25,24 +25,12 @@ MOE = [
 ]
 
 
-def _config(base, strategy, mb):
-    from fleetwise.config.strategy import HybridStrategy
-
-    data = {**base.strategy.model_dump(), **strategy, "name": "hybrid"}
-    return base.model_copy(
-        update={
-            "strategy": HybridStrategy.model_validate(data),
-            "train": base.train.model_copy(update={"micro_batch_size": mb, "accumulate_steps": None}),
-        }
-    )
-
-
 def test_ep_is_searched_for_experts_only_in_legal_layouts_and_a_fixed_one_stays():
     out = resolve_auto(["strategy=auto", *MOE], progress=False)
     r = out.result
     assert {c.strategy["ep_degree"] for c in r.ranked} == {1, 2, 4}
     for c in r.ranked:
-        assert check(_config(out.base, c.strategy, c.micro_batch_size)) == [], c.layout_text()
+        assert check(with_layout(out.base, c.strategy, c.micro_batch_size)) == [], c.layout_text()
         s = c.strategy
         if s["ep_degree"] > 1:  # what ep combines with (config/rules/moe.py)
             assert (s["mp_degree"], s["pp_degree"], s["cp_degree"]) == (1, 1, 1) and s["sharding_stage"] != 1
@@ -53,7 +41,9 @@ def test_ep_is_searched_for_experts_only_in_legal_layouts_and_a_fixed_one_stays(
     assert problems == [] and make_plan(cfg).step_time_s == pytest.approx(r.winner.plan.step_time_s)
     fixed = resolve_auto(["strategy=auto", *MOE, "strategy.ep_degree=2"], progress=False).result
     assert fixed.ranked and {c.strategy["ep_degree"] for c in fixed.ranked} == {2}
-    dense = resolve_auto(["strategy=auto", "recipe=llama/tiny", "hardware.devices_per_node=4"], progress=False)
+    dense = resolve_auto(
+        ["strategy=auto", "recipe=llama/tiny", "hardware.devices_per_node=4"], progress=False
+    )
     assert {c.strategy["ep_degree"] for c in dense.result.ranked} == {1}
     assert "ep_degree" not in dense.override_text
 
@@ -63,29 +53,27 @@ def test_the_winner_with_ep_is_the_fastest_of_a_brute_force_search():
     fits: the fastest is the search's winner, and here it has ep."""
     out = resolve_auto(["strategy=auto", *MOE], progress=False)
     base, budget = out.base, out.result.budget_bytes
-    best = None
     tuples = [t for t in itertools.product((1, 2, 4), repeat=4) if t[0] * t[1] * t[2] * t[3] == 4]
-    for (dp, sh, mp, pp), ep, stage, sp, sched, v, rc, mb in itertools.product(
-        tuples, (1, 2, 4), (None, 1, 2, 3), (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2, 4, 8, 16)
-    ):
-        strategy = {
-            "dp_degree": dp,
-            "sharding_degree": sh,
-            "mp_degree": mp,
-            "pp_degree": pp,
-            "ep_degree": ep,
-            "sharding_stage": stage,
-            "sequence_parallel": sp,
-            "schedule": sched,
-            "virtual_stages": v,
-            "recompute": rc,
-        }
-        cfg = _config(base, strategy, mb)
-        if check(cfg):
-            continue
-        plan = make_plan(resolve(cfg))
-        if plan.memory_bytes["total"] <= budget and (best is None or plan.step_time_s < best[0]):
-            best = (plan.step_time_s, ep)
+
+    def candidates():
+        for (dp, sh, mp, pp), ep, stage, sp, sched, v, rc, mb in itertools.product(
+            tuples, (1, 2, 4), (None, 1, 2, 3), (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2, 4, 8, 16)
+        ):
+            strategy = {
+                "dp_degree": dp,
+                "sharding_degree": sh,
+                "mp_degree": mp,
+                "pp_degree": pp,
+                "ep_degree": ep,
+                "sharding_stage": stage,
+                "sequence_parallel": sp,
+                "schedule": sched,
+                "virtual_stages": v,
+                "recompute": rc,
+            }
+            yield strategy, mb
+
+    best = fastest_fitting(base, budget, candidates())
     winner = out.result.winner
     assert winner.plan.step_time_s == pytest.approx(best[0], rel=1e-9)
-    assert winner.strategy["ep_degree"] == best[1] == 4
+    assert winner.strategy["ep_degree"] == best[1]["ep_degree"] == 4
