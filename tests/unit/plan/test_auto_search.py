@@ -7,7 +7,7 @@ import itertools
 import json
 
 import pytest
-from helpers.config import compose
+from helpers.config import compose, fastest_fitting, with_layout
 
 from fleetwise.config.validate import check, resolve
 from fleetwise.launcher.auto import resolve_auto
@@ -36,15 +36,7 @@ def test_every_candidate_is_a_config_validate_accepts(tiny4):
     assert r.ranked and r.legal >= len(r.ranked)
     base = compose(*TINY4)[0]
     for c in r.ranked:
-        cfg = base.model_copy(
-            update={
-                "strategy": _hybrid({**base.strategy.model_dump(), **c.strategy}),
-                "train": base.train.model_copy(
-                    update={"micro_batch_size": c.micro_batch_size, "accumulate_steps": None}
-                ),
-            }
-        )
-        assert check(cfg) == [], c.layout_text()
+        assert check(with_layout(base, c.strategy, c.micro_batch_size)) == [], c.layout_text()
     # and through Hydra, the way a user types it: the top five compose and validate unchanged
     for c in r.ranked[:5]:
         cfg, problems = compose(*TINY4, *c.overrides())
@@ -62,35 +54,28 @@ def _brute_force_fastest(argv: list[str], budget: float, ranks: int, offloads=(F
     """The fastest step time, within `budget` bytes, of every combination of the search's keys
     that config validation accepts (each planned whole, no pruning), by offload."""
     base = compose(*argv)[0]
-    best: dict[bool, float] = {}
     degrees = [d for d in itertools.product((1, 2, 4), repeat=4) if d[0] * d[1] * d[2] * d[3] == ranks]
-    for (dp, sh, mp, pp), stage, off, sp, sched, v, rc, mb in itertools.product(
-        degrees, (None, 1, 2, 3), offloads, (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2, 4, 8)
-    ):
-        data = {
-            **base.strategy.model_dump(),
-            "dp_degree": dp,
-            "sharding_degree": sh,
-            "mp_degree": mp,
-            "pp_degree": pp,
-            "sharding_stage": stage,
-            "offload": off,
-            "sequence_parallel": sp,
-            "schedule": sched,
-            "virtual_stages": v,
-            "recompute": rc,
-        }
-        cfg = base.model_copy(
-            update={
-                "strategy": _hybrid(data),
-                "train": base.train.model_copy(update={"micro_batch_size": mb, "accumulate_steps": None}),
+
+    def candidates(off: bool):
+        for (dp, sh, mp, pp), stage, sp, sched, v, rc, mb in itertools.product(
+            degrees, (None, 1, 2, 3), (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2, 4, 8)
+        ):
+            strategy = {
+                "dp_degree": dp,
+                "sharding_degree": sh,
+                "mp_degree": mp,
+                "pp_degree": pp,
+                "sharding_stage": stage,
+                "offload": off,
+                "sequence_parallel": sp,
+                "schedule": sched,
+                "virtual_stages": v,
+                "recompute": rc,
             }
-        )
-        if check(cfg):
-            continue
-        plan = make_plan(resolve(cfg))
-        if plan.memory_bytes["total"] <= budget and plan.step_time_s < best.get(off, float("inf")):
-            best[off] = plan.step_time_s
+            yield strategy, mb
+
+    found = {off: fastest_fitting(base, budget, candidates(off)) for off in offloads}
+    best = {off: f[0] for off, f in found.items() if f is not None}
     assert best
     return best
 
