@@ -35,7 +35,12 @@ ADAMW_TOL = {"loss": 1e-5, "param": 2e-5}
 
 def run(tmp_path, name, *overrides, procs: int):
     run_dir = tmp_path / name
-    args = (*overrides, f"hardware.devices_per_node={procs}", f"train.steps={STEPS}", "checkpoint.enabled=true")
+    args = (
+        *overrides,
+        f"hardware.devices_per_node={procs}",
+        f"train.steps={STEPS}",
+        "checkpoint.enabled=true",
+    )
     r = run_cli(
         "train",
         *args,
@@ -363,7 +368,12 @@ def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers
     base = ("recipe=llama/tiny", f"model.init_from={hf}", "strategy=dp", *SGD)
     ref = run(tmp_path, "ref", *base, procs=1)
     layouts = {
-        "mp2_sp_pp2": ("strategy=hybrid", "strategy.mp_degree=2", "strategy.sequence_parallel=true", "strategy.pp_degree=2"),
+        "mp2_sp_pp2": (
+            "strategy=hybrid",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "strategy.pp_degree=2",
+        ),
         "zero3x2": ("strategy=sharding", "strategy.sharding_stage=3"),
         # context parallel 2 with grouped-query attention: ring (the 4 kv heads gathered, then
         # widened to the 8 query heads) and ulysses (each rank 4 query heads and their 2 kv heads);
@@ -396,11 +406,22 @@ def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers
     assert diff <= 1e-5, diff
 
 
+def assert_same_routing(run_dir, ref_dir) -> None:
+    """Every step's balance loss and tokens per expert (llama/moe_tiny: MoE blocks 1-3, 4 experts)
+    equal the reference run's: dropless routing sends the same tokens in every layout."""
+    for a, b in zip(read_metrics(run_dir), read_metrics(ref_dir), strict=True):
+        assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
+        counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+        assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+
+
 @pytest.fixture(scope="module")
 def moe_ref(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_ref")
     # (a checkpoint at step 2 too: expert parallelism resumes from it)
-    return run(tmp, "ref", "recipe=llama/moe_tiny", "strategy=dp", "checkpoint.interval=2", *SGD, procs=1), tmp / "ref"
+    return run(
+        tmp, "ref", "recipe=llama/moe_tiny", "strategy=dp", "checkpoint.interval=2", *SGD, procs=1
+    ), tmp / "ref"
 
 
 # llama/moe_tiny (a dense block, then three MoE blocks: 4 experts top-2 + a shared expert, dropless,
@@ -425,11 +446,7 @@ def test_moe_layout_equals_single_process(tmp_path, moe_ref, name):
     ref, ref_dir = moe_ref
     assert_same(ref, got, SGD_TOL)
     # the balance losses and expert counts, summed over the ranks, equal one process's
-    ref = read_metrics(ref_dir)
-    for a, b in zip(read_metrics(tmp_path / name), ref, strict=True):
-        assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
-        counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
-        assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+    assert_same_routing(tmp_path / name, ref_dir)
 
 
 def test_moe_expert_parallel_equals_single_process_and_resumes_across_ep_degree(tmp_path, moe_ref):
@@ -442,10 +459,7 @@ def test_moe_expert_parallel_equals_single_process_and_resumes_across_ep_degree(
     got = run(tmp_path, "ep2", *moe, "strategy.ep_degree=2", "checkpoint.interval=2", procs=2)
     ref, ref_dir = moe_ref
     assert_same(ref, got, SGD_TOL)
-    for a, b in zip(read_metrics(tmp_path / "ep2"), read_metrics(ref_dir), strict=True):
-        assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
-        counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
-        assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+    assert_same_routing(tmp_path / "ep2", ref_dir)
     for name, src, overrides, procs in (
         ("ep2_to_ep1", tmp_path / "ep2", (), 1),
         # 4 ranks: two expert groups, whose experts' gradients are summed across the groups
@@ -467,27 +481,59 @@ def test_llama_jsonl_fine_tuning_sharded_and_tensor_parallel_equals_single_proce
     rank took the launcher's packing index."""
     from helpers.tokenizers_tiny import write_jsonl, write_tokenizer
 
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "question", "what", "is", "two", "plus", "answer", "four"]
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "lazy",
+        "dog",
+        "question",
+        "what",
+        "is",
+        "two",
+        "plus",
+        "answer",
+        "four",
+    ]
     g = torch.Generator().manual_seed(0)
 
     def some(k):
         return " ".join(words[i] for i in torch.randint(0, len(words), (k,), generator=g).tolist())
 
     docs = [
-        {"prompt": f"question: {some(4)}", "response": f" answer: {some(3)}"} if i % 2 else {"text": some(3 + i % 9)}
+        {"prompt": f"question: {some(4)}", "response": f" answer: {some(3)}"}
+        if i % 2
+        else {"text": some(3 + i % 9)}
         for i in range(48)
     ]
     write_tokenizer(tmp_path / "tok")
     data = write_jsonl(tmp_path / "train.jsonl", docs)
-    base = ("recipe=llama/tiny", "data=jsonl", f"data.path={data}", f"data.tokenizer={tmp_path / 'tok'}", *SGD,
-            "train.global_batch_size=8")
+    base = (
+        "recipe=llama/tiny",
+        "data=jsonl",
+        f"data.path={data}",
+        f"data.tokenizer={tmp_path / 'tok'}",
+        *SGD,
+        "train.global_batch_size=8",
+    )
     ref = run(tmp_path, "ref", *base, procs=1)
-    layout = ("strategy=hybrid", "strategy.sharding_degree=2", "strategy.sharding_stage=3", "strategy.mp_degree=2",
-              "strategy.sequence_parallel=true")
+    layout = (
+        "strategy=hybrid",
+        "strategy.sharding_degree=2",
+        "strategy.sharding_stage=3",
+        "strategy.mp_degree=2",
+        "strategy.sequence_parallel=true",
+    )
     got = run(tmp_path, "zero3_mp2_sp", *base, *layout, procs=4)
     assert_same(ref, got, SGD_TOL)
     assert ref[0][-1] < ref[0][0] - 0.3, ref[0]  # it learns
-    for run_dir, rank in (("ref", 0), ("zero3_mp2_sp", 3)):  # the launcher's packing index, not the whole file
+    for run_dir, rank in (
+        ("ref", 0),
+        ("zero3_mp2_sp", 3),
+    ):  # the launcher's packing index, not the whole file
         log = (tmp_path / run_dir / "logs" / f"rank_{rank}.log").read_text()
         assert "data=jsonl: 48 documents -> " in log and "end-of-sequence id 2" in log
         assert f"packing index read from {tmp_path / run_dir / 'data_index.npz'}" in log
@@ -504,10 +550,7 @@ def test_moe_expert_parallel_inside_sharding_equals_single_process_and_resumes_w
     got = run(tmp_path, "zero3_ep2", *moe, *layout, "checkpoint.interval=2", procs=4)
     ref, ref_dir = moe_ref
     assert_same(ref, got, SGD_TOL)
-    for a, b in zip(read_metrics(tmp_path / "zero3_ep2"), read_metrics(ref_dir), strict=True):
-        assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
-        counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
-        assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+    assert_same_routing(tmp_path / "zero3_ep2", ref_dir)
     truncated_copy(tmp_path / "zero3_ep2", tmp_path / "to_ep1", keep_step=2)
     loss, params, _ = run(tmp_path, "to_ep1", "strategy=dp", *moe, "checkpoint.resume=auto", procs=1)
     assert loss[-1] == pytest.approx(ref[0][-1], abs=SGD_TOL["loss"])
