@@ -77,12 +77,14 @@ def units(m: GPTModel) -> list[Unit]:
         largest_split=h * v,
         largest_whole=h,
     )
-    dense = transformer_block(m)
-    blocks = [dense] * m.num_layers
+    # a Unit each (the planner tells the blocks apart by identity: one object per block, as before)
+    blocks = [transformer_block(m) for _ in range(m.num_layers)]
     if m.moe.enabled:
-        swiglu = _as_swiglu(dense, s, h, m.ffn_hidden_size)
-        moe = moe_block(swiglu, m.moe, s, h, m.ffn_hidden_size, h * h)
-        blocks = [moe if is_moe_layer(m.moe, i) else dense for i in range(m.num_layers)]
+        swiglu = _as_swiglu(blocks[0], s, h, m.ffn_hidden_size)
+        blocks = [
+            moe_block(swiglu, m.moe, s, h, m.ffn_hidden_size, h * h) if is_moe_layer(m.moe, i) else b
+            for i, b in enumerate(blocks)
+        ]
     return [emb, *blocks, head]
 
 
