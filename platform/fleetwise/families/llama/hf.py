@@ -9,6 +9,10 @@ some *.safetensors file (through model.safetensors.index.json when there is one)
 section implies; what is wrong is listed, file and tensor named, before any process starts. The
 ranks read the tensors themselves (`weights.py`: each rank only its slices).
 
+Mixtures of experts (Mixtral, Qwen3-MoE: `hf_moe.py`) fill `model.moe` too, and their experts' one
+tensor per expert in the files is one slice of fleetwise's stacked [E, out, in] weights
+(`expected_tensors` names the expert index).
+
 A safetensors file is an 8-byte little-endian header length, a JSON header
 {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the bytes.
 """

@@ -5,12 +5,14 @@ written back as one (`write_hf_dir`; `runtime/checkpoint.py` `export_hf` reads t
 Reading: a parameter already sharded (a DTensor: TP, FSDP, both) is read as the box of the global
 tensor this rank holds (`compat.local_box`), through safetensors' `get_slice`, which reads those
 bytes of the memory-mapped file and nothing else; a whole parameter (DDP, ZeRO-1/2, a pipeline
-stage's) is read whole. No rank builds a tensor it does not keep. Values are cast to the parameter's
+stage's) is read whole. A routed expert's tensor (Mixtral, Qwen3-MoE: one per expert in the files)
+is read into its slice of the stacked experts' weight, by the ranks whose box holds that expert. No rank builds a tensor it does not keep. Values are cast to the parameter's
 dtype (bf16 files into fp32 parameters: exact).
 
 Writing: the tensors' names, shapes and dtypes are known up front (a checkpoint's DCP metadata), so each
 shard's safetensors header (data offsets included) is written first and the tensors are then read
-from the checkpoint and appended one at a time: one tensor in memory, never the model.
+from the checkpoint and appended one at a time: one tensor in memory, never the model (the experts:
+one layer's stacked weight, written out as one tensor per expert).
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ from fleetwise.families.llama.hf import (
     check_weights,
     config_json,
     expected_tensors,
-    export_architecture,
     group_defaults,
     model_values,
     read_hf_config,
     tensor_files,
 )
+from fleetwise.families.llama.hf_moe import export_architecture
 from fleetwise.families.llama.schema import LlamaModel
 from fleetwise.models.init import model_name
 
