@@ -27,7 +27,7 @@ TINY = {
 
 
 def write_hf_model(directory: Path, arch: str = "Llama", *, shard: str | None = "40KB", seed: int = 0, **config):
-    """A random `<arch>ForCausalLM` (Llama or Qwen3) saved to `directory` (sharded with an index
+    """A random `<arch>ForCausalLM` (Llama, Qwen3, Mixtral, Qwen3Moe) saved to `directory` (sharded with an index
     when `shard` is a size); every weight drawn at random, the norms' included (a swapped norm
     would go unseen at ones). Returns the transformers model, in eval mode."""
     import torch
@@ -36,7 +36,7 @@ def write_hf_model(directory: Path, arch: str = "Llama", *, shard: str | None = 
     cfg_cls = getattr(transformers, f"{arch}Config")
     model_cls = getattr(transformers, f"{arch}ForCausalLM")
     kwargs = {**TINY, "rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE, **config}
-    if arch == "Qwen3":
+    if arch != "Llama":  # (Qwen 3's and Qwen 3 MoE's models use none)
         kwargs.pop("rope_scaling")
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kwargs))

@@ -49,12 +49,6 @@ def moe_combinations(ctx: Context) -> Iterator[Problem]:
             "break torch.compile's full graph of a block",
             "set train.compile=false",
         )
-    if getattr(ctx.cfg.model, "init_from", None):
-        yield Problem(
-            "model.init_from",
-            f"model.init_from with {experts}: fleetwise reads Hugging Face weights of dense models only",
-            "train the mixture of experts from scratch (model.init_from=null), or set model.moe.num_experts=0",
-        )
 
 
 @rule

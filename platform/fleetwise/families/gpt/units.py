@@ -1,12 +1,45 @@
 """GPT as a chain of planner units: the embedding (tokens and learned positions), the pre-LN
 blocks GPT and ERNIE share (`fleetwise.families.transformer.transformer_block`), and the head (final
-norm, untied LM head, the loss)."""
+norm, untied LM head, the loss). A MoE block (model.moe) is the block with its MLP replaced by the
+mixture of experts, counted by the term Llama's MoE blocks use (`fleetwise.families.moe.moe_block`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fleetwise.families.gpt.schema import GPTModel
+from fleetwise.families.moe import is_moe_layer, moe_block
 from fleetwise.families.transformer import transformer_block
 from fleetwise.plan.units import Acts, Unit
+
+
+def _as_swiglu(dense: Unit, s: int, h: int, f: int) -> Unit:
+    """GPT's block with its GELU MLP (fc1 [f, h] + bias, GELU, fc2 [h, f] + bias) counted as a
+    SwiGLU MLP of width f instead -- the MLP `moe_block` takes out of a block before it puts the
+    experts in, so that what remains is GPT's attention, norms and residuals exactly:
+    parameters 3hf instead of 2hf + f + h; saved tensors (gate, silu, up, product: 4sf instead of
+    fc1's output and GELU's, 2sf; 2sf instead of sf kept by selective recompute; 2sf instead of sf
+    matmul outputs for the weight gradients); 2 elementwise tensors of sf instead of GELU's one;
+    aten ops 3·4 + 2 instead of 2·4 + 1 (fc1, fc2: t, addmm, 2 views; GELU); 3 GEMMs and 3 tensors
+    instead of 2 GEMMs and 4 tensors."""
+    none, sel = dense.saved("none"), dense.saved("selective")
+    return replace(
+        dense,
+        params_split=dense.params_split - (2 * h * f + f) + 3 * h * f,
+        params_whole=dense.params_whole - h,
+        fwd_flops=dense.fwd_flops + 2 * s * h * f,
+        acts={
+            **dense.acts,
+            "none": replace(none, split=none.split + 2 * s * f),
+            "selective": replace(sel, split=sel.split + s * f),
+        },
+        weight_grad_outputs=replace(dense.weight_grad_outputs, split=dense.weight_grad_outputs.split + s * f),
+        fwd_elementwise=dense.fwd_elementwise + s * f,
+        fwd_ops=dense.fwd_ops - 9 + 14,
+        fwd_gemms=dense.fwd_gemms + 1,
+        param_tensors=dense.param_tensors - 1,
+    )
 
 
 def units(m: GPTModel) -> list[Unit]:
@@ -44,7 +77,15 @@ def units(m: GPTModel) -> list[Unit]:
         largest_split=h * v,
         largest_whole=h,
     )
-    return [emb] + [transformer_block(m) for _ in range(m.num_layers)] + [head]
+    # a Unit each (the planner tells the blocks apart by identity: one object per block, as before)
+    blocks = [transformer_block(m) for _ in range(m.num_layers)]
+    if m.moe.enabled:
+        swiglu = _as_swiglu(blocks[0], s, h, m.ffn_hidden_size)
+        blocks = [
+            moe_block(swiglu, m.moe, s, h, m.ffn_hidden_size, h * h) if is_moe_layer(m.moe, i) else b
+            for i, b in enumerate(blocks)
+        ]
+    return [emb, *blocks, head]
 
 
 def input_bytes(m: GPTModel) -> int:

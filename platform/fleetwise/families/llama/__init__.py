@@ -11,7 +11,8 @@ torch.
 Hugging Face checkpoints in and out: `hf` (config.json <-> this section, the safetensors headers;
 torch-free) and `weights` (each rank reads its slices; export streams tensor by tensor). Its
 parameter names follow GPT's (`embed.tok`, `layers.N.attn.wq`, …); `hf.expected_tensors` maps
-Hugging Face's `LlamaForCausalLM` / `Qwen3ForCausalLM` names onto them, and nothing else is needed: the
+Hugging Face's `LlamaForCausalLM` / `Qwen3ForCausalLM` names onto them (and `MixtralForCausalLM` /
+`Qwen3MoeForCausalLM`'s, each expert's tensor a slice of the stacked experts: `hf_moe`), and nothing else is needed: the
 rotary embedding uses Hugging Face's rotate-half layout (no q/k permutation), the vocabulary is not
 padded, and a tied model has no `output.weight` (its head reads `embed.tok.weight`), as a tied
 checkpoint has no `lm_head.weight`.

@@ -9,6 +9,10 @@ some *.safetensors file (through model.safetensors.index.json when there is one)
 section implies; what is wrong is listed, file and tensor named, before any process starts. The
 ranks read the tensors themselves (`weights.py`: each rank only its slices).
 
+Mixtures of experts (Mixtral, Qwen3-MoE: `hf_moe.py`) fill `model.moe` too, and their experts' one
+tensor per expert in the files is one slice of fleetwise's stacked [E, out, in] weights
+(`expected_tensors` names the expert index).
+
 A safetensors file is an 8-byte little-endian header length, a JSON header
 {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the bytes.
 """
@@ -24,11 +28,27 @@ from safetensors import SafetensorError
 
 from fleetwise.config.paths import config_dir
 from fleetwise.config.problems import Problem
+from fleetwise.families.llama.hf_moe import (
+    MOE_ARCHITECTURES,
+    MOE_KEYS,
+    SOFT,
+    export_architecture,
+    moe_architecture,
+    moe_block_tensors,
+    moe_config_json,
+    moe_problems,
+    moe_values,
+)
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
-# config.json's `architectures[0]` -> whether the model has Qwen 3's q/k norms (and its model_type)
-ARCHITECTURES = {"LlamaForCausalLM": (False, "llama"), "Qwen3ForCausalLM": (True, "qwen3")}
+# config.json's `architectures[0]` -> whether the model has Qwen 3's q/k norms (and its model_type);
+# the mixtures of experts: hf_moe.py
+ARCHITECTURES = {
+    "LlamaForCausalLM": (False, "llama"),
+    "Qwen3ForCausalLM": (True, "qwen3"),
+    **{arch: (qk, model_type) for arch, (qk, model_type, *_) in MOE_ARCHITECTURES.items()},
+}
 # Hugging Face's `LlamaConfig` names -> the model section's, with LlamaConfig's defaults for keys a
 # config.json may leave out
 CONFIG_KEYS = {
@@ -101,7 +121,7 @@ def read_hf_config(directory: Path) -> tuple[dict[str, Any] | None, list[Problem
                 "use a model with no RoPE scaling or Llama 3.1's (rope_type llama3)",
             )
         )
-    return cfg, problems
+    return cfg, problems + moe_problems(cfg, path)
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -133,6 +153,7 @@ def model_values(cfg: dict[str, Any]) -> dict[str, Any]:
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         values["rope_scaling"] = {"rope_type": "llama3", **{k: scaling[k] for k in keys if k in scaling}}
     values["qk_norm"] = ARCHITECTURES[cfg["architectures"][0]][0]
+    values.update(moe_values(cfg))
     return values
 
 
@@ -163,7 +184,9 @@ def prefill(raw: dict[str, Any]) -> list[Problem]:
     if cfg is None or problems:
         return problems
     defaults = group_defaults()
-    for field, value in model_values(cfg).items():
+    values = model_values(cfg)
+    moe_values_ = values.pop("moe")
+    for field, value in values.items():
         current = raw.get(field)
         if field == "head_dim" and current is None:  # null: the width hidden_size implies
             current = _implied_head_dim(raw)
@@ -171,15 +194,31 @@ def prefill(raw: dict[str, Any]) -> list[Problem]:
             raw[field] = value
             continue
         hf_key = next((k for k, f in CONFIG_KEYS.items() if f == field), field)
-        problems.append(
-            Problem(
-                f"model.{field}",
-                f"model.{field}={current!r} disagrees with {directory / CONFIG}'s {hf_key}={value!r}",
-                f"drop the setting of model.{field} (model.init_from sets it), or set "
-                f"model.{field}={value!r}",
-            )
-        )
+        problems.append(_disagrees(f"model.{field}", current, directory, hf_key, value))
+    raw_moe = raw.get("moe") if isinstance(raw.get("moe"), dict) else {}
+    raw["moe"] = raw_moe = dict(raw_moe)
+    for field, value in moe_values_.items():
+        default = defaults["moe"][field]
+        current = raw_moe.get(field, default)
+        if field in SOFT:  # a training choice: config.json's value only in place of the default
+            if _same(current, default):
+                raw_moe[field] = value
+            continue
+        if field == "expert_ffn_size" and value is None and current == raw.get("intermediate_size"):
+            current = None  # Mixtral's experts have the dense width: said explicitly, it agrees
+        if _same(current, value) or _same(current, default):
+            raw_moe[field] = value
+            continue
+        problems.append(_disagrees(f"model.moe.{field}", current, directory, MOE_KEYS[field], value))
     return problems
+
+
+def _disagrees(loc: str, current: Any, directory: Path, hf_key: str, value: Any) -> Problem:
+    return Problem(
+        loc,
+        f"{loc}={current!r} disagrees with {directory / CONFIG}'s {hf_key}={value!r}",
+        f"drop the setting of {loc} (model.init_from sets it), or set {loc}={value!r}",
+    )
 
 
 def _implied_head_dim(raw: dict[str, Any]) -> int | None:
@@ -189,9 +228,12 @@ def _implied_head_dim(raw: dict[str, Any]) -> int | None:
         return None
 
 
-def expected_tensors(m) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Hugging Face tensor name -> (fleetwise parameter name, shape) of every weight the model
-    section `m` (a LlamaModel) needs."""
+def expected_tensors(m) -> dict[str, tuple[str, tuple[int, ...], int | None]]:
+    """Hugging Face tensor name -> (fleetwise parameter name, shape, expert index) of every weight
+    the model section `m` (a LlamaModel) needs. The expert index is None but for a routed expert's
+    tensor: slice J of the stacked fleetwise parameter (hf_moe.py)."""
+    from fleetwise.families.moe import is_moe_layer
+
     h, v, f, d = m.hidden_size, m.vocab_size, m.ffn_hidden_size, m.head_width
     q, kv = m.num_attention_heads * d, m.num_kv_heads * d
     block = {
@@ -201,20 +243,28 @@ def expected_tensors(m) -> dict[str, tuple[str, tuple[int, ...]]]:
         "self_attn.v_proj.weight": ("attn.wv.weight", (kv, h)),
         "self_attn.o_proj.weight": ("attn.wo.weight", (h, q)),
         "post_attention_layernorm.weight": ("ln2.weight", (h,)),
-        "mlp.gate_proj.weight": ("mlp.gate.weight", (f, h)),
-        "mlp.up_proj.weight": ("mlp.up.weight", (f, h)),
-        "mlp.down_proj.weight": ("mlp.down.weight", (h, f)),
     }
     if m.qk_norm:
         block["self_attn.q_norm.weight"] = ("attn.q_norm.weight", (d,))
         block["self_attn.k_norm.weight"] = ("attn.k_norm.weight", (d,))
-    out = {"model.embed_tokens.weight": ("embed.tok.weight", (v, h))}
+    mlp = {
+        "mlp.gate_proj.weight": ("mlp.gate.weight", (f, h)),
+        "mlp.up_proj.weight": ("mlp.up.weight", (f, h)),
+        "mlp.down_proj.weight": ("mlp.down.weight", (h, f)),
+    }
+    arch = moe_architecture(m) if m.moe.enabled else None
+    out: dict[str, tuple[str, tuple[int, ...], int | None]] = {
+        "model.embed_tokens.weight": ("embed.tok.weight", (v, h), None)
+    }
     for i in range(m.num_layers):
-        for hf, (name, shape) in block.items():
-            out[f"model.layers.{i}.{hf}"] = (f"layers.{i}.{name}", shape)
-    out["model.norm.weight"] = ("norm.weight", (h,))
+        moe_block = arch is not None and is_moe_layer(m.moe, i)
+        for hf, (name, shape) in (block | ({} if moe_block else mlp)).items():
+            out[f"model.layers.{i}.{hf}"] = (f"layers.{i}.{name}", shape, None)
+        if moe_block:
+            out.update(moe_block_tensors(m, i, arch))
+    out["model.norm.weight"] = ("norm.weight", (h,), None)
     if not m.tie_word_embeddings:
-        out["lm_head.weight"] = ("output.weight", (v, h))
+        out["lm_head.weight"] = ("output.weight", (v, h), None)
     return out
 
 
@@ -277,7 +327,13 @@ def check_weights(m) -> list[Problem]:
     values = m.model_dump()
     values["rope_scaling"] = m.rope_scaling.model_dump() if m.rope_scaling else None
     values["head_dim"] = m.head_width
-    if not all(_same(values[k], v) for k, v in model_values(cfg).items()):
+    want = model_values(cfg)
+    moe = {k: v for k, v in want.pop("moe").items() if k not in SOFT}
+    if moe.get("expert_ffn_size", 0) is None and values["moe"]["expert_ffn_size"] == m.ffn_hidden_size:
+        values["moe"]["expert_ffn_size"] = None  # (Mixtral's: the dense width, said explicitly)
+    if not all(_same(values[k], v) for k, v in want.items()) or not all(
+        _same(values["moe"][k], v) for k, v in moe.items()
+    ):
         return []  # the section disagrees with config.json: prefill named each value, not each tensor
     files, problems = tensor_files(directory)
     if problems:
@@ -285,7 +341,7 @@ def check_weights(m) -> list[Problem]:
     headers: dict[Path, dict[str, Any]] = {}
     found: list[Problem] = []
     fix = f"use the model directory config.json describes (it says the model of {directory})"
-    for hf, (_, shape) in expected_tensors(m).items():
+    for hf, (_, shape, _) in expected_tensors(m).items():
         path = files.get(hf)
         if path is None:
             found.append(_problem(f"tensor {hf} is in none of {directory}'s safetensors files", fix))
@@ -324,10 +380,14 @@ def check_weights(m) -> list[Problem]:
 
 def config_json(m, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config.json of the model section `m`, over `base` (the config.json it was imported from:
-    its token ids and other keys are kept)."""
+    its token ids and other keys are kept). A mixture of experts is written as Mixtral or Qwen3-MoE
+    (hf_moe.export_architecture: the caller has checked that it is one)."""
     qk = m.qk_norm
     arch = next(a for a, (has_qk, _) in ARCHITECTURES.items() if has_qk == qk)
-    out = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters")}
+    if m.moe.enabled:
+        arch = export_architecture(m)[0]
+    dropped = ("rope_scaling", "rope_parameters", "num_experts", "num_local_experts")
+    out = {k: v for k, v in (base or {}).items() if k not in dropped}
     out.update(
         architectures=[arch],
         model_type=ARCHITECTURES[arch][1],
@@ -347,5 +407,7 @@ def config_json(m, base: dict[str, Any] | None = None) -> dict[str, Any]:
         rope_theta=m.rope_theta,
         rope_scaling=m.rope_scaling.model_dump() if m.rope_scaling is not None else None,
     )
+    if m.moe.enabled:
+        out.update(moe_config_json(m, arch))
     out.setdefault("max_position_embeddings", m.seq_len)
     return out

@@ -5,12 +5,14 @@ written back as one (`write_hf_dir`; `runtime/checkpoint.py` `export_hf` reads t
 Reading: a parameter already sharded (a DTensor: TP, FSDP, both) is read as the box of the global
 tensor this rank holds (`compat.local_box`), through safetensors' `get_slice`, which reads those
 bytes of the memory-mapped file and nothing else; a whole parameter (DDP, ZeRO-1/2, a pipeline
-stage's) is read whole. No rank builds a tensor it does not keep. Values are cast to the parameter's
+stage's) is read whole. A routed expert's tensor (Mixtral, Qwen3-MoE: one per expert in the files)
+is read into its slice of the stacked experts' weight, by the ranks whose box holds that expert. No rank builds a tensor it does not keep. Values are cast to the parameter's
 dtype (bf16 files into fp32 parameters: exact).
 
 Writing: the tensors' names, shapes and dtypes are known up front (a checkpoint's DCP metadata), so each
 shard's safetensors header (data offsets included) is written first and the tensors are then read
-from the checkpoint and appended one at a time: one tensor in memory, never the model.
+from the checkpoint and appended one at a time: one tensor in memory, never the model (the experts:
+one layer's stacked weight, written out as one tensor per expert).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from fleetwise.families.llama.hf import (
     read_hf_config,
     tensor_files,
 )
+from fleetwise.families.llama.hf_moe import export_architecture
 from fleetwise.families.llama.schema import LlamaModel
 from fleetwise.models.init import model_name
 
@@ -56,27 +59,37 @@ def load_hf_(part: nn.Module, m: LlamaModel) -> None:
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
-    hf_of = {name: hf for hf, (name, _) in expected_tensors(m).items()}
+    sources: dict[str, list[tuple[str, int | None]]] = {}  # parameter -> its tensors (an expert each)
+    for hf, (name, _, expert) in expected_tensors(m).items():
+        sources.setdefault(name, []).append((hf, expert))
     files, problems = tensor_files(Path(m.init_from))
     if problems:
         raise WeightsError("; ".join(p.msg for p in problems))
     handles: dict[Path, object] = {}
-    read = whole = 0  # bytes read, bytes of the whole tensors they are slices of
+
+    def handle(hf: str):
+        if files[hf] not in handles:
+            handles[files[hf]] = safe_open(str(files[hf]), framework="pt", device="cpu")
+        return handles[files[hf]]
+
+    read = whole = 0  # bytes read, bytes of the whole tensors they are slices of (in the files' dtype)
+    esize = 4
     for raw_name, param in part.named_parameters():
-        hf = hf_of[model_name(raw_name)]
-        path = files[hf]
-        if path not in handles:
-            handles[path] = safe_open(str(path), framework="pt", device="cpu")
-        if isinstance(param, DTensor):
-            shape, offset = local_box(param)
-            box = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-            value = handles[path].get_slice(hf)[box]
-            param.to_local().copy_(value)
-        else:
-            value = handles[path].get_tensor(hf)
-            param.copy_(value)
-        read += value.numel() * value.element_size()
-        whole += param.numel() * value.element_size()
+        local = param.to_local() if isinstance(param, DTensor) else param
+        shape, offset = local_box(param) if isinstance(param, DTensor) else (tuple(param.shape), (0,) * param.dim())
+        box = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        for hf, expert in sources[model_name(raw_name)]:
+            if expert is None:  # one file tensor: this rank's box of it
+                value = handle(hf).get_slice(hf)[box]
+                local.copy_(value)
+            elif box[0].start <= expert < box[0].stop:  # expert J: slice J of the stacked parameter
+                value = handle(hf).get_slice(hf)[box[1:]]
+                local[expert - box[0].start].copy_(value)
+            else:  # an expert another rank holds
+                continue
+            read += value.numel() * value.element_size()
+            esize = value.element_size()
+        whole += param.numel() * esize
     log.info(
         "init_from %s: read %d of the %d bytes of this part's tensors (its slices only)",
         m.init_from,
@@ -121,23 +134,28 @@ def write_hf_dir(
             "(export it with --format torch)"
         )
     if m.moe.enabled:
-        raise WeightsError(
-            "it holds a mixture of experts (model.moe): --format hf does not write experts yet "
-            "(export it with --format torch)"
-        )
-    tensors = []  # (hf name, fleetwise name, shape, dtype written, dtype stored)
-    for hf, (name, shape) in expected_tensors(m).items():
+        arch, why = export_architecture(m)
+        if arch is None:
+            raise WeightsError(
+                f"it holds a mixture of experts Hugging Face's Mixtral and Qwen3-MoE cannot express: "
+                f"{'; '.join(why)} (export it with --format torch)"
+            )
+    # (hf name, fleetwise name, shape, dtype written, dtype stored, expert index, stored shape)
+    tensors = []
+    for hf, (name, shape, expert) in expected_tensors(m).items():
         found = stored.get(name)
-        if found is None or tuple(found[0]) != shape:
+        need = shape if expert is None else (m.moe.num_experts, *shape)  # experts: stacked
+        if found is None or tuple(found[0]) != need:
             what = "missing" if found is None else f"of shape {list(found[0])}"
-            raise WeightsError(f"tensor {name} is {what}; the model needs {list(shape)}")
-        tensors.append((hf, name, shape, DTYPES[dtype] if dtype else found[1], found[1]))
+            raise WeightsError(f"tensor {name} is {what}; the model needs {list(need)}")
+        tensors.append((hf, name, shape, DTYPES[dtype] if dtype else found[1], found[1], expert, need))
     shards = _shards(tensors)
     out.mkdir(parents=True, exist_ok=True)
     written, weight_map, total = [], {}, 0
+    stacked: dict[str, torch.Tensor] = {}  # the experts' stacked tensor being written, read once
     for i, shard in enumerate(shards, 1):
         path = out / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        total += _write_shard(path, shard, read)
+        total += _write_shard(path, shard, read, stacked)
         weight_map.update(dict.fromkeys((hf for hf, *_ in shard), path.name))
         written.append(path)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -172,10 +190,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _write_shard(path: Path, shard: list, read) -> int:
-    """Header first (every offset is known from the shapes), then each tensor as it is read."""
+def _write_shard(path: Path, shard: list, read, stacked: dict[str, torch.Tensor]) -> int:
+    """Header first (every offset is known from the shapes), then each tensor as it is read (an
+    expert's: its slice of the stacked tensor, which stays in `stacked` until the next one)."""
     header, offset = {}, 0
-    for hf, _, shape, dtype, _ in shard:
+    for hf, _, shape, dtype, *_ in shard:
         nbytes = _numel(shape) * dtype.itemsize
         header[hf] = {
             "dtype": SAFETENSORS_NAMES[dtype],
@@ -189,7 +208,14 @@ def _write_shard(path: Path, shard: list, read) -> int:
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(text)))
         fh.write(text)
-        for _, name, shape, dtype, stored in shard:
-            tensor = read(name, torch.empty(shape, dtype=stored)).to(dtype).contiguous()
+        for _, name, shape, dtype, stored, expert, need in shard:
+            if expert is None:
+                tensor = read(name, torch.empty(shape, dtype=stored))
+            else:
+                if name not in stacked:
+                    stacked.clear()
+                    stacked[name] = read(name, torch.empty(need, dtype=stored))
+                tensor = stacked[name][expert]
+            tensor = tensor.to(dtype).contiguous()
             fh.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return offset

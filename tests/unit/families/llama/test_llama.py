@@ -315,14 +315,12 @@ def test_bad_moe_configs_are_all_reported_with_fixes():
     assert [p.loc for p in problems] == ["model.moe.num_experts"]
 
 
-def test_hugging_face_weights_in_and_out_are_refused_for_experts(tmp_path):
-    """Hugging Face import and export map dense Llama tensors only: a MoE model is refused before any
-    process starts (validate) and by the exporter, each saying what to do instead."""
+def test_hugging_face_export_refuses_experts_it_cannot_express(tmp_path):
+    """Export writes Mixtral and Qwen3-MoE (tests/unit/families/llama/test_hf_moe.py): llama/moe_tiny's
+    shared expert and dense block without q/k norms are neither, and the exporter says so and what
+    to do instead."""
     from fleetwise.families.llama.weights import WeightsError, write_hf_dir
 
     cfg, _ = compose("recipe=llama/moe_tiny")
-    _, problems = compose("recipe=llama/moe_tiny", f"model.init_from={tmp_path}")
-    refusal = [p for p in problems if p.loc == "model.init_from" and "model.moe" in p.msg]
-    assert len(refusal) == 1 and "model.init_from=null" in refusal[0].hint
-    with pytest.raises(WeightsError, match="mixture of experts.*--format torch"):
+    with pytest.raises(WeightsError, match="num_shared_experts=1.*dense blocks without q/k norms.*--format torch"):
         write_hf_dir(cfg.model, tmp_path / "out", {}, read=None)
