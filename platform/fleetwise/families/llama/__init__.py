@@ -49,8 +49,8 @@ def spec(m: LlamaModel) -> ModelSpec:
         Llama,
         lm_loss,
         ("tokens",),
-        # experts are not split over mp ranks (config/rules/moe.py refuses mp_degree > 1 with them)
-        None if m.moe.enabled else partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
+        # (a MoE block's experts are not split over mp ranks: runtime/parallelize.py leaves its MLP out)
+        partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
         load_weights=load,
         optional_inputs=("positions",),  # packed documents (data=jsonl): data/jsonl.py
     )
@@ -62,7 +62,10 @@ def plan_notes(m: LlamaModel) -> list[str]:
         f"grouped-query attention: {a} query heads share {g} kv heads" if g != a else "multi-head attention"
     )
     tied = ", LM head tied to the embedding" if m.tie_word_embeddings else ""
-    return [f"{attention}; SwiGLU width {m.ffn_hidden_size}{tied}", *moe_notes(m.moe, m.num_layers, m.ffn_hidden_size)]
+    return [
+        f"{attention}; SwiGLU width {m.ffn_hidden_size}{tied}",
+        *moe_notes(m.moe, m.num_layers, m.ffn_hidden_size),
+    ]
 
 
 FAMILY = Family(
