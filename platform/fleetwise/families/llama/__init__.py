@@ -62,10 +62,7 @@ def plan_notes(m: LlamaModel) -> list[str]:
         f"grouped-query attention: {a} query heads share {g} kv heads" if g != a else "multi-head attention"
     )
     tied = ", LM head tied to the embedding" if m.tie_word_embeddings else ""
-    return [
-        f"{attention}; SwiGLU width {m.ffn_hidden_size}{tied}",
-        *moe_notes(m.moe, m.num_layers, m.ffn_hidden_size),
-    ]
+    return [f"{attention}; SwiGLU width {m.ffn_hidden_size}{tied}", *moe_notes(m.moe, m.num_layers, m.ffn_hidden_size)]
 
 
 FAMILY = Family(
