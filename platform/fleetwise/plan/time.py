@@ -300,7 +300,8 @@ def rank_work(model: ComputeModel, r: int) -> RankWork:
             # saved matmul results back, but still dispatches the ops); zero bubble: twice
             rerun = model.again[id(u)] if model.recompute != "none" and u.kind == "block" else 0
             _count_ops(work, u, count, rerun, model.split and c > 0, mp)
-            flops = b * u.fwd_flops / mp  # one micro-batch's forward on this rank
+            # one micro-batch's forward on this rank (a MoE block's MLP in full on every mp rank)
+            flops = b * ((u.fwd_flops - u.replicated_flops) / mp + u.replicated_flops)
             if flops:
                 _add_gemms(work, model, u, count, flops)
     return work
