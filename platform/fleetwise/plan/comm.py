@@ -353,8 +353,9 @@ def stage_comm_bytes(
     ep = cfg.strategy.ep_degree
     experts = sum(u.expert_params for u in units) / ep if ep > 1 else 0.0
     vol = data_parallel_comm(cfg, layout, p - experts, n, engine, 1).bytes
-    if experts:  # (as collective_comm: the experts' gradients over edp)
+    if experts:  # (as collective_comm: the experts' gradients over edp, and their rows over ep)
         vol["edp"] = edp_traffic(cfg, layout, experts, n, engine, units).bytes
+        vol["ep"] = ep_traffic(cfg, ep, units, n).bytes
     if layout.cp > 1:
         vol["cp"] = (
             vol.get("cp", 0.0)

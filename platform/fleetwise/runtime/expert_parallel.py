@@ -6,7 +6,7 @@ The mesh: at each pipeline stage and tensor-parallel rank (pp × mp coordinates)
 ranks there (sharding_degree × dp_degree, in data-rank order: config/layout.py `data_rank`) as
 [data / ep, ep] -- consecutive data ranks form an expert group ("ep"), and the ranks at the same
 place of every group hold the same experts ("edp"). One DeviceMesh [pp, mp, edp, ep] over the job
-holds them all (its "pp"/"mp" dims are only the frame: nothing communicates over them); context
+holds them all (its "ep_pp"/"ep_mp" dims are only the frame: nothing communicates over them); context
 parallelism is still refused beside ep (config/rules/moe.py).
 
 Pipeline stages: each stage's MoE layers exchange their rows within the stage's expert groups
@@ -57,9 +57,13 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 def expert_mesh(layout: Layout, ep: int, device_type: str) -> DeviceMesh:
     """[pp, mp, data / ep, ep] over the job's ranks (`expert_ranks`), named ("ep_pp", "ep_mp",
-    "edp", "ep") (called collectively by every rank)."""
+    "edp", "ep"), less the frame's dims of size 1 (a DeviceMesh makes process groups along every
+    dim: there, one per rank for nothing) (called collectively by every rank)."""
     ranks = torch.tensor(expert_ranks(layout, ep))
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("ep_pp", "ep_mp", "edp", "ep"))
+    names = ("ep_pp", "ep_mp", "edp", "ep")
+    keep = [i for i, n in enumerate(ranks.shape) if n > 1 or i >= 2]
+    ranks = ranks.reshape([ranks.shape[i] for i in keep])
+    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(names[i] for i in keep))
 
 
 def expert_ranks(layout: Layout, ep: int) -> list:
