@@ -436,6 +436,22 @@ MOE_LAYOUTS = {
         ("strategy=sharding", "strategy.sharding_stage=3", "strategy.recompute=full"),
         2,
     ),
+    # ep 2 inside ZeRO-3 × 2 × mp 2 × pp 2 on 8 ranks: each stage's MoE blocks exchange their rows
+    # within the stage's expert groups, each mp rank (the experts replicated over mp, routing the
+    # same tokens) in a group of its own, the experts FSDP units on their (size-1) "edp" mesh
+    "sharding2_stage3_ep2_mp2_pp2": (
+        (
+            "strategy=hybrid",
+            "strategy.sharding_degree=2",
+            "strategy.sharding_stage=3",
+            "strategy.ep_degree=2",
+            "strategy.mp_degree=2",
+            "strategy.pp_degree=2",
+            "strategy.dp_degree=1",
+            "strategy.schedule=1F1B",
+        ),
+        8,
+    ),
 }
 
 

@@ -161,7 +161,11 @@ def moe_block(dense: Unit, moe: MoE, seq: int, hidden: int, dense_ffn: int, atte
       int64 index tensors (the chosen experts [s, k], the sort order and the rows' tokens [sk]: 8
       bytes each, counted as two fp32 elements), a sigmoid router's per-token sum (the balance loss),
       the capacity mask; the shared experts' four SwiGLU tensors. Balanced routing: sk rows whatever
-      the split among the experts, so the counts hold for every routing of a dropless layer.
+      the split among the experts, so the counts hold for every routing of a dropless layer;
+    - under tensor parallelism the MoE MLP is not split (models/moe.py): its parameters are
+      `params_whole`, its saved tensors `replicated` (the router's fp32 ones stay `fp32`, divided by
+      mp: a few per cent of the layer's at most), its FLOPs `replicated_flops`, and the block
+      all-reduces one activation over mp per forward (attention's), not two.
     """
     s, h, f = seq, hidden, expert_width(moe, dense_ffn)
     e, k = moe.num_experts, moe.top_k
@@ -180,42 +184,49 @@ def moe_block(dense: Unit, moe: MoE, seq: int, hidden: int, dense_ffn: int, atte
     )
     acts_none = replace(
         none,
-        split=none.split - 4 * s * dense_ffn + 2 * sk * h + 4 * sk * f + sk + 4 * s * fs,
+        split=none.split - 4 * s * dense_ffn,
+        replicated=none.replicated + 2 * sk * h + 4 * sk * f + sk + 4 * s * fs,
         fp32=none.fp32 + router_fp32,
     )
     sel = dense.saved("selective")
     acts_selective = replace(
         sel,
         # the matmuls' outputs: the router's, the experts' w1, w3 and w2, the shared gate and up
-        split=sel.split - 2 * s * dense_ffn + s * e + 2 * sk * f + sk * h + 2 * s * fs,
-        reduced=sel.reduced - s * h + (s * h if fs else 0),  # o's, the shared down projection's
+        split=sel.split - 2 * s * dense_ffn,
+        replicated=sel.replicated + s * e + 2 * sk * f + sk * h + 2 * s * fs + (s * h if fs else 0),
+        reduced=sel.reduced - s * h,  # o's (the shared down projection's output: replicated)
     )
     wgo = dense.weight_grad_outputs
     return replace(
         dense,
         name="moe_block",
-        params_split=dense.params_split - dense_mlp + params,
+        params_split=dense.params_split - dense_mlp,
+        params_whole=dense.params_whole + params,
         inactive_params=params - active,
         expert_params=3 * e * h * f,
         exchange_elements=sk * h,
         fwd_flops=dense.fwd_flops - 2 * s * dense_mlp + 2 * s * active,
+        replicated_flops=2 * s * active,
+        mp_allreduces=dense.mp_allreduces - 1,
         # checkpointed: the recompute ends at the last op whose tensor backward needs, before the
         # shared experts' down projection (without them, at the index_add back onto the tokens)
         recompute_skipped_flops=2 * s * fs * h,
         acts={"none": acts_none, "selective": acts_selective, "full": dense.saved("full")},
         # the experts' down projection's backward: its input's gradient, then the product's operands'
-        backward_transient=Acts(split=max(2 * sk * f, 2 * s * fs)),
+        backward_transient=Acts(replicated=max(2 * sk * f, 2 * s * fs)),
         weight_grad_outputs=replace(
             wgo,
-            split=wgo.split - 2 * s * dense_ffn + s * e + 2 * sk * f + 2 * s * fs,
-            partial=wgo.partial + sk * h - s * h + (s * h if fs else 0),
+            split=wgo.split - 2 * s * dense_ffn,
+            replicated=wgo.replicated + s * e + 2 * sk * f + 2 * s * fs + sk * h + (s * h if fs else 0),
+            partial=wgo.partial - s * h,
         ),
         # counted by hand (not held by a test like the dense block's): router 10, dispatch and
         # combine 20, the experts 10, the balance loss 8, the step's counts 6; shared SwiGLU 14
         fwd_ops=dense.fwd_ops - (3 * 4 + 2) + 54 + (14 if fs else 0),
         fwd_gemms=dense.fwd_gemms - 3 + 1 + 3 + (3 if fs else 0),
         param_tensors=dense.param_tensors - 3 + 1 + 3 + (3 if fs else 0),
-        largest_split=max(attention_largest, h * fs),
+        largest_split=attention_largest,
+        largest_whole=max(dense.largest_whole, h * fs, h * e),
         largest_expert=e * h * f,  # (a routed expert weight [e, f, h]: split over ep too)
         fwd_elementwise=dense.fwd_elementwise
         - 2 * s * dense_ffn

@@ -23,8 +23,16 @@ dropped slots, the auxiliary loss and 1 (the forward) -- not during a recompute,
 forward again inside the backward.
 
 Parallel code stays outside, as for the dense blocks: FSDP shards the experts' [E, out, in]
-weights along the experts like any parameter; tensor parallelism of the experts is not done
-(config/rules/moe.py refuses mp_degree > 1 with experts). Expert parallelism
+weights along the experts like any parameter. Tensor parallelism does not split the layer
+(runtime/parallelize.py leaves a MoE block's MLP out of the plan): without sequence parallelism
+every mp rank holds the same tokens here, so it routes them and runs every expert (or its ep
+shard of them) as one process would, and the gradients of the router and experts come out equal
+on every mp rank with no reduction, like the norms'. Chosen over torchtitan's (the mp ranks join
+the expert group, each routing a sequence shard) because it needs no new collective, keeps
+dropless routing layout invariant with nothing to prove, and the experts can still be split by
+ep and FSDP; its price is the MoE MLP's compute and memory repeated on every mp rank (the
+planner counts them so). Sequence parallelism with experts is refused (config/rules/moe.py).
+Expert parallelism
 (runtime/expert_parallel.py) makes the experts' weights DTensors sharded along the experts over an
 expert-parallel group and sets `ep_group`: the sorted rows then travel to the rank that holds
 their expert and back (`Dispatch`: two variable-split all-to-alls, the autograd form), and each

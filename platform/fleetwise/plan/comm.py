@@ -272,7 +272,7 @@ def collective_comm(
         units_per_rank[r].extend(chunks[c])
     worst_units = max(units_per_rank, key=lambda us: sum(u.params for u in us))
     mp, pp = layout.mp, layout.pp
-    experts = sum(u.expert_params for u in worst_units) / (mp * s.ep_degree) if s.ep_degree > 1 else 0.0
+    experts = sum(u.expert_params for u in worst_units) / s.ep_degree if s.ep_degree > 1 else 0.0
     comm = data_parallel_comm(cfg, layout, p - experts, n, engine, max(1, len(worst_units)))
     if experts:
         comm.bytes["edp"], comm.calls["edp"] = edp_traffic(cfg, layout, experts, n, engine, worst_units)
@@ -351,10 +351,11 @@ def stage_comm_bytes(
     block_recomputes of the chunks, when the caller has it."""
     units = rank_units(chunks, ranks, rank)
     ep = cfg.strategy.ep_degree
-    experts = sum(u.expert_params for u in units) / (layout.mp * ep) if ep > 1 else 0.0
+    experts = sum(u.expert_params for u in units) / ep if ep > 1 else 0.0
     vol = data_parallel_comm(cfg, layout, p - experts, n, engine, 1).bytes
-    if experts:  # (as collective_comm: the experts' gradients over edp)
+    if experts:  # (as collective_comm: the experts' gradients over edp, and their rows over ep)
         vol["edp"] = edp_traffic(cfg, layout, experts, n, engine, units).bytes
+        vol["ep"] = ep_traffic(cfg, ep, units, n).bytes
     if layout.cp > 1:
         vol["cp"] = (
             vol.get("cp", 0.0)

@@ -30,7 +30,8 @@ dry-run layout so far, and the search's picks (llama/llama3_8b_128k's) stay what
 
 Expert parallelism (ep_degree) is searched for a mixture of experts: every divisor of num_experts
 that divides the tuple's data-parallel ranks (sharding × dp); the rules decide what it combines
-with (DDP and ZeRO-2/3 without pp, mp or cp, config/rules/moe.py), as for cp. A dense model's
+with (DDP and ZeRO-2/3, with pp and mp but not cp, config/rules/moe.py), as for cp; a mixture of
+experts under mp is searched without sequence parallelism (the rules refuse it). A dense model's
 search, its output and overrides are what they were (ep 1 is not printed).
 """
 

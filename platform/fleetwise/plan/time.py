@@ -300,7 +300,8 @@ def rank_work(model: ComputeModel, r: int) -> RankWork:
             # saved matmul results back, but still dispatches the ops); zero bubble: twice
             rerun = model.again[id(u)] if model.recompute != "none" and u.kind == "block" else 0
             _count_ops(work, u, count, rerun, model.split and c > 0, mp)
-            flops = b * u.fwd_flops / mp  # one micro-batch's forward on this rank
+            # one micro-batch's forward on this rank (a MoE block's MLP in full on every mp rank)
+            flops = b * ((u.fwd_flops - u.replicated_flops) / mp + u.replicated_flops)
             if flops:
                 _add_gemms(work, model, u, count, flops)
     return work
@@ -329,7 +330,20 @@ def _add_gemms(work: RankWork, model: ComputeModel, u: Unit, count: int, flops: 
     if model.job.layout.cp > 1:  # this rank's share of every sample (plan/context_parallel.py)
         reruns = again if model.recompute == "full" and u.kind == "block" else 0
         per_sample = cp_device_flops(model.job.cfg, model.job.layout, u, per_sample, reruns)
-    work.device_flops += count * n * b * per_sample / mp
+    whole = replicated_device_flops(u, model.recompute, again)  # (computed in full on every mp rank)
+    work.device_flops += count * n * b * ((per_sample - whole) / mp + whole)
+
+
+def replicated_device_flops(u: Unit, recompute: str, recomputes: int = 1) -> float:
+    """Of `device_flops_per_sample`, those of the unit's `replicated_flops` (a MoE block's MLP,
+    whole on every mp rank): forward once, backward twice, and full recompute's re-run up to the
+    skipped tail (the shared experts' down projection, itself replicated)."""
+    if not u.replicated_flops:
+        return 0.0
+    done = 3 * u.replicated_flops
+    if recompute == "full" and u.kind == "block":
+        done += recomputes * (u.replicated_flops - u.recompute_skipped_flops)
+    return done
 
 
 # --------------------------------------------------------------------------------------------------

@@ -37,6 +37,9 @@ class Acts:
     # a row-parallel matmul's own output, before its reduction (the partial sums): whole on every
     # mp rank, sequence parallel or not, in the compute dtype like `split`
     partial: float = 0.0
+    # in the compute dtype like `split`, but whole on every mp rank: a MoE block's MLP, which tensor
+    # parallelism does not split (models/moe.py)
+    replicated: float = 0.0
 
     def elements(self, mp: int, sequence_parallel: bool) -> float:
         seq = self.sp + self.reduced
@@ -45,11 +48,12 @@ class Acts:
             + (seq / mp if sequence_parallel else seq)
             + self.whole
             + self.partial
+            + self.replicated
         )
 
     @property
     def total(self) -> float:
-        return self.split + self.sp + self.whole + self.reduced + self.fp32 + self.partial
+        return self.split + self.sp + self.whole + self.reduced + self.fp32 + self.partial + self.replicated
 
 
 NO_ACTS = Acts()  # a unit that saves nothing
@@ -62,6 +66,8 @@ class Unit:
     params_split: int = 0  # divided by mp under tensor parallelism
     params_whole: int = 0  # replicated on every mp rank
     fwd_flops: float = 0.0  # per sample, matmul/conv FLOPs of the forward pass (2 per multiply-add)
+    # of fwd_flops, those every mp rank computes in full (a MoE block's MLP: not split over mp)
+    replicated_flops: float = 0.0
     acts: dict[str, Acts] = field(default_factory=dict)  # recompute mode -> saved activations
     transient: Acts = Acts()  # short-lived peak on top of the saved ones (e.g. logits and their grad)
     # the same under tensor parallelism, where it differs: a vocabulary-parallel loss
@@ -108,13 +114,13 @@ class Unit:
     # extra gradient of (at most) this size is briefly alive. A test compares with torch.
     largest_split: int = 0
     largest_whole: int = 0
-    # the largest routed-expert weight [E, out, in] (split by mp and, over ep ranks, by ep)
+    # the largest routed-expert weight [E, out, in] (split over ep ranks by ep; not by mp)
     largest_expert: int = 0
     # of the parameters, those a token does not use: a mixture of experts' experts it is not
     # routed to (top_k of num_experts are). Memory counts every parameter, FLOPs the active ones.
     inactive_params: int = 0
-    # of the parameters, the routed experts' (split along the experts over strategy.ep_degree
-    # ranks), and the elements per sample one all-to-all of their rows moves (tokens · top_k ·
+    # of the parameters, the routed experts' (in params_whole: split along the experts over
+    # strategy.ep_degree ranks, not over mp), and the elements per sample one all-to-all of their rows moves (tokens · top_k ·
     # hidden: the rows leave for their experts' ranks and come back, forward and backward)
     expert_params: int = 0
     exchange_elements: float = 0.0
@@ -128,7 +134,7 @@ class Unit:
         return self.params - self.inactive_params
 
     def largest_on_rank(self, mp: int, ep: int = 1) -> float:
-        return max(self.largest_split / mp, self.largest_whole, self.largest_expert / (mp * ep))
+        return max(self.largest_split / mp, self.largest_whole, self.largest_expert / ep)
 
     def fresh_grad_on_rank(self, mp: int, ep: int = 1) -> float:
         """Elements of the largest gradient tensor the unit's backward makes on this rank (the
@@ -136,8 +142,8 @@ class Unit:
         return self.largest_on_rank(mp, ep)
 
     def params_on_rank(self, mp: int, ep: int = 1) -> float:
-        """Parameters a rank holds: split by mp, and the routed experts by ep too."""
-        return self.params_split / mp + self.params_whole - self.expert_params * (1 - 1 / ep) / mp
+        """Parameters a rank holds: the split ones by mp, the routed experts (whole over mp) by ep."""
+        return self.params_split / mp + self.params_whole - self.expert_params * (1 - 1 / ep)
 
     def saved(self, recompute: str) -> Acts:
         held = self.acts.get(recompute)

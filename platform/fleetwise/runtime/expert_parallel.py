@@ -2,10 +2,19 @@
 groups of ep_degree data-parallel ranks, the tokens exchanged by all-to-all (models/moe.py
 `MoE.exchange`), the experts' gradients reduced over the ranks that hold the same experts.
 
-The mesh: the data-parallel ranks (sharding_degree × dp_degree; config/rules/moe.py admits no
-pipeline, context or tensor parallelism beside ep in this stage, so they are the whole job) as
-[data / ep, ep] -- consecutive ranks form an expert group ("ep"), and the ranks at the same place
-of every group hold the same experts ("edp").
+The mesh: at each pipeline stage and tensor-parallel rank (pp × mp coordinates), the data-parallel
+ranks there (sharding_degree × dp_degree, in data-rank order: config/layout.py `data_rank`) as
+[data / ep, ep] -- consecutive data ranks form an expert group ("ep"), and the ranks at the same
+place of every group hold the same experts ("edp"). One DeviceMesh [pp, mp, edp, ep] over the job
+holds them all (its "ep_pp"/"ep_mp" dims are only the frame: nothing communicates over them); context
+parallelism is still refused beside ep (config/rules/moe.py).
+
+Pipeline stages: each stage's MoE layers exchange their rows within the stage's expert groups
+(every rank of an expert group is at the same stage and micro-batch: the schedule is the same on
+every data-parallel rank). Tensor parallelism (mp > 1, without sequence parallelism): the experts
+are not split over mp ranks (models/moe.py); each mp rank holds the same tokens, so each mp rank
+of an expert group runs the same exchange in a group of its own (the mp rank's "ep"), and its
+experts' gradients equal the other mp ranks' -- nothing is reduced over mp.
 
 Each expert weight [E, out, in] becomes a DTensor sharded along the experts over "ep" (on meta,
 before allocation): each rank allocates and initialises its E / ep experts only (the slice of the
@@ -35,20 +44,40 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from fleetwise.compat import ddp_ignore, foreach_mul_, local_tensor
+from fleetwise.config.layout import Layout
 from fleetwise.models.moe import MoE
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
-def expert_mesh(data: int, ep: int, device_type: str) -> DeviceMesh:
-    """[data / ep, ep] over the job's ranks (all data-parallel here: data = sharding × dp), named
-    ("edp", "ep") (called collectively by every rank)."""
-    return init_device_mesh(device_type, (data // ep, ep), mesh_dim_names=("edp", "ep"))
+def expert_mesh(layout: Layout, ep: int, device_type: str) -> DeviceMesh:
+    """[pp, mp, data / ep, ep] over the job's ranks (`expert_ranks`), named ("ep_pp", "ep_mp",
+    "edp", "ep"), less the frame's dims of size 1 (a DeviceMesh makes process groups along every
+    dim: there, one per rank for nothing) (called collectively by every rank)."""
+    ranks = torch.tensor(expert_ranks(layout, ep))
+    names = ("ep_pp", "ep_mp", "edp", "ep")
+    keep = [i for i, n in enumerate(ranks.shape) if n > 1 or i >= 2]
+    ranks = ranks.reshape([ranks.shape[i] for i in keep])
+    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(names[i] for i in keep))
+
+
+def expert_ranks(layout: Layout, ep: int) -> list:
+    """The global ranks as [pp][mp][edp][ep]: at each pipeline stage and mp rank, the data-parallel
+    ranks in data-rank order (dp replica × sharding member), ep consecutive ones to a group."""
+    data = layout.sharding * layout.dp
+
+    def rank(p: int, m: int, d: int) -> int:
+        return layout.rank_of({"dp": d // layout.sharding, "pp": p, "sharding": d % layout.sharding, "mp": m})
+
+    return [
+        [[[rank(p, m, g * ep + i) for i in range(ep)] for g in range(data // ep)] for m in range(layout.mp)]
+        for p in range(layout.pp)
+    ]
 
 
 def shard_experts(part: nn.Module, mesh: DeviceMesh) -> list[str]:
@@ -79,8 +108,13 @@ def fully_shard_experts(part: nn.Module, mesh: DeviceMesh, data: int, **kwargs) 
             continue
         unit = fully_shard(module.experts, mesh=mesh["edp"], shard_placement_fn=_rows, **kwargs)
         # sum over edp, then divide by every data-parallel rank (a plain sum, then a division:
-        # gloo has no pre-multiplied sum, and a sum in fp32 neither overflows nor underflows)
-        unit.set_force_sum_reduction_for_comms(True)
+        # gloo has no pre-multiplied sum, and a sum in fp32 neither overflows nor underflows).
+        # Not on a size-1 edp (ep_degree = sharding × dp): there torch 2.13's foreach_reduce divides
+        # by the factor when it copies the unreduced gradient and again after it (the forced sum's
+        # post-division): the experts' gradients came out halved at sharding 2, ep 2. Without the
+        # forced sum it divides once (and communicates nothing either way).
+        if mesh["edp"].size() > 1:
+            unit.set_force_sum_reduction_for_comms(True)
         unit.set_gradient_divide_factor(float(data))
 
 

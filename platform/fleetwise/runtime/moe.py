@@ -10,7 +10,9 @@ holds no MoE block (a pipeline stage holds some) -- and sums them over the job w
 every step with load_balance=bias (each rank then moves its routers' biases identically), else once
 per reading step for all the steps since the last (the trainer's metrics are read then too).
 Summed over the ranks, a block's row counts each token of the global batch once: its layer lives on
-one pipeline stage, each data-parallel rank routes its own samples, and mp_degree is 1 with experts.
+one pipeline stage, each data-parallel rank routes its own samples, and of the mp ranks of a
+data rank (which route the same tokens: sequence parallelism is refused with experts) only mp rank
+0 counts.
 """
 
 from __future__ import annotations
@@ -39,9 +41,13 @@ class ExpertMonitor:
         microbatches: int,
         device: torch.device,
         world_size: int,
+        counted: bool = True,
     ):
         """moe: the model.moe section (fleetwise.families.moe.MoE); microbatches: the forwards of
-        each block in a step on this rank."""
+        each block in a step on this rank; counted: whether this rank's counts enter the job's sum
+        (tensor parallelism: the mp ranks of a data rank route the same tokens, only mp rank 0's
+        are counted)."""
+        self.counted = counted
         self.num_experts, self.world_size, self.device = moe.num_experts, world_size, device
         self.microbatches = microbatches
         self.num_layers = num_layers
@@ -66,7 +72,7 @@ class ExpertMonitor:
         step = torch.zeros(self.num_layers, self.num_experts + 3, device=self.device)
         for layer, module in self.layers:
             stats = module.take_stats()
-            if stats is not None:
+            if stats is not None and self.counted:
                 step[layer] += stats[-self.microbatches :].sum(0)
         self._pending.append(step)
         if self.bias_rate is not None:

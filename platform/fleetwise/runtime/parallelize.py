@@ -26,6 +26,7 @@ from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
 from fleetwise.families import ModelSpec, family_of
+from fleetwise.models.moe import GroupedExperts, MoE
 from fleetwise.models.pipeline import pipeline_chunk
 from fleetwise.plan.pipeline import chunk_ranks, split_layers
 from fleetwise.runtime.context_parallel import SeqShard, apply_context_parallel
@@ -139,8 +140,7 @@ def parallelize(
     # the cp group is the ranks of the same mp coordinate, so each mp rank's heads meet their own.
     sequence = apply_context_parallel(parts, mesh["cp"].get_group(), s.cp_method) if layout.cp > 1 else None
     # 1b. expert parallelism: each rank keeps its experts only (a DTensor shard, still on meta)
-    data = layout.sharding * layout.dp
-    ep_mesh = expert_mesh(data, s.ep_degree, mesh.device_type) if s.ep_degree > 1 else None
+    ep_mesh = expert_mesh(layout, s.ep_degree, mesh.device_type) if s.ep_degree > 1 else None
     experts = [shard_experts(part, ep_mesh) if ep_mesh is not None else [] for part in parts]
 
     for i, part in enumerate(parts):
@@ -196,6 +196,10 @@ def replicate_rest(part: nn.Module, mesh: DeviceMesh) -> None:
         for name, p in own:
             replicated = DTensor.from_local(p.data, mesh, [Replicate()], run_check=False)
             module.register_parameter(name, nn.Parameter(replicated, requires_grad=p.requires_grad))
+        if isinstance(module, GroupedExperts):
+            # the routed experts compute on their local weights (models/moe.py `_local`): their
+            # inputs (rows and int64 counts) stay plain
+            continue
         # (the parameters are done above, this module's own only: distribute_module would visit
         # its submodules too)
         distribute_module(module, mesh, _leave, _inputs_replicated, _outputs_local)
@@ -238,9 +242,10 @@ def memory_format(cfg: RunConfig, device: torch.device) -> torch.memory_format:
 
 
 def _existing(module: nn.Module, plan: dict) -> dict:
-    """Drop plan entries whose module this pipeline chunk does not hold (e.g. the head of stage 0)."""
+    """Drop plan entries whose module this pipeline chunk does not hold (e.g. the head of stage 0),
+    and keep a MoE block's MLP out of the plan (`_dense_mlps`)."""
     kept = {}
-    for path, style in plan.items():
+    for path, style in _dense_mlps(module, plan).items():
         head = path.split(".")[0]
         if getattr(module, head, None) is None:
             continue
@@ -255,6 +260,25 @@ def _existing(module: nn.Module, plan: dict) -> dict:
     return kept
 
 
+def _dense_mlps(module: nn.Module, plan: dict) -> dict:
+    """The plan with its `layers.*.mlp…` entries for the dense blocks only, when `module` holds MoE
+    blocks: a MoE layer (models/moe.py) runs whole on every mp rank -- its inputs plain, the tokens
+    the same on every mp rank, its experts not split (config/rules/moe.py says why) -- so neither the
+    dense MLP's column/row styles nor its input preparation may touch it."""
+    layers = getattr(module, "layers", None)
+    if layers is None or not any(isinstance(m, MoE) for m in module.modules()):
+        return plan
+    out = {}
+    for path, style in plan.items():
+        if not path.startswith("layers.*.mlp"):
+            out[path] = style
+            continue
+        for name, block in layers.items():
+            if not isinstance(getattr(block, "mlp", None), MoE):
+                out[f"layers.{name}{path[len('layers.*') :]}"] = style
+    return out
+
+
 def _data_parallel(
     part: nn.Module,
     cfg: RunConfig,
@@ -267,7 +291,9 @@ def _data_parallel(
     assert isinstance(s, CollectiveStrategy)
     if engine == Engine.NONE:
         return part
-    if engine == Engine.ZERO1:  # no wrapper: runtime/zero1.py hooks the gradients (the optimizer is built later)
+    if (
+        engine == Engine.ZERO1
+    ):  # no wrapper: runtime/zero1.py hooks the gradients (the optimizer is built later)
         return part
     if engine == Engine.DDP:
         group = process_group(mesh, Layout.of(cfg).grad_sync_dims(engine))
@@ -336,4 +362,6 @@ def _build_pipeline(pm: ParallelModel, cfg: RunConfig, mesh: DeviceMesh, device:
     # (the same objective as one process averaging the same micro-batches).
     # (ZeRO-1 accumulates gradients in its own buffers, out of the schedule's sight: it divides there)
     stage = pm.stages if s.schedule not in ("GPipe", "1F1B") else pm.stages[0]
-    pm.schedule = cls(stage, n_microbatches=n, loss_fn=pm.pipeline_loss, scale_grads=pm.engine != Engine.ZERO1)
+    pm.schedule = cls(
+        stage, n_microbatches=n, loss_fn=pm.pipeline_loss, scale_grads=pm.engine != Engine.ZERO1
+    )

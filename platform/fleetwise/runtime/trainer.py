@@ -83,7 +83,13 @@ class Trainer:
         moe = getattr(cfg.model, "moe", None)
         self.experts = (
             ExpertMonitor(
-                self.model.parts, moe, cfg.model.num_layers, self.data.num_microbatches, env.device, env.world_size
+                self.model.parts,
+                moe,
+                cfg.model.num_layers,
+                self.data.num_microbatches,
+                env.device,
+                env.world_size,
+                counted=self.coords["mp"] == 0,
             )
             if moe is not None and moe.enabled
             else None
@@ -124,7 +130,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     def _autocast_context(self):
         p = self.cfg.train.precision
-        if p == "fp32" or self.model.engine == Engine.FSDP:  # FSDP casts parameters itself (MixedPrecisionPolicy)
+        if (
+            p == "fp32" or self.model.engine == Engine.FSDP
+        ):  # FSDP casts parameters itself (MixedPrecisionPolicy)
             return contextlib.nullcontext
         return lambda: torch.autocast(self.env.device.type, dtype=DTYPES[p])
 

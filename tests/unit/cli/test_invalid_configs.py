@@ -492,7 +492,16 @@ CASES = [
         ("recipe=llama/moe_tiny", "strategy=sharding", "strategy.sharding_stage=1", "strategy.ep_degree=2"),
         "strategy.sharding_stage",
     ),
-    (("recipe=llama/moe_tiny", *PP2, "strategy.ep_degree=2"), "strategy.pp_degree"),
+    (
+        (
+            "recipe=llama/moe_tiny",
+            "strategy=mp",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "hardware.devices_per_node=2",
+        ),
+        "strategy.sequence_parallel",
+    ),
     (
         (
             "recipe=llama/moe_tiny",

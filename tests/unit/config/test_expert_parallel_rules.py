@@ -29,6 +29,26 @@ def test_an_expert_parallel_data_parallel_layout_is_valid():
     assert problems == []
 
 
+def test_experts_under_pipeline_and_tensor_parallelism_are_valid():
+    """Pipeline stages and tensor parallelism (without sequence parallelism: the experts run
+    replicated over the mp ranks) combine with experts, with and without expert parallelism --
+    up to the 8-rank layout of the parity test (ep 2 inside ZeRO-3 × 2 × mp 2 × pp 2)."""
+    for layout, ranks in (
+        (("strategy=hybrid", "strategy.pp_degree=2", "strategy.dp_degree=2", "strategy.ep_degree=2"), 4),
+        (("strategy=mp", "strategy.mp_degree=2"), 2),
+        (("strategy=hybrid", "strategy.mp_degree=2", "strategy.dp_degree=2", "strategy.ep_degree=2"), 4),
+        (
+            (
+                "strategy=hybrid", "strategy.sharding_degree=2", "strategy.sharding_stage=3", "strategy.ep_degree=2",
+                "strategy.mp_degree=2", "strategy.pp_degree=2", "strategy.dp_degree=1",
+            ),
+            8,
+        ),
+    ):  # fmt: skip
+        _, problems = compose(*MOE, *layout, f"hardware.devices_per_node={ranks}")
+        assert problems == [], (layout, problems)
+
+
 def test_every_problem_at_once_with_its_fix():
     _, problems = compose(
         *MOE,
@@ -38,14 +58,16 @@ def test_every_problem_at_once_with_its_fix():
         "strategy.pp_degree=2",
         "strategy.sharding_degree=2",
         "strategy.sharding_stage=1",
-        "hardware.devices_per_node=8",
+        "strategy.mp_degree=2",
+        "strategy.sequence_parallel=true",
+        "hardware.devices_per_node=16",
     )
     by_loc = {p.loc: p for p in problems}
     assert set(by_loc) == {
         "model.moe.num_experts",
         "strategy.ep_degree",
         "strategy.sharding_stage",
-        "strategy.pp_degree",
+        "strategy.sequence_parallel",
     }, problems
     assert (
         "num_experts=4" in by_loc["model.moe.num_experts"].msg
@@ -55,7 +77,9 @@ def test_every_problem_at_once_with_its_fix():
     assert "divisor of 4" in by_loc["strategy.ep_degree"].hint
     assert "ZeRO-1" in by_loc["strategy.sharding_stage"].msg
     assert "strategy.sharding_stage=2 or 3" in by_loc["strategy.sharding_stage"].hint
-    assert "strategy.pp_degree=1" in by_loc["strategy.pp_degree"].hint
+    sp = by_loc["strategy.sequence_parallel"]
+    assert "mp_degree=2" in sp.msg and "num_experts=4" in sp.msg
+    assert "strategy.sequence_parallel=false" in sp.hint
     assert all(p.hint for p in problems)
 
 
@@ -65,12 +89,12 @@ def test_expert_parallelism_needs_experts_and_a_fixed_layout():
     )
     assert [p.loc for p in problems] == ["strategy.ep_degree"]
     assert "without model.moe" in problems[0].msg and "strategy.ep_degree=1" in problems[0].hint
-    # tensor parallelism does not join the expert group: experts refuse mp already
+    # the experts replicated over mp ranks see whole sequences: not their sequence shards
     _, problems = compose(
-        *MOE, "strategy=hybrid", "strategy.ep_degree=2", "strategy.dp_degree=2", "strategy.mp_degree=2",
-        "hardware.devices_per_node=4",
+        *MOE, "strategy=mp", "strategy.mp_degree=2", "strategy.sequence_parallel=true",
+        "hardware.devices_per_node=2",
     )  # fmt: skip
-    assert "strategy.mp_degree" in [p.loc for p in problems]
+    assert [p.loc for p in problems] == ["strategy.sequence_parallel"], problems
     _, problems = compose(
         *MOE, "strategy=dp", "strategy.ep_degree=2", "hardware=h100", "hardware.devices_per_node=2",
         "train.precision=fp16",

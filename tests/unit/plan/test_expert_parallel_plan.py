@@ -78,8 +78,13 @@ def test_expert_states_inside_sharding_split_over_edp_and_their_gradients_go_ove
         got = plan("recipe=llama/moe_tiny", "strategy=dp", f"strategy.ep_degree={ep}",
                    f"hardware.devices_per_node={dp}")  # fmt: skip
         edp = dp // ep
-        assert got.comm_bytes_per_step["edp"] == int(2 * (edp - 1) / edp * 4 * experts_moe_tiny / ep), (dp, ep)
-        dense = plan("recipe=llama/moe_tiny", "strategy=dp", f"hardware.devices_per_node={dp}").comm_bytes_per_step
+        assert got.comm_bytes_per_step["edp"] == int(2 * (edp - 1) / edp * 4 * experts_moe_tiny / ep), (
+            dp,
+            ep,
+        )
+        dense = plan(
+            "recipe=llama/moe_tiny", "strategy=dp", f"hardware.devices_per_node={dp}"
+        ).comm_bytes_per_step
         # (DDP's all-reduce: every parameter but the experts)
         assert got.comm_bytes_per_step["dp"] == int(dense["dp"] - 2 * (dp - 1) / dp * 4 * experts_moe_tiny)
 
@@ -90,9 +95,48 @@ def test_the_largest_gradient_transient_splits_the_experts_over_ep():
     embedding [32000, 4096] is the largest."""
     cpu = ("hardware=cpu", "hardware.devices_per_node=16", "hardware.nodes=1", "train.precision=fp32")
     mixtral = (*MIXTRAL[:3], *cpu)
-    temporaries = {ep: plan(*mixtral, f"strategy.ep_degree={ep}").memory_bytes["step_temporaries"] for ep in (1, 2, 8)}
+    temporaries = {
+        ep: plan(*mixtral, f"strategy.ep_degree={ep}").memory_bytes["step_temporaries"] for ep in (1, 2, 8)
+    }
     assert temporaries == {
         1: 2 * 4 * 8 * 14336 * 4096,
         2: 2 * 4 * 4 * 14336 * 4096,
         8: 2 * 4 * 32000 * 4096,
     }
+
+
+def test_under_tensor_parallelism_the_moe_mlp_is_whole_on_every_mp_rank():
+    """mp 2 (no sequence parallelism): attention, the dense block's MLP, embedding and head split over
+    the mp ranks; the MoE blocks' router, experts and shared expert whole on each (models/moe.py),
+    the experts split by ep only; the MoE MLPs' FLOPs and saved tensors not divided by mp, and a
+    MoE block all-reduces one activation per forward over mp (attention's), not two."""
+    # llama/moe_tiny by hand: h 64, 8 query heads and 4 kv heads of 8, vocab 256 (embedding and head),
+    # block 0 dense (SwiGLU 192), blocks 1-3 MoE (router 4 × 64, experts 3 × 4 × 64 × 64, a shared
+    # SwiGLU of 64); fp32 and SGD-free AdamW: 4 bytes per parameter
+    h, v = 64, 256
+    attention = h * h + 2 * h * 32 + h * h
+    split = 2 * v * h + 4 * attention + 3 * h * 192
+    experts = 3 * 4 * h * 64
+    whole = 4 * 2 * h + h + 3 * (4 * h + experts + 3 * h * 64)
+    assert split + whole == 304_448
+    moe = ("recipe=llama/moe_tiny",)
+    mp2 = plan(*moe, "strategy=mp", "strategy.mp_degree=2", "hardware.devices_per_node=2")
+    assert mp2.params == 304_448
+    assert mp2.memory_bytes["params"] == 4 * (split / 2 + whole)
+    # with ep 2 beside (dp 2 × mp 2): the experts, and only they, halve again
+    ep = plan(
+        *moe, "strategy=hybrid", "strategy.dp_degree=2", "strategy.mp_degree=2", "strategy.ep_degree=2",
+        "hardware.devices_per_node=4",
+    )  # fmt: skip
+    no_ep = plan(
+        *moe, "strategy=hybrid", "strategy.dp_degree=2", "strategy.mp_degree=2", "hardware.devices_per_node=4"
+    )
+    assert no_ep.memory_bytes["grads"] - ep.memory_bytes["grads"] == 4 * 3 * experts / 2
+    one = plan(*moe, "strategy=dp", "hardware.devices_per_node=1")
+    # the MoE MLPs' saved tensors stay whole: mp 2 saves more than half of one process's
+    assert mp2.memory_bytes["activations"] > 0.8 * one.memory_bytes["activations"]
+    # mp traffic: per micro-batch, block 0 all-reduces two (seq, hidden) activations forward and
+    # two backward, a MoE block one each way; the embedding one forward, the head one backward
+    # (fp32: 4 bytes; 2 samples of 32 tokens; an all-reduce moves 2 (mp - 1) / mp = 1 of its bytes)
+    size = 2 * 32 * h * 4
+    assert mp2.comm_bytes_per_step["mp"] == 8 * size * (2 * 2 + 3 * 2 + 1 + 1)

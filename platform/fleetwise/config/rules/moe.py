@@ -3,15 +3,16 @@ config: what the engine cannot combine with experts yet, each with what to do in
 section's own rules (top_k against num_experts, …) are the family's (`check_moe`, through
 rules/model.py).
 
-Tensor parallelism of the experts is not done: mp_degree > 1 with experts is refused (shard the
-experts with sharding_degree instead: FSDP splits each [experts, out, in] weight along the experts).
+Tensor parallelism with experts (mp_degree > 1): the experts are not split over the mp ranks
+(models/moe.py says why). Without sequence parallelism every mp rank holds the same tokens at the
+MoE layer and computes the same routing and experts; sequence parallelism (each mp rank routing
+its own sequence shard, the experts' gradients then summed over mp) is not built: refused.
 
-Expert parallelism (`strategy.ep_degree`, runtime/expert_parallel.py) in this stage: groups of
-ep_degree consecutive data-parallel ranks (sharding × dp) of a DDP job or of an FSDP one
-(ZeRO-2/3: the experts FSDP-sharded over the ranks outside their group, torchtitan's "edp").
-Unlike torchtitan, mp does not join the expert group (mp is refused with experts); ZeRO-1,
-pipeline stages, context parallelism and fp16's loss scaling are refused with ep_degree > 1, each
-with what to do instead.
+Expert parallelism (`strategy.ep_degree`, runtime/expert_parallel.py): groups of ep_degree
+consecutive data-parallel ranks (sharding × dp) at each pipeline stage and mp rank, of a DDP job
+or of an FSDP one (ZeRO-2/3: the experts FSDP-sharded over the ranks outside their group,
+torchtitan's "edp"). Unlike torchtitan, mp does not join the expert group. ZeRO-1, context
+parallelism and fp16's loss scaling are refused with ep_degree > 1, each with what to do instead.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ def moe_combinations(ctx: Context) -> Iterator[Problem]:
     experts = f"model.moe.num_experts={e}"
     lay, s = ctx.layout, ctx.collective
     mp = lay.mp if lay is not None else (s.mp_degree if s is not None and isinstance(s.mp_degree, int) else 1)
-    if mp > 1:
+    if mp > 1 and s is not None and s.sequence_parallel:
         yield Problem(
-            "strategy.mp_degree",
-            f"mp_degree={mp} with {experts}: fleetwise does not split experts over tensor-parallel ranks",
-            "set strategy.mp_degree=1 and shard the experts with strategy.sharding_degree (FSDP splits "
-            "each expert weight along the experts), or use data/pipeline parallelism",
+            "strategy.sequence_parallel",
+            f"sequence_parallel=true with mp_degree={mp} and {experts}: fleetwise's MoE layer routes "
+            "whole sequences on every tensor-parallel rank, not sequence shards",
+            "set strategy.sequence_parallel=false (the experts then run replicated over the mp ranks), "
+            "or strategy.mp_degree=1",
         )
     if ctx.cfg.train.compile:
         yield Problem(
@@ -101,14 +103,11 @@ def expert_parallel(ctx: Context) -> Iterator[Problem]:
             "set strategy.sharding_stage=2 or 3 (FSDP shards the experts over the ranks outside their "
             "group), or strategy.ep_degree=1",
         )
-    for degree, value, why in (
-        ("pp_degree", lay.pp, "pipeline stages with expert groups"),
-        ("cp_degree", lay.cp, "context-parallel ranks with expert groups"),
-    ):
-        if value > 1:
-            yield Problem(
-                f"strategy.{degree}",
-                f"{degree}={value} with ep_degree={ep}: fleetwise does not combine {why} yet",
-                f"set strategy.{degree}=1 and use strategy.dp_degree or strategy.sharding_degree for the "
-                f"data-parallel ranks (strategy=dp strategy.ep_degree={ep}), or set strategy.ep_degree=1",
-            )
+    if lay.cp > 1:
+        yield Problem(
+            "strategy.cp_degree",
+            f"cp_degree={lay.cp} with ep_degree={ep}: fleetwise does not combine context-parallel ranks "
+            "with expert groups yet",
+            "set strategy.cp_degree=1 and use strategy.dp_degree or strategy.sharding_degree for the "
+            f"data-parallel ranks (strategy=dp strategy.ep_degree={ep}), or set strategy.ep_degree=1",
+        )

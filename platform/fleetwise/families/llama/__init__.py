@@ -25,7 +25,7 @@ from functools import partial
 from fleetwise.families.llama.hf import prefill
 from fleetwise.families.llama.schema import LlamaModel, check, check_tensor_parallel, limits, no_pipeline
 from fleetwise.families.llama.units import input_bytes, units
-from fleetwise.families.moe import moe_notes
+from fleetwise.families.moe import moe_layers, moe_notes
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.families.transformer import (
     TOKEN_SOURCES,
@@ -50,11 +50,21 @@ def spec(m: LlamaModel) -> ModelSpec:
         Llama,
         lm_loss,
         ("tokens",),
-        # experts are not split over mp ranks (config/rules/moe.py refuses mp_degree > 1 with them)
-        None if m.moe.enabled else partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
+        # (a MoE block's experts are not split over mp ranks: runtime/parallelize.py leaves its MLP out)
+        partial(
+            _plan,
+            partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
+            len(moe_layers(m.moe, m.num_layers)) < m.num_layers,
+        ),
         load_weights=load,
         optional_inputs=("positions",),  # packed documents (data=jsonl): data/jsonl.py
     )
+
+
+def _plan(plan, dense_blocks: bool, sequence_parallel: bool) -> dict:
+    """The tensor-parallel plan, without the dense MLP's entries when every block is MoE (Mixtral)."""
+    out = plan(sequence_parallel)
+    return out if dense_blocks else {k: v for k, v in out.items() if not k.startswith("layers.*.mlp")}
 
 
 def plan_notes(m: LlamaModel) -> list[str]:

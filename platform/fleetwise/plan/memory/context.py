@@ -76,7 +76,7 @@ class RankContext:
             + a.whole * whole_bytes
             + (a.reduced / mp if sp else a.reduced) * split_bytes
             + (a.fp32 / mp) * FP32
-            + a.partial * split_bytes
+            + (a.partial + a.replicated) * split_bytes
         ) / self.cp
 
 
@@ -101,7 +101,7 @@ def rank_context(
         fresh = FP32 if accumulating else 0.0
     sh = layout.sharding * (layout.cp if engine == Engine.FSDP else 1)
     p = sum(count * u.params_on_rank(mp, s.ep_degree) for u, count in units)
-    experts = sum(count * u.expert_params for u, count in units) / (mp * s.ep_degree) if s.ep_degree > 1 else 0.0
+    experts = sum(count * u.expert_params for u, count in units) / s.ep_degree if s.ep_degree > 1 else 0.0
     edp = layout.sharding * layout.dp // s.ep_degree
     return RankContext(
         cfg=cfg,

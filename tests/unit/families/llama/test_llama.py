@@ -298,6 +298,7 @@ def test_bad_moe_configs_are_all_reported_with_fixes():
         "model.moe.aux_loss_coef=0",
         "strategy=mp",
         "strategy.mp_degree=2",
+        "strategy.sequence_parallel=true",
         "train.compile=true",
     )
     by_loc = {p.loc: p for p in problems}
@@ -305,11 +306,11 @@ def test_bad_moe_configs_are_all_reported_with_fixes():
         "model.moe.top_k",
         "model.moe.first_dense_layers",
         "model.moe.aux_loss_coef",
-        "strategy.mp_degree",
+        "strategy.sequence_parallel",
         "train.compile",
     }, problems
     assert "top_k=5" in by_loc["model.moe.top_k"].msg and "at most 4" in by_loc["model.moe.top_k"].hint
-    assert "strategy.sharding_degree" in by_loc["strategy.mp_degree"].hint
+    assert "strategy.sequence_parallel=false" in by_loc["strategy.sequence_parallel"].hint
     assert all(p.hint for p in problems)
     _, problems = compose("recipe=llama/moe_tiny", "model.moe.num_experts=100000")
     assert [p.loc for p in problems] == ["model.moe.num_experts"]
