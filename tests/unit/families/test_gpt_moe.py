@@ -76,13 +76,30 @@ def test_bad_gpt_moe_sections_are_refused_by_the_shared_rules():
         "recipe=gpt/moe_tiny",
         "model.moe.top_k=5",
         "model.moe.aux_loss_coef=0",
+        "strategy=mp",
         "strategy.mp_degree=2",
+        "strategy.sequence_parallel=true",
+        "hardware.devices_per_node=2",
     )
     by_loc = {p.loc: p for p in problems}
-    assert set(by_loc) == {"model.moe.top_k", "model.moe.aux_loss_coef", "strategy.mp_degree"}, problems
+    assert set(by_loc) == {"model.moe.top_k", "model.moe.aux_loss_coef", "strategy.sequence_parallel"}, problems
     assert "at most 4" in by_loc["model.moe.top_k"].hint
-    assert "strategy.sharding_degree" in by_loc["strategy.mp_degree"].hint
+    assert "sequence_parallel=false" in by_loc["strategy.sequence_parallel"].hint
     assert all(p.hint for p in problems)
     # sizes the planner cannot represent: checked first, alone (as for Llama)
     _, problems = compose("recipe=gpt/moe_tiny", "model.moe.expert_ffn_size=100000000")
     assert [p.loc for p in problems] == ["model.moe.expert_ffn_size"]
+
+
+def test_tensor_parallel_plan_leaves_the_experts_whole():
+    """GPT with experts under mp (measured by hand: gpt/moe_tiny mp 2 = one process, losses to the
+    4th digit, with and without a dense block): the attention is split as for a dense GPT; with no
+    dense block the plan names no MLP (runtime/parallelize.py drops a MoE block's MLP entries)."""
+    from fleetwise.families import family_of
+
+    for dense, expect_mlp in ((1, True), (0, False)):
+        cfg, problems = compose("recipe=gpt/moe_tiny", f"model.moe.first_dense_layers={dense}")
+        assert problems == []
+        plan = family_of(cfg.model).spec(cfg.model).tp_plan(False)
+        assert any(k.startswith("layers.*.attn") for k in plan), plan
+        assert any(k.startswith("layers.*.mlp") for k in plan) == expect_mlp, plan

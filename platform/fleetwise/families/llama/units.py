@@ -15,6 +15,8 @@ f the SwiGLU width):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fleetwise.families.llama.schema import LlamaModel
 from fleetwise.families.moe import is_moe_layer, moe_block
 from fleetwise.plan.units import Acts, Unit
@@ -137,10 +139,12 @@ def units(m: LlamaModel) -> list[Unit]:
         largest_whole=h,
     )
     dense = block(m)
+    # one Unit object per block: the planner keys per-block facts by the object (plan/chunks.py
+    # block_recomputes: a zero-bubble chunk's blocks are recomputed twice, the first chunk's once)
     blocks = [
         moe_block(dense, m.moe, s, h, m.ffn_hidden_size, h * m.num_attention_heads * m.head_width)
         if is_moe_layer(m.moe, i)
-        else dense
+        else replace(dense)
         for i in range(m.num_layers)
     ]
     return [emb, *blocks, head]
