@@ -12,9 +12,10 @@ all-gather and a reduce-scatter (n-1)/n. What each engine runs per step:
 - Tensor parallel: the DTensor plans' all-reduces (or all-gather + reduce-scatter pairs under
   sequence parallelism) of each block, the embedding and the head (`mp_traffic`).
 - Pipeline: each micro-batch's boundary activation forward and its gradient back.
-- Context parallel (a "cp" entry, only when cp > 1): the ring's K/V all-gathers or ulysses'
-  all-to-alls of every layer (plan/context_parallel.py); DDP's all-reduce spans dp × cp and FSDP's
-  collectives sharding × cp.
+- Context parallel (a "cp" entry, only when cp > 1): the ring's point-to-point steps (K/V forward,
+  K/V and dK/dV backward) or ulysses' all-to-alls of every layer (plan/context_parallel.py; the
+  ring's steps partly hidden behind its blocks' attention on GPUs: `cp_hidden_seconds`); DDP's
+  all-reduce spans dp × cp and FSDP's collectives sharding × cp.
 A call costs the profile's latency, its bytes the profile's bandwidth (inter-node where the
 dimension's groups span nodes).
 """
