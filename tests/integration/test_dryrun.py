@@ -98,10 +98,13 @@ def test_dryrun_peak_matches_the_real_run(tmp_path, capsys, name):
         return read_metrics(tmp_path / run)[-1]["memory/peak_bytes_max"]
 
     real = real_peak("real")
-    code, stdout, stderr = cli_in_process(capsys, "dryrun", *args, "--ranks", "all", "--json")
+    # the dry run's own choice of ranks, one per distinct role (dryrun/parent.py default_ranks): the
+    # real run's worst rank over every rank is held against the worst of those, so a role the
+    # choice misses (a rank that peaks higher than the one standing for it) fails here too
+    code, stdout, stderr = cli_in_process(capsys, "dryrun", *args, "--json")
     assert code == 0, stderr[-3000:]
     out = json.loads(stdout)
-    assert [x["rank"] for x in out["ranks"]] == list(range(procs))
+    assert {x["rank"] for x in out["ranks"]} <= set(range(procs)) and out["ranks"]
     simulated = max(x["memory_bytes"]["peak"] for x in out["ranks"])
     if abs(simulated / real - 1) > 0.02:
         # The real peak is not fully deterministic (most likely gloo's worker thread dropping its

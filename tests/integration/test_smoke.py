@@ -33,8 +33,9 @@ def test_a_two_rank_job_trains_and_writes_its_run_directory(tmp_path):
     assert 0.8 < last["memory/peak_bytes_max"] / last["memory/predicted_bytes"] < 1.25
     assert sorted(p.name for p in (run_dir / "logs").glob("rank_*.log")) == ["rank_0.log", "rank_1.log"]
     assert "final loss" in r.stdout
-    # the ranks were forked from the agent's preloaded fork server (not two more interpreters
-    # importing torch), with the one intra-op thread torchrun gives ranks that share a node
+    # the ranks were forked from a preloaded fork server (not two more interpreters importing
+    # torch), which is the agent itself (not one more interpreter importing what the agent has),
+    # with the one intra-op thread torchrun gives ranks that share a node
     for log in (run_dir / "logs").glob("rank_*.log"):
         start_up = next(line for line in log.read_text().splitlines() if "start-up:" in line)
-        assert "forked from the fork server, 1 threads;" in start_up, start_up
+        assert "forked from the fork server (the agent), 1 threads;" in start_up, start_up

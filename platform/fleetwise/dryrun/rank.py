@@ -172,7 +172,7 @@ def _run_trainer(
     built = time.perf_counter()
     labels = mesh_group_labels(trainer.mesh, trainer.model.expert_mesh)
     n = cfg.train.accumulate_steps
-    counts = sampled_counts(trainer, n) if sample and not helper else None
+    counts = sampled_counts(trainer, n, steps) if sample and not helper else None
     full_schedule = trainer.model.schedule
     # sampled: nb first (pipelining sizes its per-micro-batch infrastructure on its first step),
     # then na and nb again, both with optimizer state: the two points every count is scaled from

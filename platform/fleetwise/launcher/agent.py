@@ -17,7 +17,11 @@ came back -- which torch does not count as a restart -- still resumes from the c
 The ranks are forked from a fork server that imported torch and the runtime once (`fork_ranks`),
 not started as new interpreters that import them again (torchrun's `python -m WORKER RUN_DIR`): a
 rank's imports cost ~5 s of CPU, which an 8-rank job on a 2-core machine paid 8 times before its
-first step (measured: the demo's 8-rank layout, 3 steps, 46 s -> 25 s wall).
+first step (measured: the demo's 8-rank layout, 3 steps, 46 s -> 25 s wall). The server is this
+agent itself, forked once it has imported what the ranks need and before torchrun starts a thread
+(`start_fork_server`): multiprocessing's own server would be one more interpreter importing torch
+and the runtime again (~3 s of CPU a job, measured 6.3 CPU-s for the preload against 3.3 for the
+agent's own imports).
 """
 
 from __future__ import annotations
@@ -108,18 +112,82 @@ def export_round() -> None:
 
 
 def start_fork_server() -> None:
-    """Start the fork server the ranks are forked from, with PRELOAD importing in it -- before this
-    agent imports torch itself, so that both imports run at once on a machine with a spare core.
+    """Import PRELOAD here, then start the fork server the ranks are forked from: this process
+    forked (`_fork_the_server`), or multiprocessing's own server importing PRELOAD again where that
+    cannot be done (a thread already running, another Python's ForkServer).
 
     Process tree: agent -> fork server -> ranks, one session: the launcher's SIGTERM to the session
     reaches the ranks themselves. The agent ends the server before it exits (`stop_fork_server`),
     and the ranks die with it (runtime/worker.py: die_with_parent)."""
+    import importlib
     import multiprocessing
+    import threading
     from multiprocessing import forkserver
 
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    from fleetwise.runtime.worker import FORK_SERVER_VAR
+
+    here = threading.active_count() == 1 and _can_fork_the_server()
+    os.environ[FORK_SERVER_VAR] = "the agent" if here else "a new interpreter"  # the ranks' start-up line
     SERVER_ENV.update(os.environ)
-    forkserver.ensure_running()  # returns at once; the server imports PRELOAD meanwhile
+    if here:
+        _fork_the_server()
+    else:
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
+
+
+# multiprocessing's ForkServer client state in the Pythons whose server this agent can become
+# (3.11, 3.12); 3.13 adds an authentication key exchanged at start-up, and others may differ
+_FORK_SERVER_STATE = {
+    "_forkserver_address",
+    "_forkserver_alive_fd",
+    "_forkserver_pid",
+    "_inherited_fds",
+    "_lock",
+    "_preload_modules",
+}
+
+
+def _can_fork_the_server() -> bool:
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the stdlib's, no public accessor
+    return set(vars(server)) == _FORK_SERVER_STATE and server._forkserver_pid is None
+
+
+def _fork_the_server() -> None:
+    """Become multiprocessing's fork server by forking: the child runs the stdlib's own server loop
+    (`forkserver.main`) on a listening socket made here, and this process keeps the client's state
+    as `ForkServer.ensure_running` does after starting a server -- its address, the write end of
+    the pipe whose closing ends the server, its pid. Must run while this process has one thread (a
+    fork copies no other thread, nor the locks they hold), and where this Python's ForkServer holds
+    the state `_can_fork_the_server` knows."""
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    server = forkserver._forkserver  # the stdlib's, no public accessor
+    resource_tracker.ensure_running()  # as ensure_running: the ranks share one tracker
+    address = connection.arbitrary_address("AF_UNIX")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    sys.stdout.flush()  # nothing this agent has buffered may reach a rank's log through the fork
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the server: it ends when every holder of alive_w has gone (the agent)
+        try:
+            os.close(alive_w)
+            forkserver.main(listener.detach(), alive_r, [])
+        finally:
+            os._exit(0)
+    listener.close()
+    os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    util.Finalize(None, os.unlink, args=(address,), exitpriority=0)  # the socket file, at exit
 
 
 def stop_fork_server() -> None:

@@ -78,7 +78,9 @@ class LiveTensorBytes(TorchDispatchMode):
     def _storage(t: torch.Tensor):
         """The storage of this rank's part of `t` that the tracker counts, or None."""
         t = local_tensor(t)
-        if t.device.type != "cpu" or t.is_meta:
+        # the device type alone: a meta tensor's is "meta", and `t.is_meta` on a fake tensor is an op
+        # dispatched through every mode (~0.2 ms a call in the dry run, 5% of its time)
+        if t.device.type != "cpu":
             return None
         try:
             return t.untyped_storage()

@@ -46,6 +46,11 @@ def redirect_output(log_file: Path) -> None:
     logging.setLogRecordFactory(factory)
 
 
+# which process the fork server is, set by the agent before it starts one (launcher/agent.py): "the
+# agent" (forked from it, nothing imported twice) or "a new interpreter" (multiprocessing's own)
+FORK_SERVER_VAR = "FLEETWISE_FORK_SERVER"
+
+
 def main(argv: list[str] | None = None, started_as: str = "a new interpreter") -> int:
     """One rank's job; `started_as` (how this process started) goes into its start-up log line."""
     started = time.perf_counter()
@@ -123,7 +128,8 @@ def forked(run_dir: str, group_env: dict[str, str]) -> None:
     `group_env`: what the server's environment lacks of the agent's (agent.GROUP_ENV)."""
     os.environ.update(group_env)
     try:
-        main([run_dir], started_as="forked from the fork server")
+        server = os.environ.get(FORK_SERVER_VAR, "unknown")
+        main([run_dir], started_as=f"forked from the fork server ({server})")
     except Exception:
         # into the rank's log, as an interpreter prints an uncaught exception (torch's start of a
         # function hands it to the agent only; the launcher shows rank 0's log and folds it)

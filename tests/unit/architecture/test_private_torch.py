@@ -40,7 +40,10 @@ NOT_TORCH = {
     "_exit",  # os._exit
     "_get_node",  # omegaconf's node lookup (launcher/train.py)
     "_process",  # MLflow's system-metrics sampler thread (tracking/run_tracker.py)
-    "_forkserver_pid",  # the standard library's fork server (launcher/agent.py)
+    # the standard library's fork server, whose client state the agent sets (launcher/agent.py)
+    "_forkserver_pid",
+    "_forkserver_address",
+    "_forkserver_alive_fd",
     "_init_weights",  # transformers' PreTrainedModel initializer, its documented hook (families/custom/initializer.py)
 }
 
