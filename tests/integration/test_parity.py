@@ -185,7 +185,7 @@ GPT_LAYOUTS = {
         2,
     ),
     # context parallelism (runtime/context_parallel.py): each sequence in head-tail chunks over 2
-    # ranks. ring: keys/values gathered, blockwise softmax merge, DDP over cp; ulysses: all-to-all
+    # ranks. ring: keys/values passed around, blockwise softmax merge, DDP over cp; ulysses: all-to-all
     # to head sharding, FSDP over the flattened sharding × cp dim
     "cp2_ring": (("strategy=hybrid", "strategy.cp_degree=2"), 2),
     "cp2_ulysses_sh2_stage2": (
@@ -375,7 +375,7 @@ def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers
             "strategy.pp_degree=2",
         ),
         "zero3x2": ("strategy=sharding", "strategy.sharding_stage=3"),
-        # context parallel 2 with grouped-query attention: ring (the 4 kv heads gathered, then
+        # context parallel 2 with grouped-query attention: ring (the 4 kv heads passed around, then
         # widened to the 8 query heads) and ulysses (each rank 4 query heads and their 2 kv heads);
         # the rotary angles and q/k norms of each chunk's true positions. ulysses with ZeRO-3 at
         # sharding_degree 1: FSDP shards over the cp ranks alone (the ring runs DDP over cp)

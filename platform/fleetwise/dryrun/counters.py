@@ -38,10 +38,12 @@ _COLLECTIVES = {
     "reduce_scatter_tensor_coalesced_": _SCATTER,
     "broadcast_": (0, lambda n: (n - 1) / n),
     "gather_": (1, lambda n: 1.0),
+    # point-to-point (pipelining's stages; the context-parallel ring's steps): batch_isend_irecv
+    # dispatches one c10d send / recv_ per op, on the op's group (counted under its mesh dimension)
     "send": (0, lambda n: 1.0),
     "recv_": (0, lambda n: 0.0),  # counted by the sender
-    # all-to-alls (context parallelism: ulysses' all_to_all_single; the ring's all-gather backward
-    # on gloo is a list all-to-all): every rank keeps 1/n of its input and sends the rest
+    # all-to-alls (context parallelism: ulysses' all_to_all_single): every rank keeps 1/n of its
+    # input and sends the rest
     "alltoall_base_": (1, lambda n: (n - 1) / n),
     "alltoall_": (1, lambda n: (n - 1) / n),
     # functional collectives (DTensor redistributions, tensor parallelism)

@@ -12,9 +12,10 @@ all-gather and a reduce-scatter (n-1)/n. What each engine runs per step:
 - Tensor parallel: the DTensor plans' all-reduces (or all-gather + reduce-scatter pairs under
   sequence parallelism) of each block, the embedding and the head (`mp_traffic`).
 - Pipeline: each micro-batch's boundary activation forward and its gradient back.
-- Context parallel (a "cp" entry, only when cp > 1): the ring's K/V all-gathers or ulysses'
-  all-to-alls of every layer (plan/context_parallel.py); DDP's all-reduce spans dp × cp and FSDP's
-  collectives sharding × cp.
+- Context parallel (a "cp" entry, only when cp > 1): the ring's point-to-point steps (K/V forward,
+  K/V and dK/dV backward) or ulysses' all-to-alls of every layer (plan/context_parallel.py; the
+  ring's steps partly hidden behind its blocks' attention on GPUs: `cp_hidden_seconds`); DDP's
+  all-reduce spans dp × cp and FSDP's collectives sharding × cp.
 A call costs the profile's latency, its bytes the profile's bandwidth (inter-node where the
 dimension's groups span nodes).
 """
@@ -31,7 +32,7 @@ from fleetwise.config.run import RunConfig
 from fleetwise.config.strategy import CollectiveStrategy
 from fleetwise.families import family_of
 from fleetwise.plan.chunks import block_recomputes, rank_units
-from fleetwise.plan.context_parallel import cp_traffic
+from fleetwise.plan.context_parallel import cp_traffic, ring_hidden_seconds
 from fleetwise.plan.dtypes import FP32, activation_bytes, compute_bytes
 from fleetwise.plan.units import Unit
 
@@ -315,7 +316,9 @@ def edp_traffic(
     gathers_per_step, scatters = fsdp_collectives(s, layout, n)
     gathered = gathers_per_step * compute_bytes(cfg.train.precision) * experts
     blocks = sum(1 for u in units if u.expert_params)
-    return Traffic((edp - 1) / edp * (gathered + scatters * FP32 * experts), (gathers_per_step + scatters) * blocks)
+    return Traffic(
+        (edp - 1) / edp * (gathered + scatters * FP32 * experts), (gathers_per_step + scatters) * blocks
+    )
 
 
 def ep_traffic(cfg: RunConfig, ep: int, units: list[Unit], n: int) -> Traffic:
@@ -411,3 +414,14 @@ def comm_seconds(cfg: RunConfig, layout: Layout, comm: Comm) -> dict[str, float]
         dim: (cost[dim] / bw[dim] + comm.calls[dim] * latency(cfg, layout, dim)) * cfg.hardware.ranks_per_core
         for dim in comm.bytes
     }
+
+
+def cp_hidden_seconds(cfg: RunConfig, layout: Layout, n: int) -> float:
+    """Seconds of the ring's point-to-point steps hidden behind its blocks' attention, per step, at
+    the cp dimension's bandwidth and latency (plan/context_parallel.py ring_hidden_seconds)."""
+    if layout.cp == 1:
+        return 0.0
+    recomputes = cfg.model.num_layers if cfg.strategy.recompute == "full" else 0
+    return ring_hidden_seconds(
+        cfg, layout, n, bandwidth(cfg, layout, "cp"), latency(cfg, layout, "cp"), recomputes
+    )

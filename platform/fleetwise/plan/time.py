@@ -32,7 +32,7 @@ from fleetwise.config.layout import Layout
 from fleetwise.config.run import RunConfig
 from fleetwise.plan.cache import PLAN_CACHE
 from fleetwise.plan.chunks import RankRole, block_recomputes, unit_groups
-from fleetwise.plan.comm import collective_comm, comm_seconds, fsdp_collectives
+from fleetwise.plan.comm import collective_comm, comm_seconds, cp_hidden_seconds, fsdp_collectives
 from fleetwise.plan.context_parallel import device_flops_per_sample as cp_device_flops
 from fleetwise.plan.dtypes import FP32
 from fleetwise.plan.job import Job
@@ -482,6 +482,7 @@ class StepTime:
     update: float
     offload: float
     step: float
+    cp_hidden: float = 0.0  # the ring's steps hidden behind its blocks' attention (plan/comm.py)
 
     def time_s(self) -> dict[str, float]:
         compute = self.slowest.compute
@@ -492,7 +493,8 @@ class StepTime:
             "grad_accumulate": self.slowest.grad_accumulate,
             "bubble": self.pipelined_compute - compute,
             **{f"comm_{k}": v for k, v in self.comm.items()},
-            "comm_hidden": self.hidden,
+            # dp and sharding traffic hidden behind compute, and the ring's steps behind its blocks
+            "comm_hidden": self.hidden + self.cp_hidden,
             "update": self.update,
             "offload": self.offload,
         }
@@ -518,15 +520,32 @@ def step_time(job: Job, roles: list[RankRole], rank_params: list[float], worst: 
     overlappable = seconds["dp"] + seconds["sharding"] + seconds.get("edp", 0.0)
     window = overlap_window(job.engine, layout, n, compute)
     hidden = min(overlappable, window) if cfg.hardware.device_type == "cuda" else 0.0
-    # the experts' all-to-alls sit between the router and the experts, and context parallelism's
-    # collectives run before each layer's attention needs them: nothing to hide either behind
+    # the experts' all-to-alls sit between the router and the experts, and ulysses' between the
+    # projections and attention: nothing to hide behind; the ring's steps hide behind its blocks
+    cp_hidden = min(seconds.get("cp", 0.0), cp_hidden_seconds(cfg, layout, n))
     exposed = (
-        seconds["mp"] + seconds["pp"] + seconds.get("ep", 0.0) + seconds.get("cp", 0.0) + overlappable - hidden
+        seconds["mp"]
+        + seconds["pp"]
+        + seconds.get("ep", 0.0)
+        + seconds.get("cp", 0.0)
+        - cp_hidden
+        + overlappable
+        - hidden
     )
     offload = offload_seconds(job, rank_params[worst])
     step = pipelined_compute + exposed + update + offload
     return StepTime(
-        bubble, stages, slowest, pipelined_compute, seconds, comm.bytes, hidden, update, offload, step
+        bubble,
+        stages,
+        slowest,
+        pipelined_compute,
+        seconds,
+        comm.bytes,
+        hidden,
+        update,
+        offload,
+        step,
+        cp_hidden,
     )
 
 

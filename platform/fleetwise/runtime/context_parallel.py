@@ -7,23 +7,35 @@ one early chunk (few keys to look at) and one late chunk (many): the causal work
 
 Attention over the whole sequence, two ways (`strategy.cp_method`):
 
-- ring: every rank's keys/values reach every other rank, and each query chunk attends to the key
-  chunks at or before it block by block, merging the blocks' softmaxes by their log-sum-exp
-  (Liu et al. 2023, "Ring Attention"; the online softmax of Milakov & Gimelshein 2018). The keys
-  and values travel in ONE all-gather per layer (torch's context_parallel offers the same as its
-  `allgather` rotate method) rather than cp-1 send/recv steps: the bytes each rank receives are the
-  same ((cp-1)/cp of the sequence's keys and values), without the overlap of a true ring.
+- ring: the ranks pass their keys/values around the ring, cp steps: at step t a rank holds the block
+  of the rank t places before it and attends its two query chunks to that block's two key chunks
+  -- a key chunk after the query chunk is skipped (causal), the same chunk is the causal diagonal,
+  an earlier one is full -- merging the blocks' softmaxes by their log-sum-exp, in fp32 (Liu et
+  al. 2023, "Ring Attention"; the online softmax of Milakov & Gimelshein 2018). The next block's
+  send/receive (batch_isend_irecv to the next cp rank, from the one before: `_Ring`) starts before
+  the block in hand is computed and is waited for only after it, so the transfer hides behind that
+  block's attention where the compute is the longer (plan/context_parallel.py counts the rest).
+  Head-tail chunking gives every rank 2·cp + 1 of the (2·cp)² chunk pairs to compute.
+  Backward: written by hand (`_RingAttention`, FlashAttention's backward block by block), not a
+  differentiable rotate: autograd would keep every block it received saved for the backward --
+  the whole sequence's keys/values, and each block's scores -- where the hand-written backward
+  passes the keys/values around the ring again, recomputes each block's probabilities from the
+  saved log-sum-exp, and sends each block's dK/dV (fp32, summed on the way) along with it: after
+  cp - 1 hops a block's gradient is at its owner. Saved for the backward: this rank's q, k, v, the
+  output (sequence-major, so the out-projection's input is a view of it, as with SDPA) and the
+  fp32 log-sum-exp -- what plain attention saves; in flight at any time at most two blocks of
+  keys/values (the one in hand, the one arriving) and, backward, two of dK/dV. Peers are global
+  ranks taken from the cp group, so any cp group runs on gloo (cp × mp, cp × pp; the all-gather of
+  torch.distributed.nn.functional, used once, failed there: "Global rank 0 is not part of group").
+  Traffic per layer: forward cp - 1 blocks of K/V ((cp-1)/cp of the sequence's), backward the
+  same again and as many of fp32 dK/dV.
 - ulysses: an all-to-all turns q, k, v from sequence-sharded (all heads, 1/cp of the tokens) into
   head-sharded (1/cp of the heads, all the tokens), plain causal attention runs on whole sequences,
   and a second all-to-all turns the output back (Jacobs et al. 2023, "DeepSpeed Ulysses").
 
-Both are differentiable: the ring's all-gather through `_GatherKV` (its backward an all-to-all of
-the gradients, summed: a reduce-scatter's bytes, on every backend -- torch.distributed.nn.functional's
-all-gather, used before, runs its gloo backward as scatters from the group's ranks taken as global
-ranks: any cp group but the one holding ranks 0..cp-1 failed, "Global rank 0 is not part of group",
-e.g. cp 2 × mp 2), ulysses' all-to-alls through the experts' differentiable exchange
-(compat.all_to_all_autograd; the backward another all-to-all). Both compute in plain tensor ops (math
-attention): torch's SDPA-based context_parallel does not run on a CPU.
+Ulysses' all-to-alls are differentiable through the experts' exchange (compat.all_to_all_autograd;
+the backward another all-to-all). The ring computes in plain tensor ops (math attention): torch's
+SDPA-based context_parallel does not run on a CPU.
 
 The model asks for this through its attention and position modules' `seq` attribute (None: the
 whole sequence is here); `apply_context_parallel` sets it. The loss of a rank is its chunks' mean;
@@ -35,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -85,30 +97,176 @@ def merge(
     return out_a * torch.exp(lse_a - lse) + out_b * torch.exp(lse_b - lse), lse
 
 
-def chunked_attention(
-    q_chunks: list[torch.Tensor],
-    q_ids: Iterable[int],
-    k_chunks: dict[int, torch.Tensor],
-    v_chunks: dict[int, torch.Tensor],
-    causal: bool,
-) -> torch.Tensor:
-    """Each query chunk (global chunk index in q_ids) over the key chunks it may see -- causal: those
-    at or before it, the diagonal one masked -- merged block by block; the outputs concatenated
-    along the sequence (dim -2), in q_chunks' order."""
-    outs = []
-    for qc, qi in zip(q_chunks, q_ids, strict=True):
-        seen = range(qi + 1) if causal else sorted(k_chunks)
-        out, lse = None, None
-        for kj in seen:
-            o, block_lse = block_attention(qc, k_chunks[kj], v_chunks[kj], causal and kj == qi)
-            out, lse = (o, block_lse) if out is None else merge(out, lse, o, block_lse)
-        outs.append(out)
-    return torch.cat(outs, dim=-2)
-
-
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     """Grouped-query attention: query head i uses kv head i // (heads / kv_heads) (SDPA's enable_gqa)."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def block_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
+    """How query chunk `q_chunk` attends to key chunk `k_chunk` (global chunk indices): "skip" (the
+    keys all come after the queries, causal), "diagonal" (the same positions: causal within) or
+    "full"."""
+    if not causal or k_chunk < q_chunk:
+        return "full"
+    return "diagonal" if k_chunk == q_chunk else "skip"
+
+
+def ring_owners(rank: int, cp: int) -> list[int]:
+    """Whose keys/values cp rank `rank` holds at each of the ring's cp steps: its own first, then
+    those of the rank before it, and so on (every step each rank passes its block to the next)."""
+    return [(rank - step) % cp for step in range(cp)]
+
+
+def _chunk(x: torch.Tensor, half: int) -> torch.Tensor:
+    """Chunk `half` (0: head, 1: tail) of a rank's two along the sequence (dim -2)."""
+    c = x.shape[-2] // 2
+    return x[..., half * c : (half + 1) * c, :]
+
+
+def attend_block(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    q_ids: tuple[int, int],
+    k_ids: tuple[int, int],
+    causal: bool,
+    acc: list[tuple[torch.Tensor, torch.Tensor] | None],
+) -> None:
+    """One ring step forward: this rank's query chunks q [b, h, 2c, d] over the key/value block kv
+    [2, b, kv_heads, 2c, d] of the rank holding chunks `k_ids`, merged into `acc` (per query chunk:
+    the fp32 output and log-sum-exp so far, None before its first block)."""
+    for a, qi in enumerate(q_ids):
+        for bj, kj in enumerate(k_ids):
+            kind = block_kind(qi, kj, causal)
+            if kind == "skip":
+                continue
+            k = _expand_kv(_chunk(kv[0], bj), q.shape[1])
+            v = _expand_kv(_chunk(kv[1], bj), q.shape[1])
+            o, lse = block_attention(_chunk(q, a), k, v, kind == "diagonal")
+            acc[a] = (o, lse) if acc[a] is None else merge(*acc[a], o, lse)
+
+
+def block_grads(
+    q: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    kv: torch.Tensor,
+    q_ids: tuple[int, int],
+    k_ids: tuple[int, int],
+    causal: bool,
+    grad_q: torch.Tensor,
+) -> torch.Tensor:
+    """One ring step backward (FlashAttention's, block by block): the scores recomputed from q and
+    the block's keys, the probabilities from the forward's log-sum-exp `lse`; adds this block's
+    share of dq into `grad_q` (fp32, like q) and returns the block's dK/dV [2, b, kv_heads, 2c, d]
+    (fp32) from this rank's queries. delta: rowsum(dO · O), fp32 [b, h, 2c, 1]."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    heads, kv_heads = q.shape[1], kv.shape[2]
+    grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    for a, qi in enumerate(q_ids):
+        qa, doa = _chunk(q, a).float(), _chunk(grad_out, a).float()
+        for bj, kj in enumerate(k_ids):
+            kind = block_kind(qi, kj, causal)
+            if kind == "skip":
+                continue
+            k = _expand_kv(_chunk(kv[0], bj), heads).float()
+            v = _expand_kv(_chunk(kv[1], bj), heads).float()
+            scores = (qa @ k.transpose(-2, -1)) * scale
+            if kind == "diagonal":
+                keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+                scores = scores.masked_fill(~keep, float("-inf"))
+            p = torch.exp(scores - _chunk(lse, a))
+            dv = p.transpose(-2, -1) @ doa
+            ds = p * (doa @ v.transpose(-2, -1) - _chunk(delta, a))
+            _chunk(grad_q, a).add_(ds @ k, alpha=scale)
+            dk = (ds.transpose(-2, -1) @ qa) * scale
+            if kv_heads != heads:  # the query heads sharing a kv head sum into it
+                dk, dv = (x.unflatten(1, (kv_heads, heads // kv_heads)).sum(2) for x in (dk, dv))
+            _chunk(grad_kv[0], bj).add_(dk)
+            _chunk(grad_kv[1], bj).add_(dv)
+    return grad_kv
+
+
+class _Ring:
+    """Point-to-point passing around a cp group: every rank sends to the next (cp rank + 1) and
+    receives from the one before, asynchronously (torch.distributed batch_isend_irecv; peers as
+    global ranks, taken from the group, so any cp group works: cp × mp, cp × pp)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, cp: int):
+        self.group = group
+        self.next = dist.get_global_rank(group, (rank + 1) % cp)
+        self.prev = dist.get_global_rank(group, (rank - 1) % cp)
+
+    def start(self, send: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, list]:
+        """Send `send` on, receive its like from behind: (the receive buffer, the Works to wait for
+        before reading it -- or overwriting `send`). tag: which flow (the backward has the keys/values
+        and the travelling dK/dV in flight at once; gloo matches messages by tag, NCCL in order)."""
+        recv = torch.empty_like(send)
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
+        recv, works = pending
+        for w in works:
+            w.wait()
+        return recv
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with its own backward (module doc): forward cp steps over the blocks passed
+    around the ring; backward the keys/values around the ring again, each block's dK/dV travelling
+    with it and arriving at its owner after cp - 1 hops. Saves q, k, v (this rank's), the output
+    and the fp32 log-sum-exp: nothing of the other ranks' blocks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring, rank: int, cp: int, causal: bool):
+        kv = torch.stack((k, v))
+        q_ids = chunk_ids(rank, cp)
+        acc: list = [None, None]
+        for step, owner in enumerate(ring_owners(rank, cp)):
+            pending = ring.start(kv) if step < cp - 1 else None  # the next block, while this computes
+            attend_block(q, kv, q_ids, chunk_ids(owner, cp), causal, acc)
+            if pending is not None:
+                kv = ring.finish(pending)
+        out32 = torch.cat([o for o, _ in acc], dim=-2)
+        lse = torch.cat([x for _, x in acc], dim=-2)
+        # laid out sequence-major ([b, s, h, d] in memory), as SDPA's: the out-projection's input
+        # (transpose back, flatten the heads) is then a view of it, not a copy
+        b, h, s, d = out32.shape
+        out = out32.new_empty((b, s, h, d), dtype=q.dtype).copy_(out32.transpose(1, 2)).transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.rank, ctx.cp, ctx.causal = ring, rank, cp, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, rank, cp, causal = ctx.ring, ctx.rank, ctx.cp, ctx.causal
+        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        q_ids = chunk_ids(rank, cp)
+        kv = torch.stack((k, v))
+        own = travelling = None
+        for step, owner in enumerate(ring_owners(rank, cp)):
+            pending = ring.start(kv) if step < cp - 1 else None
+            grads = block_grads(q, grad_out, lse, delta, kv, q_ids, chunk_ids(owner, cp), causal, grad_q)
+            if step == 0:
+                own = grads  # this rank's share of its own block's gradient: added last, at home
+            else:
+                # the block's dK/dV from the ranks it visited so far (none at step 1), plus ours,
+                # on to the next rank (at the last step: the block's owner)
+                if travelling is not None:
+                    grads = grads + ring.finish(travelling)
+                travelling = ring.start(grads, tag=1)
+            if pending is not None:
+                kv = ring.finish(pending)
+        if travelling is not None:
+            own = own + ring.finish(travelling)
+        return grad_q.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
 
 
 @dataclass
@@ -119,6 +277,7 @@ class SeqShard:
     rank: int
     cp: int
     method: str  # "ring" | "ulysses"
+    _ring_peers: _Ring | None = field(default=None, repr=False)  # (made at the first ring attention)
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         return local_positions(local_len * self.cp, self.rank, self.cp, device)
@@ -135,18 +294,9 @@ class SeqShard:
         return self._ring(q, k, v, causal)
 
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        c = q.shape[-2] // 2
-        gathered = _GatherKV.apply(torch.stack((k, v)), self.group, self.cp)  # [cp, 2, b, kv, 2c, d]
-        k_chunks: dict[int, torch.Tensor] = {}
-        v_chunks: dict[int, torch.Tensor] = {}
-        for j, kv in enumerate(gathered):
-            for half, chunk in enumerate(chunk_ids(j, self.cp)):
-                part = kv[..., half * c : (half + 1) * c, :]
-                k_chunks[chunk] = _expand_kv(part[0], q.shape[1])
-                v_chunks[chunk] = _expand_kv(part[1], q.shape[1])
-        q_chunks = [q[..., :c, :], q[..., c:, :]]
-        out = chunked_attention(q_chunks, chunk_ids(self.rank, self.cp), k_chunks, v_chunks, causal)
-        return out.to(q.dtype)
+        if self._ring_peers is None:
+            self._ring_peers = _Ring(self.group, self.rank, self.cp)
+        return _RingAttention.apply(q, k, v, self._ring_peers, self.rank, self.cp, causal)
 
     def _ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         order = self._natural_order(q.shape[-2], q.device)
@@ -184,25 +334,6 @@ class SeqShard:
         send = x.reshape(b, hc, self.cp, s // self.cp, d).permute(2, 0, 1, 3, 4).contiguous()
         recv = self._all_to_all(send)
         return recv.transpose(0, 1).reshape(b, hc * self.cp, s // self.cp, d)
-
-
-class _GatherKV(torch.autograd.Function):
-    """Every cp rank's x, stacked in rank order [cp, ...]; backward: each rank's share of the stacked
-    gradient sent back to it by one all-to-all and summed there (what a reduce-scatter computes;
-    gloo has none over a subgroup that torch's own autograd all-gather gets right)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
-        ctx.group = group
-        out = torch.empty((cp * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # (gloo: along dim 0 only)
-        return out.view(cp, *x.shape)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        mine = torch.empty_like(grad)  # row i: rank i's gradient of this rank's x
-        dist.all_to_all_single(mine, grad.contiguous(), group=ctx.group)
-        return mine.sum(0), None, None
 
 
 def apply_context_parallel(parts: Iterable[nn.Module], group: dist.ProcessGroup, method: str) -> SeqShard:

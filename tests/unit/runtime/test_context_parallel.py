@@ -3,16 +3,23 @@ against plain full attention (torch's SDPA on the whole sequence)."""
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fleetwise.runtime.context_parallel import (
+    _RingAttention,
+    attend_block,
     block_attention,
+    block_grads,
+    block_kind,
     chunk_ids,
-    chunked_attention,
     local_positions,
     merge,
+    ring_owners,
     shard_sequence,
 )
 
@@ -43,28 +50,125 @@ def test_merge_of_two_blocks_equals_one_softmax():
     assert torch.allclose(lse.double(), torch.logsumexp(scores, -1, keepdim=True), atol=1e-5)
 
 
+def test_each_ranks_blocks_are_skipped_diagonal_or_full_as_causality_says():
+    """cp 2: chunks of 4 (rank 0: 0 and 3, rank 1: 1 and 2). Per rank and ring step, the (query
+    chunk, key chunk) pairs of its two query chunks over the block it holds; 2·cp + 1 = 5 computed."""
+    assert ring_owners(0, 2) == [0, 1] and ring_owners(1, 2) == [1, 0] and ring_owners(1, 4) == [1, 0, 3, 2]
+
+    def kinds(rank, cp):
+        return [
+            [block_kind(qi, kj, causal=True) for qi in chunk_ids(rank, cp) for kj in chunk_ids(owner, cp)]
+            for owner in ring_owners(rank, cp)
+        ]
+
+    # pairs in the order (head, head), (head, tail), (tail, head), (tail, tail)
+    assert kinds(0, 2) == [
+        ["diagonal", "skip", "full", "diagonal"],  # its own chunks 0, 3
+        ["skip", "skip", "full", "full"],  # rank 1's 1, 2: after chunk 0, before chunk 3
+    ]
+    assert kinds(1, 2) == [
+        ["diagonal", "skip", "full", "diagonal"],  # its own chunks 1, 2
+        ["full", "skip", "full", "skip"],  # rank 0's 0 (before both), 3 (after both)
+    ]
+    for cp in (2, 3, 4):
+        for r in range(cp):
+            computed = [k for step in kinds(r, cp) for k in step if k != "skip"]
+            assert len(computed) == 2 * cp + 1 and computed.count("diagonal") == 2
+    assert block_kind(3, 1, causal=False) == block_kind(1, 3, causal=False) == "full"
+
+
+class _VirtualRing:
+    """cp ranks as threads of one process, passing tensors through queues: the transport
+    _RingAttention uses (`start`, `finish`), without process groups."""
+
+    def __init__(self, cp: int):
+        self.cp = cp
+        self.boxes = {(r, tag): queue.Queue() for r in range(cp) for tag in (0, 1)}
+
+    def peer(self, rank: int):
+        ring = self
+
+        class Peer:
+            def start(self, send, tag=0):
+                ring.boxes[((rank + 1) % ring.cp, tag)].put(send.clone())
+                return rank, tag
+
+            @staticmethod
+            def finish(pending):
+                return ring.boxes[pending].get(timeout=30)
+
+        return Peer()
+
+
+@pytest.mark.parametrize(("cp", "heads", "kv_heads"), [(2, 2, 2), (4, 2, 2), (4, 4, 2)])
+def test_ring_attention_over_virtual_ranks_equals_full_causal_attention(cp, heads, kv_heads):
+    """_RingAttention's forward and hand-written backward, cp ranks as threads (the ring's keys and
+    values, and the dK/dV travelling back to their owners, through queues), laid back in sequence
+    order: the output and the gradients of q, k and v equal SDPA's over the whole sequence (grouped-
+    query attention too)."""
+    torch.manual_seed(0)
+    b, s, d = 2, 16, 4
+    q = torch.randn(b, heads, s, d, requires_grad=True)
+    k, v = (torch.randn(b, kv_heads, s, d, requires_grad=True) for _ in range(2))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+    w = torch.randn_like(want)
+    grads_want = torch.autograd.grad((want * w).sum(), (q, k, v))
+
+    ring = _VirtualRing(cp)
+    results: dict[int, tuple] = {}
+
+    def rank(r):
+        mine = [shard_sequence(x.detach(), r, cp, dim=2).requires_grad_() for x in (q, k, v)]
+        out = _RingAttention.apply(*mine, ring.peer(r), r, cp, True)
+        grads = torch.autograd.grad((out * shard_sequence(w, r, cp, dim=2)).sum(), mine)
+        results[r] = (out.detach(), *grads)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == list(range(cp))
+    # sequence-major like SDPA's output: the out-projection's input is a view of it
+    assert results[0][0].transpose(1, 2).is_contiguous()
+    for i, full in enumerate((want, *grads_want)):
+        got = torch.empty_like(full)
+        for r in range(cp):
+            got[..., local_positions(s, r, cp), :] = results[r][i]
+        assert torch.allclose(got, full, atol=1e-5), i
+
+
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_every_ranks_chunks_attend_like_full_causal_attention(cp):
-    """Each rank's query chunks over the whole sequence's key chunks (what ring attention computes
-    once the keys arrived), laid back in sequence order, equal causal attention over the sequence;
-    and the gradients of q, k, v too."""
+def test_every_ranks_blocks_merge_like_full_causal_attention(cp):
+    """The ring's steps as pure functions, no transport: each rank's query chunks over every rank's
+    key/value block (attend_block, log-sum-exp merge), laid back in sequence order, equal causal
+    attention over the sequence; and the blockwise backward (block_grads: dq summed on the rank,
+    each block's dK/dV summed over the ranks that saw it) equals autograd's gradients of it."""
     torch.manual_seed(0)
     b, h, s, d = 2, 2, 16, 4
     q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    c = s // (2 * cp)
-    k_chunks = {i: k[..., i * c : (i + 1) * c, :] for i in range(2 * cp)}
-    v_chunks = {i: v[..., i * c : (i + 1) * c, :] for i in range(2 * cp)}
-    got = torch.empty_like(want)
-    for r in range(cp):
-        ids = chunk_ids(r, cp)
-        mine = chunked_attention(
-            [q[..., i * c : (i + 1) * c, :] for i in ids], ids, k_chunks, v_chunks, causal=True
-        )
-        got[..., local_positions(s, r, cp), :] = mine
-    assert torch.allclose(got, want, atol=1e-6)
     w = torch.randn_like(want)
     grads_want = torch.autograd.grad((want * w).sum(), (q, k, v))
-    grads_got = torch.autograd.grad((got * w).sum(), (q, k, v))
-    for a, g in zip(grads_want, grads_got, strict=True):
-        assert torch.allclose(a, g, atol=1e-5)
+    with torch.no_grad():
+        kv = [torch.stack([shard_sequence(x, r, cp, dim=2) for x in (k, v)]) for r in range(cp)]
+        got, dq, dkv = torch.empty_like(want), torch.empty_like(q), [torch.zeros_like(x) for x in kv]
+        for r in range(cp):
+            mine, acc = shard_sequence(q, r, cp, dim=2), [None, None]
+            for owner in ring_owners(r, cp):
+                attend_block(mine, kv[owner], chunk_ids(r, cp), chunk_ids(owner, cp), True, acc)
+            out, lse = (torch.cat([a[i] for a in acc], dim=-2) for i in (0, 1))
+            got[..., local_positions(s, r, cp), :] = out
+            g = shard_sequence(w, r, cp, dim=2)
+            delta, grad_q = (g * out).sum(-1, keepdim=True), torch.zeros_like(mine)
+            for owner in ring_owners(r, cp):
+                ids = chunk_ids(owner, cp)
+                dkv[owner] += block_grads(mine, g, lse, delta, kv[owner], chunk_ids(r, cp), ids, True, grad_q)
+            dq[..., local_positions(s, r, cp), :] = grad_q
+    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(dq, grads_want[0], atol=1e-5)
+    for i in (1, 2):
+        full = torch.empty_like(k)
+        for r in range(cp):
+            full[..., local_positions(s, r, cp), :] = dkv[r][i - 1]
+        assert torch.allclose(full, grads_want[i], atol=1e-5)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fleetwise.families import family_of
 from fleetwise.plan.cache import PLAN_CACHE
 from fleetwise.plan.chunks import unit_groups
-from fleetwise.plan.context_parallel import saved_per_layer
+from fleetwise.plan.context_parallel import ring_backward_peak, saved_per_layer
 from fleetwise.plan.dtypes import FP32
 from fleetwise.plan.memory.context import RankContext
 from fleetwise.plan.pipeline import PipelineSchedule
@@ -41,6 +41,8 @@ def unit_activations(ctx: RankContext, u: Unit) -> UnitActivations:
     # recompute re-materialises (full: all but the block's input; selective: what it
     # does not keep)
     own = b * u.backward_transient.elements(mp, sp) * split_bytes / ctx.cp
+    if u.kind == "block":  # the ring's backward, after the MLP's (plan/context_parallel.py)
+        own = max(own, b * ring_backward_peak(ctx.cfg, ctx.layout, split_bytes))
     if s.recompute != "none" and u.kind == "block":
         own += b * max(0.0, ctx.saved_bytes(u.saved("none")) - per_sample)
     # context parallelism: what attention over the whole sequence saves beyond the rank's tokens
