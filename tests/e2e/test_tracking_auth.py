@@ -124,8 +124,8 @@ def test_refused_credentials_exit_2_before_launch(tmp_path, server, user, passwo
 
 def _environments(marker: str) -> dict[int, tuple[bool, dict[str, str]]]:
     """pid -> (is a rank, environment and, as "cmdline", the command line) of torchrun's agent (a
-    live process whose command line mentions `marker`) and every process under it: the fork server,
-    the ranks forked from it (their command line is the server's), multiprocessing's resource
+    live process whose command line mentions `marker`) and every process under it: the fork server
+    (the agent forked), the ranks forked from it (their command line is the server's), multiprocessing's resource
     tracker. The launcher itself, `fleetwise train`, holds the credentials and is not one of them."""
     procs = {}
     for proc in Path("/proc").iterdir():
@@ -141,12 +141,14 @@ def _environments(marker: str) -> dict[int, tuple[bool, dict[str, str]]]:
         env = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
         procs[int(proc.name)] = (ppid, cmdline, env | {"cmdline": cmdline})
     agents = {p for p, (_, cmd, _) in procs.items() if marker in cmd and "fleetwise.launcher.agent" in cmd}
+    # the fork server is the agent forked (its command line), or multiprocessing's own server
+    servers = {p for p, (ppid, cmd, _) in procs.items() if ppid in agents and ("fleetwise.launcher.agent" in cmd
+               or "multiprocessing.forkserver" in cmd)}  # fmt: skip
     found, frontier = {}, set(agents)
     while frontier:
         for pid in frontier:
             ppid, cmd, env = procs[pid]
-            parent_cmd = procs.get(ppid, (0, "", {}))[1]
-            found[pid] = ("multiprocessing.forkserver" in parent_cmd, env)
+            found[pid] = (ppid in servers, env)
         frontier = {p for p, (ppid, _, _) in procs.items() if ppid in frontier and p not in found}
     return found
 
