@@ -45,3 +45,25 @@ def fastest_fitting(base, budget: float, candidates):
         if plan.memory_bytes["total"] <= budget and (best is None or plan.step_time_s < best[0]):
             best = (plan.step_time_s, strategy)
     return best
+
+
+def strategy_grid(world: int, dims: tuple[str, ...], micro_batches, **choices):
+    """strategy=auto's candidates for a brute force: (strategy, micro-batch size) for every layout of
+    `dims` (degrees 1, 2 or 4 whose product is `world`) × `choices` (e.g. ep_degree=(1, 2, 4)) ×
+    every value of the keys the search varies for every job, × each of `micro_batches`."""
+    import itertools
+    import math
+
+    from fleetwise.plan.search import RECOMPUTE, SCHEDULES
+
+    keys = {
+        **choices,
+        "sharding_stage": (None, 1, 2, 3),
+        "sequence_parallel": (False, True),
+        "schedule": SCHEDULES,
+        "virtual_stages": (1, 2),
+        "recompute": RECOMPUTE,
+    }
+    layouts = [t for t in itertools.product((1, 2, 4), repeat=len(dims)) if math.prod(t) == world]
+    for layout, values, mb in itertools.product(layouts, itertools.product(*keys.values()), micro_batches):
+        yield {**dict(zip(dims, layout, strict=True)), **dict(zip(keys, values, strict=True))}, mb

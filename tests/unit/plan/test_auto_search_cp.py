@@ -4,17 +4,15 @@ brute force's; the 128k Llama recipe needs cp to fit, and the output says why le
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
-from helpers.config import compose, fastest_fitting, with_layout
+from helpers.config import compose, fastest_fitting, strategy_grid, with_layout
 
 import fleetwise.plan.search as search
 from fleetwise.config.validate import check, resolve
 from fleetwise.launcher.auto import resolve_auto
 from fleetwise.plan import make_plan
-from fleetwise.plan.search import RECOMPUTE, SCHEDULES
 
 # gpt/tiny with a sequence long for its width and 2 samples a step on 4 ranks: dp alone cannot use
 # the ranks, and on a 42.9 MB device the cp-less layouts that fit are slower than cp 2 ring (ulysses
@@ -99,28 +97,9 @@ def test_the_winner_with_cp_is_the_fastest_of_a_brute_force_search():
     base = out.base
     budget = out.result.budget_bytes
     assert 0 < budget < 0.04 * 2**30
-    tuples = [t for t in itertools.product((1, 2, 4), repeat=5) if t[0] * t[1] * t[2] * t[3] * t[4] == 4]
-
-    def candidates():
-        for (dp, sh, mp, pp, cp), method, stage, sp, sched, v, rc, mb in itertools.product(
-            tuples, ("ring", "ulysses"), (None, 1, 2, 3), (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2)
-        ):
-            strategy = {
-                "dp_degree": dp,
-                "sharding_degree": sh,
-                "mp_degree": mp,
-                "pp_degree": pp,
-                "cp_degree": cp,
-                "cp_method": method,
-                "sharding_stage": stage,
-                "sequence_parallel": sp,
-                "schedule": sched,
-                "virtual_stages": v,
-                "recompute": rc,
-            }
-            yield strategy, mb
-
-    best = fastest_fitting(base, budget, candidates())
+    dims = ("dp_degree", "sharding_degree", "mp_degree", "pp_degree", "cp_degree")
+    candidates = strategy_grid(4, dims, (1, 2), cp_method=("ring", "ulysses"))
+    best = fastest_fitting(base, budget, candidates)
     winner = out.result.winner
     assert winner.plan.step_time_s == pytest.approx(best[0], rel=1e-9)
     assert winner.strategy["cp_degree"] == best[1]["cp_degree"] == 2

@@ -4,15 +4,12 @@ user's ep_degree stays fixed; a dense model's search and overrides know no ep.""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
-from helpers.config import compose, fastest_fitting, with_layout
+from helpers.config import compose, fastest_fitting, strategy_grid, with_layout
 
 from fleetwise.config.validate import check
 from fleetwise.launcher.auto import resolve_auto
 from fleetwise.plan import make_plan
-from fleetwise.plan.search import RECOMPUTE, SCHEDULES
 
 # llama/moe_tiny (4 experts) on 4 ranks, on a 6.98 MB device: dp 4 without ep (8.6 MB) and with ep 2
 # (7.4 MB) do not fit at 4 samples a micro-batch, ep 4 (6.8 MB: each rank 1 of the 4 experts) does,
@@ -54,27 +51,9 @@ def test_the_winner_with_ep_is_the_fastest_of_a_brute_force_search():
     fits: the fastest is the search's winner, and here it has ep."""
     out = resolve_auto(["strategy=auto", *MOE], progress=False)
     base, budget = out.base, out.result.budget_bytes
-    tuples = [t for t in itertools.product((1, 2, 4), repeat=4) if t[0] * t[1] * t[2] * t[3] == 4]
-
-    def candidates():
-        for (dp, sh, mp, pp), ep, stage, sp, sched, v, rc, mb in itertools.product(
-            tuples, (1, 2, 4), (None, 1, 2, 3), (False, True), SCHEDULES, (1, 2), RECOMPUTE, (1, 2, 4, 8, 16)
-        ):
-            strategy = {
-                "dp_degree": dp,
-                "sharding_degree": sh,
-                "mp_degree": mp,
-                "pp_degree": pp,
-                "ep_degree": ep,
-                "sharding_stage": stage,
-                "sequence_parallel": sp,
-                "schedule": sched,
-                "virtual_stages": v,
-                "recompute": rc,
-            }
-            yield strategy, mb
-
-    best = fastest_fitting(base, budget, candidates())
+    dims = ("dp_degree", "sharding_degree", "mp_degree", "pp_degree")
+    candidates = strategy_grid(4, dims, (1, 2, 4, 8, 16), ep_degree=(1, 2, 4))
+    best = fastest_fitting(base, budget, candidates)
     winner = out.result.winner
     assert winner.plan.step_time_s == pytest.approx(best[0], rel=1e-9)
     assert winner.strategy["ep_degree"] == best[1]["ep_degree"] == 4
