@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 from typing import Literal
 
 from pydantic import Field
@@ -95,6 +96,19 @@ def is_moe_layer(moe: MoE, layer: int) -> bool:
         and layer >= moe.first_dense_layers
         and (layer - moe.first_dense_layers) % moe.interval == 0
     )
+
+
+def tp_plan_of(plan, moe: MoE, num_layers: int):
+    """A family's tensor-parallel plan function for a model with `moe`: as it is while some block is
+    dense (runtime/parallelize.py leaves each MoE block's MLP out), without its `layers.*.mlp…`
+    entries when every block is MoE (Mixtral: they would name modules no block has)."""
+    if len(moe_layers(moe, num_layers)) < num_layers:
+        return plan
+    return partial(_without_mlps, plan)
+
+
+def _without_mlps(plan, sequence_parallel: bool) -> dict:
+    return {k: v for k, v in plan(sequence_parallel).items() if not k.startswith("layers.*.mlp")}
 
 
 def moe_layers(moe: MoE, num_layers: int) -> list[int]:

@@ -12,11 +12,9 @@ rank asks for them (`spec`, `source`), so importing this package never imports t
 
 from __future__ import annotations
 
-from functools import partial
-
 from fleetwise.families.gpt.schema import GPTModel, check, limits
 from fleetwise.families.gpt.units import input_bytes, units
-from fleetwise.families.moe import moe_layers, moe_notes
+from fleetwise.families.moe import moe_notes, tp_plan_of
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.families.transformer import (
     TOKEN_SOURCES,
@@ -33,14 +31,8 @@ def spec(m: GPTModel) -> ModelSpec:
     from fleetwise.families.gpt.tp_plan import gpt_plan
     from fleetwise.models.transformer import lm_loss
 
-    # a MoE block's experts are not split over mp ranks: runtime/parallelize.py leaves its MLP out
-    # of the plan (`_dense_mlps`); with no dense block at all the MLP entries name nothing
-    dense_blocks = len(moe_layers(m.moe, m.num_layers)) < m.num_layers
-    return ModelSpec(GPT, lm_loss, ("tokens",), gpt_plan if dense_blocks else partial(_without_mlps, gpt_plan))
-
-
-def _without_mlps(plan, sequence_parallel: bool) -> dict:
-    return {k: v for k, v in plan(sequence_parallel).items() if not k.startswith("layers.*.mlp")}
+    # a MoE block's experts are not split over mp ranks (families/moe.py tp_plan_of)
+    return ModelSpec(GPT, lm_loss, ("tokens",), tp_plan_of(gpt_plan, m.moe, m.num_layers))
 
 
 def plan_notes(m: GPTModel) -> list[str]:

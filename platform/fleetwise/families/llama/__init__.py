@@ -25,7 +25,7 @@ from functools import partial
 from fleetwise.families.llama.hf import prefill
 from fleetwise.families.llama.schema import LlamaModel, check, check_tensor_parallel, limits, no_pipeline
 from fleetwise.families.llama.units import input_bytes, units
-from fleetwise.families.moe import moe_layers, moe_notes
+from fleetwise.families.moe import moe_notes, tp_plan_of
 from fleetwise.families.record import Family, ModelSpec
 from fleetwise.families.transformer import (
     TOKEN_SOURCES,
@@ -50,21 +50,11 @@ def spec(m: LlamaModel) -> ModelSpec:
         Llama,
         lm_loss,
         ("tokens",),
-        # (a MoE block's experts are not split over mp ranks: runtime/parallelize.py leaves its MLP out)
-        partial(
-            _plan,
-            partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings),
-            len(moe_layers(m.moe, m.num_layers)) < m.num_layers,
-        ),
+        # (a MoE block's experts are not split over mp ranks: families/moe.py tp_plan_of)
+        tp_plan_of(partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings), m.moe, m.num_layers),
         load_weights=load,
         optional_inputs=("positions",),  # packed documents (data=jsonl): data/jsonl.py
     )
-
-
-def _plan(plan, dense_blocks: bool, sequence_parallel: bool) -> dict:
-    """The tensor-parallel plan, without the dense MLP's entries when every block is MoE (Mixtral)."""
-    out = plan(sequence_parallel)
-    return out if dense_blocks else {k: v for k, v in out.items() if not k.startswith("layers.*.mlp")}
 
 
 def plan_notes(m: LlamaModel) -> list[str]:
@@ -73,7 +63,10 @@ def plan_notes(m: LlamaModel) -> list[str]:
         f"grouped-query attention: {a} query heads share {g} kv heads" if g != a else "multi-head attention"
     )
     tied = ", LM head tied to the embedding" if m.tie_word_embeddings else ""
-    return [f"{attention}; SwiGLU width {m.ffn_hidden_size}{tied}", *moe_notes(m.moe, m.num_layers, m.ffn_hidden_size)]
+    return [
+        f"{attention}; SwiGLU width {m.ffn_hidden_size}{tied}",
+        *moe_notes(m.moe, m.num_layers, m.ffn_hidden_size),
+    ]
 
 
 FAMILY = Family(
