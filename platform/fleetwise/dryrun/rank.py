@@ -33,6 +33,7 @@ from fleetwise.dryrun.sampling import (
     one_mesh,
     sampled_counts,
     sampled_layers,
+    sampled_steps,
     use_microbatches,
     with_layers,
 )
@@ -172,11 +173,10 @@ def _run_trainer(
     built = time.perf_counter()
     labels = mesh_group_labels(trainer.mesh, trainer.model.expert_mesh)
     n = cfg.train.accumulate_steps
-    counts = sampled_counts(trainer, n, steps) if sample and not helper else None
+    ddp = trainer.model.engine == Engine.DDP
+    counts = sampled_counts(trainer, n, steps, ddp) if sample and not helper else None
     full_schedule = trainer.model.schedule
-    # sampled: nb first (pipelining sizes its per-micro-batch infrastructure on its first step),
-    # then na and nb again, both with optimizer state: the two points every count is scaled from
-    per_step = [n] * steps if counts is None else [counts[1], counts[0], counts[1]]
+    per_step = [n] * steps if counts is None else sampled_steps(counts, ddp)
     trainer.memory.samples = len(per_step)  # the live-tensor tracker of the real run, every step
     host = _offload_on_the_host(trainer, cfg)
     current: list[Counters] = []
@@ -214,15 +214,18 @@ def _run_trainer(
         (na, nb), at_na, at_nb = counts, results[-2], results[-1]
         last = affine(at_na, at_nb, na, nb, n)
         peak = affine(peaks[-2], peaks[-1], na, nb, n)
+        rest = "rest of the step"
+        fb = [max(v for k, v in p.items() if k != rest) for p in phases]
+        if ddp and steps >= 2:  # the second step's bucket rebuild (sampling.py), grown to n as the
+            # forward-backward grows (the input batch), not as the step's peak (the optimizer's)
+            peak = max(peak, fb[1] + (n - nb) * (fb[-1] - fb[-2]) / (nb - na))
         host_peak = affine(host_peaks[-2], host_peaks[-1], na, nb, n)
         # the rest of the step scaled on its own; every moment of the forward-backward grows in the
         # micro-batch count as the forward-backward's peak does (what grows with it -- held sends,
         # activations in flight -- is the step's, not a moment's): a moment scaled on its own from
         # two small counts can reach, at the first of them, state later rounds hold (GPT-3 13B zero
         # bubble v 2, rank 8, 256 micro-batches read 114 GiB where every micro-batch run reads 19)
-        rest = "rest of the step"
-        fb = [max(v for k, v in p.items() if k != rest) for p in phases[-2:]]
-        grown = affine(fb[0], fb[1], na, nb, n) - fb[1]
+        grown = affine(fb[-2], fb[-1], na, nb, n) - fb[-1]
         phase_peaks = {k: v + grown for k, v in phases[-1].items() if k != rest}
         phase_peaks[rest] = affine(phases[-2][rest], phases[-1][rest], na, nb, n)
     return {

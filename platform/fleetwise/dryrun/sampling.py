@@ -59,19 +59,40 @@ def in_flight(schedule, pp_rank: int) -> dict[int, tuple[int, int, int]]:
     return {stage: (h[2], h[3], h[4]) for stage, h in sorted(held.items())}
 
 
-def cheaper(na: int, nb: int, n: int, steps: int) -> bool:
+def cheaper(na: int, nb: int, n: int, steps: int, ddp: bool = False) -> bool:
     """Whether sampling runs fewer micro-batches than the job's own steps: it runs three steps (nb,
-    na, nb), every step of the job runs n (gpt/tiny's 4 micro-batches a rank: 11 against 8)."""
-    return 2 * nb + na < steps * n
+    na, nb; DDP four: nb, nb, na, nb, see `per_step`), every step of the job runs n (gpt/tiny's 4
+    micro-batches a rank: 11 against 8)."""
+    return (2 + ddp) * nb + na < steps * n
 
 
-def sampled_counts(trainer, n: int, steps: int = 2) -> tuple[int, int] | None:
+# DDP rebuilds its gradient buckets once, at the second step's first forward (dryrun/patches.py
+# `ddp_bucket_indices_on_the_host`; the planner's phase "DDP bucket rebuild"): the new buckets are
+# allocated while the old ones are alive, the gradients twice beside the parameters, the optimizer
+# state and the step's input batch. Sampled as nb, na, nb, that moment fell in the na step, and the
+# peak scaled between a step with it and one without (params-heavy gpt/tiny, dp 2, 8 micro-batches:
+# 15,725,760 B where every micro-batch run reads 34,306,200 B). A DDP job's sampled steps are
+# nb, nb, na, nb: the rebuild in the second (nb), the last two steady, and the rebuild moment
+# scaled to n by what a micro-batch adds to the forward-backward's peak (its share of the input
+# batch; the step's own peak there is the optimizer's, which does not grow: 34,305,176 B at 8 and
+# at 16 micro-batches, where the rebuild holds 1,024 B and 3,072 B more).
+
+
+def sampled_steps(counts: tuple[int, int], ddp: bool) -> list[int]:
+    """The micro-batch count of each sampled step: nb first (pipelining sizes its per-micro-batch
+    infrastructure on its first step), under DDP nb again (its bucket rebuild, above), then na and
+    nb, both with optimizer state: the two points every count is scaled from."""
+    na, nb = counts
+    return [nb] * (1 + ddp) + [na, nb]
+
+
+def sampled_counts(trainer, n: int, steps: int = 2, ddp: bool = False) -> tuple[int, int] | None:
     """(na, nb) to simulate instead of the job's n micro-batches in each of `steps` steps, or None
     to run all n (when sampling would not be cheaper)."""
     schedule = trainer.model.schedule
     if schedule is None:
         na, nb = 3, 4
-        return (na, nb) if cheaper(na, nb, n, steps) else None
+        return (na, nb) if cheaper(na, nb, n, steps, ddp) else None
     from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
     pp_rank = trainer.coords["pp"]
