@@ -1,5 +1,5 @@
 """Micro-batch sampling is taken only where it runs fewer micro-batches than the job's own steps
-(dryrun/sampling.py `cheaper`): three steps of nb, na, nb against `steps` steps of n."""
+(dryrun/sampling.py `cheaper`): three steps of nb, na, nb (DDP four: nb, nb, na, nb) against `steps` steps of n."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fleetwise.dryrun.sampling import sampled_counts
+from fleetwise.dryrun.sampling import sampled_counts, sampled_steps
 
 NO_PIPELINE = SimpleNamespace(model=SimpleNamespace(schedule=None))
 
@@ -25,3 +25,19 @@ NO_PIPELINE = SimpleNamespace(model=SimpleNamespace(schedule=None))
 )
 def test_sampling_without_a_pipeline_only_where_it_is_cheaper(n, steps, expected):
     assert sampled_counts(NO_PIPELINE, n, steps) == expected
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (7, None),  # DDP: 4 + 4 + 3 + 4 = 15 sampled against 2 x 7 = 14 run
+        (8, (3, 4)),  # 15 against 16
+    ],
+)
+def test_a_ddp_job_samples_one_step_more_for_its_bucket_rebuild(n, expected):
+    """DDP rebuilds its buckets in the second step: that step runs nb micro-batches, and the two
+    steady steps after it (na, nb) are the ones scaled (tests/integration/test_planner_vs_dryrun.py
+    dp2_ddp_wide_8mb holds the result to --exact)."""
+    assert sampled_counts(NO_PIPELINE, n, 2, ddp=True) == expected
+    assert sampled_steps((3, 4), ddp=True) == [4, 4, 3, 4]
+    assert sampled_steps((3, 4), ddp=False) == [4, 3, 4]
