@@ -85,8 +85,10 @@ LAYOUTS = {
         "hardware.devices_per_node=4",
         "train.precision=bf16",
     ),
-    # the q, k, v projections' input gradients all-reduced once (models/tp_plan.py)
-    "mp2": ("strategy=mp", "strategy.mp_degree=2", "hardware.devices_per_node=2"),
+    # the q, k, v projections' input gradients all-reduced once (models/tp_plan.py). 2 micro-batches
+    # (a first and a last: the accumulation and the step's one reduction), all simulated: 8 were
+    # sampled as 4 + 3 + 4 a rank, with no more code run
+    "mp2": ("strategy=mp", "strategy.mp_degree=2", "hardware.devices_per_node=2", "train.global_batch_size=4"),
     # mp 2 with sequence parallel (and selective recompute), the demo's layout (pp 2 x ZeRO-2 2 x
     # mp 2), ZeRO-2 x mp 2 in bf16 with a 16k vocabulary and DDP on 2 ranks: test_dryrun.py holds
     # the planner to its dry runs of these (the same targets, helpers/planner_checks.py), which it
@@ -113,12 +115,13 @@ LAYOUTS = {
         "hardware.devices_per_node=4",
         "train.precision=bf16",
     ),
-    # 16 micro-batches: the dry run samples two small counts and scales (checked against --exact)
-    "pp2_1F1B_16mb": (
+    # 8 micro-batches: the dry run samples two small counts (3+4 / 2+3) and scales (checked against
+    # --exact; 16 micro-batches sampled the same counts and ran twice as many in --exact)
+    "pp2_1F1B_8mb": (
         "strategy=pp",
         "strategy.schedule=1F1B",
         "hardware.devices_per_node=2",
-        "train.global_batch_size=32",
+        "train.global_batch_size=16",
         "train.micro_batch_size=2",
     ),
     # GPipe runs every forward before any backward: at the first backward every micro-batch's
@@ -126,7 +129,8 @@ LAYOUTS = {
     # fewer is held. The last stage also holds each micro-batch's logits (its output) to its
     # backward. Was +16.3% / +7.9%: the planner added the whole gradients to all n micro-batches'
     # activations, counted a per-block copy of the attention context (a view of SDPA's output)
-    # and missed the held logits
+    # and missed the held logits. 2 micro-batches a rank (4 ran the same code: GPipe is never
+    # sampled, in flight is every micro-batch)
     "pp2_sh2_mp2_gpipe": (
         "strategy=hybrid",
         "strategy.pp_degree=2",
@@ -134,6 +138,7 @@ LAYOUTS = {
         "strategy.sharding_stage=2",
         "strategy.mp_degree=2",
         "strategy.schedule=GPipe",
+        "train.global_batch_size=8",
     ),
     # full recompute under a pipeline: the recomputed block is alive with fc2's backward
     # temporaries (measured -6.7% before)
@@ -345,14 +350,14 @@ def test_planner_matches_the_dry_run(capsys, name):
             assert c["memory_bytes"]["peak"] > g["host_memory_bytes"]["peak"] > 0
     if name in (
         "dp2_ddp_wide_8mb",
-        "pp2_1F1B_16mb",
+        "pp2_1F1B_8mb",
         "pp4_interleaved_1F1B_32mb",
         "pp2_dp2_zero_bubble_bf16",
         "pp2_dp2_zero_bubble_bf16_full_28_layers",
     ):
-        # sampling (DDP: 3+4 of 8, after its rebuild step; 1F1B: simulated 3+4 / 2+3 micro-batches; interleaved pp 4: 12+16 / 8+12 of 32;
-        # zero bubble 8+10 / 6+8), scaled to the job's count, equals simulating all of them; and so
-        # do 2 and 3 blocks a chunk scaled to 7
+        # sampling (DDP: 3+4 of 8, after its rebuild step; 1F1B: simulated 3+4 / 2+3 micro-batches;
+        # interleaved pp 4: 12+16 / 8+12 of 32; zero bubble 8+10 / 6+8), scaled to the job's count,
+        # equals simulating all of them; and so do 2 and 3 blocks a chunk scaled to 7
         assert all(x["microbatches"]["scaled"] or x["layers"]["scaled"] for x in ranks)
         exact = _dryrun(capsys, *LAYOUTS[name], "--exact")
         for a, b in zip(ranks, exact, strict=True):
