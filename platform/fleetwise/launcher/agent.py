@@ -27,13 +27,13 @@ agent's own imports).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
-import signal
 import socket
 import sys
 import traceback
 from typing import NoReturn
+
+from fleetwise.runtime.lifeline import stop_fork_server
 
 _ARGS = (
     "host_name",
@@ -191,19 +191,6 @@ def _fork_the_server() -> None:
     os.close(alive_r)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     util.Finalize(None, os.unlink, args=(address,), exitpriority=0)  # the socket file, at exit
-
-
-def stop_fork_server() -> None:
-    """End the fork server before this agent exits, so that no process of the job outlives it: left
-    to notice the agent's end, it exits through a whole interpreter teardown (torch imported), a
-    second or more after the agent, reparented to init."""
-    from multiprocessing import forkserver
-
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # the stdlib's, no public accessor
-    if pid:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
 
 
 def fork_ranks() -> None:

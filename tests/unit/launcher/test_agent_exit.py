@@ -19,7 +19,9 @@ print("never")
 
 def test_exit_now_runs_atexit_flushes_and_keeps_the_status(tmp_path):
     marker = tmp_path / "atexit"
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(marker)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(marker)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 3
     assert r.stdout == "buffered, no newline"
     assert r.stderr == "to stderr"
@@ -39,7 +41,12 @@ def test_torchrun_status_and_traceback(monkeypatch, capsys):
     def boom():
         raise RuntimeError("a rank failed")
 
-    for main, code in ((lambda: None, 0), (lambda: sys.exit(4), 4), (lambda: sys.exit("bad args"), 1), (boom, 1)):
+    for main, code in (
+        (lambda: None, 0),
+        (lambda: sys.exit(4), 4),
+        (lambda: sys.exit("bad args"), 1),
+        (boom, 1),
+    ):
         monkeypatch.setattr(torch.distributed.run, "main", main)
         assert agent.run_torchrun() == code
     err = capsys.readouterr().err
