@@ -37,7 +37,6 @@ from rich.text import Text
 
 from fleetwise.config.problems import Problem, did_you_mean
 from fleetwise.launcher.preflight import Preflight, preflight
-from fleetwise.runtime.lifeline import stop_fork_server
 from fleetwise.tracking import commands as tracking  # light: mlflow loads inside the commands
 
 EXIT_OK, EXIT_FAIL, EXIT_INVALID = 0, 1, 2
@@ -185,9 +184,7 @@ def _sweep_report(name: str, args, points: list[list[str]], checked: list[Prefli
         table.add_column(col, no_wrap=col != "point")
     for _, label, pf in rows:
         if pf.plan is None:  # invalid, or valid with its model held back unimported (not planned)
-            table.add_row(
-                label, "[red]✗[/]" if pf.problems else "[green]✓[/] not imported", "", "", "", "", ""
-            )
+            table.add_row(label, "[red]✗[/]" if pf.problems else "[green]✓[/] not imported", "", "", "", "", "")
             continue
         m, plan = pf.plan.mesh, pf.plan
         table.add_row(
@@ -417,8 +414,6 @@ def cmd_dryrun(argv: list[str]) -> int:
     except RuntimeError as err:
         err_console.print(f"[bold red]✗ dry run failed[/]: {err}", highlight=False)
         return EXIT_FAIL
-    finally:
-        stop_fork_server()  # the ranks' server: not left to tear torch down after this command
     for rep in reports:
         rep["planner"] = dryrun.compare(pf.plan, rep)
     out = {"world_size": layout.world_size, "mesh": layout.as_dict(), "steps": args.steps, "ranks": reports}
@@ -499,9 +494,7 @@ def cmd_checkpoint(argv: list[str]) -> int:
         "safetensors shards, index), for Llama-family models",
     )
     ex.add_argument(
-        "--dtype",
-        choices=("fp32", "bf16", "fp16"),
-        help="with --format hf: the weights' dtype (default: as trained)",
+        "--dtype", choices=("fp32", "bf16", "fp16"), help="with --format hf: the weights' dtype (default: as trained)"
     )
     ex.add_argument(
         "--log-model",
@@ -667,9 +660,7 @@ def take_config_dirs(argv: list[str]) -> list[str]:
             rest.append(a)
     if dirs:
         found = [os.path.abspath(d) for d in dirs if d]
-        os.environ[EXTRA_DIRS_ENV] = os.pathsep.join(
-            [*found, *filter(None, os.environ.get(EXTRA_DIRS_ENV, "").split(os.pathsep))]
-        )
+        os.environ[EXTRA_DIRS_ENV] = os.pathsep.join([*found, *filter(None, os.environ.get(EXTRA_DIRS_ENV, "").split(os.pathsep))])
     return rest
 
 
