@@ -22,12 +22,21 @@ KNOWN: dict[tuple[str, str], float] = {
 }
 
 
-def assert_planner_matches(name: str, ranks: list[dict[str, Any]], offload: bool = False) -> None:
+def assert_planner_matches(
+    name: str, ranks: list[dict[str, Any]], offload: bool = False, last_step: bool = False
+) -> None:
     """Every simulated rank of layout `name`: the planner's FLOPs, memory and bytes per collective
     group beside the dry run's (`fleetwise dryrun --json`'s "ranks"), within target; `offload`: the
-    job's optimizer state is in host RAM (reported apart, held against the planner's `host`)."""
+    job's optimizer state is in host RAM (reported apart, held against the planner's `host`).
+    last_step: the dry run's reported step is the job's last (test_dryrun.py runs train.steps=2), a
+    reading step (runtime/trainer.py `reads_host`), whose metric reductions over the whole world
+    the planner's step between readings does not hold: the "world" group is left out there."""
     for x in ranks:
         cmp = x["planner"]
+        if last_step and not cmp["comm_bytes_per_step"].get("world", {}).get("planner"):
+            world = cmp["comm_bytes_per_step"].pop("world", {"dryrun": 0})
+            x = {**x, "comm_bytes_per_step": {**x["comm_bytes_per_step"]}}
+            x["comm_bytes_per_step"]["world"] = x["comm_bytes_per_step"].get("world", 0) - world["dryrun"]
         print(
             f"\n{name} rank {x['rank']}: memory {cmp['memory_bytes']['rel']:+.2%}, "
             f"flops {cmp['flops_per_step']['rel']:+.2%}, comm "
