@@ -22,6 +22,8 @@ computes it:
 - ulysses: attention saves the head-sharded q, k, v in sequence order instead of the local ones (the
   same sizes: already counted), and its output apart from the output's all-to-all copy back that
   the out-projection saves (one is a view of the other without cp): heads·d·S/cp more;
+  packed documents: its attention's boolean mask is the whole rows' s×s, as plain attention's is
+  without cp (families/llama/model.py document_mask) -- counted in neither;
   traffic: four all-to-alls (q, k, v, output) of (cp-1)/cp of the local tensors forward, four back.
 
 FLOPs (as the dry run counts them): a cp rank computes 1/cp of every token's dense work; ulysses'

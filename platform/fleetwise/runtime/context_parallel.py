@@ -42,7 +42,8 @@ cp rank gets its chunks' positions the way it gets its tokens (`SeqShard.shard_b
 document ids of the whole row besides (`document_ids`: b·s integers, derived from the whole row's
 positions before it is cut, so no rank has to ask another which document a key chunk belongs to).
 A query sees a key when causality allows it AND both lie in the same document: ulysses builds
-that mask over the whole sequence it holds (in sequence order); the ring ANDs each (query chunk,
+that mask over the whole sequence it holds (in sequence order; s×s booleans, as attention without
+cp does: for long rows the ring's c×c per block is the smaller); the ring ANDs each (query chunk,
 key chunk) pair's causal block mask with the two chunks' documents, forward and backward. A query
 may then see nothing of a block (a "full" block of another document): its log-sum-exp there is
 -inf and its output 0, and the merge weighs such a block by 0 instead of exp(-inf + inf) = NaN;
@@ -51,9 +52,9 @@ chunks hold some of the row's learned labels, not 1/cp of them (prompt and paddi
 skipped): `SeqShard.loss_weight` turns the rank's mean into its share of the whole mean.
 
 The model asks for this through its attention and position modules' `seq` attribute (None: the
-whole sequence is here); `apply_context_parallel` sets it. The loss of a rank is its chunks' mean;
-with equal chunks, the mean over the cp group (what the gradient reduction and the logged loss
-average) is the whole sequence's mean.
+whole sequence is here); `apply_context_parallel` sets it. The loss of a rank is its chunks' mean,
+times `loss_weight` (1 when every label is learned): the mean over the cp group (what the gradient
+reduction and the logged loss average) is the whole sequence's mean.
 """
 
 from __future__ import annotations
