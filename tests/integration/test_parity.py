@@ -494,7 +494,10 @@ def test_llama_jsonl_fine_tuning_sharded_and_tensor_parallel_equals_single_proce
     """data=jsonl (packed documents, prompt tokens masked, a tokenizer built in the test): ZeRO-3 × 2
     with tensor parallel 2 and sequence parallelism -- each data rank reading its own rows, the
     positions passing through FSDP and TP into every block -- equals one process, and learns; every
-    rank took the launcher's packing index."""
+    rank took the launcher's packing index. Context parallel 2, ring and ulysses (rows of 32 tokens
+    in 4 chunks of 8: documents of 3-11 tokens cross the chunk borders, some lie inside one): the
+    document mask across chunks, forward and backward, and each rank's share of the learned labels,
+    equal one process too."""
     from helpers.tokenizers_tiny import write_jsonl, write_tokenizer
 
     words = [
@@ -545,6 +548,10 @@ def test_llama_jsonl_fine_tuning_sharded_and_tensor_parallel_equals_single_proce
     )
     got = run(tmp_path, "zero3_mp2_sp", *base, *layout, procs=4)
     assert_same(ref, got, SGD_TOL)
+    for method in ("ring", "ulysses"):
+        cp = ("strategy=hybrid", "strategy.cp_degree=2", f"strategy.cp_method={method}")
+        print(f"cp2_{method}:", end=" ")
+        assert_same(ref, run(tmp_path, f"cp2_{method}", *base, *cp, procs=2), SGD_TOL)
     assert ref[0][-1] < ref[0][0] - 0.3, ref[0]  # it learns
     for run_dir, rank in (
         ("ref", 0),

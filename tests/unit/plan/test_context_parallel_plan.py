@@ -174,6 +174,9 @@ def test_the_ring_backward_peak_at_cp_4():
     block = 2 * 8 * HEADS * D
     want = block * (2 * 4 + 4 * 4) + HEADS * 8 * (D + 1) * 4 + 3 * HEADS * 4 * 4 * 4
     assert ring_backward_peak(cfg, Layout.of(cfg), 4.0) == want == 27_520
+    # packed documents (data=jsonl): the block's two 4×4 boolean masks (same document; AND causal)
+    packed = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": "jsonl"})})
+    assert ring_backward_peak(packed, Layout.of(packed), 4.0) == want + 2 * 4 * 4
 
 
 def test_a_large_untied_root_with_few_tokens_peaks_at_its_reduce_scatter_input():
