@@ -16,6 +16,10 @@ from helpers.repo import netns_module
 def pytest_configure(config):
     # Tests never touch a GPU and never talk to a tracking server unless they start one themselves.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    # Two test workers on two cores: torch's OpenMP threads (GNU OpenMP spins at barriers by
+    # default) in this process and every one it starts sleep while they wait (launcher/torchrun.py
+    # rank_thread_env: up to 3x a job's CPU under load). Read when torch loads, which is later.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # ... nor read the developer's own config tree (~/.config/fleetwise, where `fleetwise calibrate`
     # writes hardware/local.yaml: with one there the hardware group's key check read a local.yaml
     # that conf/ lacks and failed); tests that need a local profile make their own.

@@ -117,10 +117,17 @@ def _rank_process(argv: list[str], log: str) -> None:
 
 
 def _forkserver():
+    import atexit
     import multiprocessing
+
+    from fleetwise.runtime.lifeline import stop_fork_server
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    # one server for every dry run of this process (a test session's too), ended with the process:
+    # not left to tear torch down by itself after it
+    atexit.unregister(stop_fork_server)
+    atexit.register(stop_fork_server)
     return ctx
 
 

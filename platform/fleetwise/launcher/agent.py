@@ -26,11 +26,14 @@ agent's own imports).
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import os
-import signal
 import socket
 import sys
+import traceback
+from typing import NoReturn
+
+from fleetwise.runtime.lifeline import stop_fork_server
 
 _ARGS = (
     "host_name",
@@ -190,19 +193,6 @@ def _fork_the_server() -> None:
     util.Finalize(None, os.unlink, args=(address,), exitpriority=0)  # the socket file, at exit
 
 
-def stop_fork_server() -> None:
-    """End the fork server before this agent exits, so that no process of the job outlives it: left
-    to notice the agent's end, it exits through a whole interpreter teardown (torch imported), a
-    second or more after the agent, reparented to init."""
-    from multiprocessing import forkserver
-
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # the stdlib's, no public accessor
-    if pid:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-
-
 def fork_ranks() -> None:
     """Start fleetwise's ranks from the fork server (torch's multiprocessing start of a function
     entry point, method `forkserver`) instead of torchrun's `python -m WORKER RUN_DIR`."""
@@ -220,6 +210,37 @@ def fork_ranks() -> None:
     report_every_failed_worker()
 
 
+def run_torchrun() -> int:
+    """torchrun's main in this process; its exit status, a failure's traceback on stderr as an
+    uncaught exception would print it (the launcher reads the cause from the ranks' error files)."""
+    from torch.distributed.run import main
+
+    try:
+        main()
+        return 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        stop_fork_server()
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit without the interpreter's teardown: with torch and the runtime imported, finalizing
+    every module costs the agent 1-2 s of CPU after its ranks have ended, paid by every job (and
+    the suite's hundreds). What an ordinary exit runs that matters still runs: the atexit handlers
+    (logging's flush, multiprocessing's finalizers), then the standard streams' flush."""
+    atexit._run_exitfuncs()  # the standard library's, no public accessor
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     start_fork_server()
     if not sys.argv[1].startswith("--bind="):
@@ -227,9 +248,4 @@ if __name__ == "__main__":
     install(sys.argv.pop(1).removeprefix("--bind="))
     export_round()
     fork_ranks()
-    from torch.distributed.run import main
-
-    try:
-        main()
-    finally:
-        stop_fork_server()
+    exit_now(run_torchrun())

@@ -38,6 +38,7 @@ KNOWN_TORCH_PRIVATE = {
 # Private names of other libraries, not torch's.
 NOT_TORCH = {
     "_exit",  # os._exit
+    "_run_exitfuncs",  # atexit's: the agent's exit without the interpreter's teardown (launcher/agent.py)
     "_get_node",  # omegaconf's node lookup (launcher/train.py)
     "_process",  # MLflow's system-metrics sampler thread (tracking/run_tracker.py)
     # the standard library's fork server, whose client state the agent sets (launcher/agent.py)

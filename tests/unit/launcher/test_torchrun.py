@@ -4,6 +4,7 @@ job, single-node stores listen on loopback only."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,12 @@ def test_the_fork_server_preloads_modules_that_exist():
 
     assert WORKER in PRELOAD
     assert [m for m in PRELOAD if importlib.util.find_spec(m) is None] == []
+
+
+def test_ranks_get_their_core_share_and_passive_openmp_threads_unless_the_user_set_them(monkeypatch):
+    from fleetwise.launcher.torchrun import rank_thread_env
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert rank_thread_env({}, 2) == {"OMP_NUM_THREADS": "4", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert rank_thread_env({}, 16) == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert rank_thread_env({"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}, 2) == {}
