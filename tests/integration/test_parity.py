@@ -406,13 +406,14 @@ def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers
     assert diff <= 1e-5, diff
 
 
-def assert_same_routing(run_dir, ref_dir) -> None:
-    """Every step's balance loss and tokens per expert (llama/moe_tiny: MoE blocks 1-3, 4 experts)
-    equal the reference run's: dropless routing sends the same tokens in every layout."""
+def assert_same_routing(run_dir, ref_dir, experts: int = 4) -> None:
+    """Every step's balance loss and tokens per expert (llama/moe_tiny: MoE blocks 1-3, 4 experts
+    unless overridden) equal the reference run's: dropless routing sends the same tokens in every
+    layout."""
     for a, b in zip(read_metrics(run_dir), read_metrics(ref_dir), strict=True):
         assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
-        counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
-        assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(4)]
+        counts = [a[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(experts)]
+        assert counts == [b[f"moe/layer{i}/tokens_expert{e}"] for i in (1, 2, 3) for e in range(experts)]
 
 
 @pytest.fixture(scope="module")
@@ -426,16 +427,12 @@ def moe_ref(tmp_path_factory):
 
 # llama/moe_tiny (a dense block, then three MoE blocks: 4 experts top-2 + a shared expert, dropless,
 # the balance loss carried by each block's output): dropless routing makes every layout compute
-# the same numbers; the experts' [E, out, in] weights sharded along the experts under ZeRO-3, each
-# block (and its router) recomputed in the backward without counting twice; a pipeline (the
-# balance losses' gradients on the stages without the loss, scaled as the schedule scales its own)
+# the same numbers; a pipeline (the balance losses' gradients on the stages without the loss,
+# scaled as the schedule scales its own). (ZeRO-3 with full recompute, the experts sharded along
+# the experts: test_moe_zero3_over_more_ranks_than_experts_equals_single_process_and_resumes.)
 MOE_LAYOUTS = {
     "dp2_ddp": (("strategy=dp",), 2),
     "pp2_1F1B": (("strategy=pp", "strategy.schedule=1F1B"), 2),
-    "sharding2_stage3_recompute_full": (
-        ("strategy=sharding", "strategy.sharding_stage=3", "strategy.recompute=full"),
-        2,
-    ),
     # ep 2 inside ZeRO-3 × 2 × mp 2 × pp 2 on 8 ranks: each stage's MoE blocks exchange their rows
     # within the stage's expert groups, each mp rank (the experts replicated over mp, routing the
     # same tokens) in a group of its own, the experts FSDP units on their (size-1) "edp" mesh
@@ -463,6 +460,34 @@ def test_moe_layout_equals_single_process(tmp_path, moe_ref, name):
     assert_same(ref, got, SGD_TOL)
     # the balance losses and expert counts, summed over the ranks, equal one process's
     assert_same_routing(tmp_path / name, ref_dir)
+
+
+def test_moe_zero3_over_more_ranks_than_experts_equals_single_process_and_resumes(tmp_path):
+    """llama/moe_tiny with 2 experts under ZeRO-3 × 4, more FSDP ranks than experts: each MoE
+    block's [2, 64, 64] expert weights are sharded along their rows (runtime/expert_parallel.py
+    `expert_placement`), so every rank holds a quarter of them -- along the experts, ranks 0 and 1
+    held one expert each and ranks 2 and 3 none -- and the run equals one process in losses,
+    parameters, balance losses and expert counts. Its checkpoint at step 2 resumes under ZeRO-3 × 2
+    with full recompute (the experts along the experts again: 2 ranks, 2 experts; each block and
+    its router recomputed in the backward without counting twice), ending where one process ends."""
+    moe = ("recipe=llama/moe_tiny", "model.moe.num_experts=2", *SGD)
+    zero3 = ("strategy=sharding", "strategy.sharding_stage=3")
+    ref = run(tmp_path, "ref", *moe, "strategy=dp", procs=1)
+    got = run(tmp_path, "zero3x4", *moe, *zero3, "checkpoint.interval=2", procs=4)
+    assert_same(ref, got, SGD_TOL)
+    assert_same_routing(tmp_path / "zero3x4", tmp_path / "ref", experts=2)
+    # every rank saved an equal share of the model and its momentum (DCP: one file per rank; the
+    # experts are a third of the parameters: along the experts, ranks 0-1 saved 2x ranks 2-3)
+    step2 = sorted((tmp_path / "zero3x4" / "checkpoints").iterdir())[0]
+    sizes = [f.stat().st_size for f in sorted(step2.rglob("*.distcp"))]
+    assert len(sizes) == 4 and max(sizes) <= 1.1 * min(sizes), sizes
+    truncated_copy(tmp_path / "zero3x4", tmp_path / "to_zero3x2", keep_step=2)
+    resumed = ("strategy.sharding_degree=2", "strategy.recompute=full", "checkpoint.resume=auto")
+    loss, params, _ = run(tmp_path, "to_zero3x2", *moe, *zero3, *resumed, procs=2)
+    assert loss == pytest.approx(ref[0], abs=SGD_TOL["loss"])
+    worst = max((params[k] - ref[1][k]).abs().max().item() for k in ref[1])
+    assert worst <= SGD_TOL["param"], worst
+    assert_same_routing(tmp_path / "to_zero3x2", tmp_path / "ref", experts=2)
 
 
 def test_moe_expert_parallel_equals_single_process_and_resumes_across_ep_degree(tmp_path, moe_ref):
@@ -494,7 +519,10 @@ def test_llama_jsonl_fine_tuning_sharded_and_tensor_parallel_equals_single_proce
     """data=jsonl (packed documents, prompt tokens masked, a tokenizer built in the test): ZeRO-3 × 2
     with tensor parallel 2 and sequence parallelism -- each data rank reading its own rows, the
     positions passing through FSDP and TP into every block -- equals one process, and learns; every
-    rank took the launcher's packing index."""
+    rank took the launcher's packing index. Context parallel 2, ring and ulysses (rows of 32 tokens
+    in 4 chunks of 8: documents of 3-11 tokens cross the chunk borders, some lie inside one): the
+    document mask across chunks, forward and backward, and each rank's share of the learned labels,
+    equal one process too."""
     from helpers.tokenizers_tiny import write_jsonl, write_tokenizer
 
     words = [
@@ -545,6 +573,10 @@ def test_llama_jsonl_fine_tuning_sharded_and_tensor_parallel_equals_single_proce
     )
     got = run(tmp_path, "zero3_mp2_sp", *base, *layout, procs=4)
     assert_same(ref, got, SGD_TOL)
+    for method in ("ring", "ulysses"):
+        cp = ("strategy=hybrid", "strategy.cp_degree=2", f"strategy.cp_method={method}")
+        print(f"cp2_{method}:", end=" ")
+        assert_same(ref, run(tmp_path, f"cp2_{method}", *base, *cp, procs=2), SGD_TOL)
     assert ref[0][-1] < ref[0][0] - 0.3, ref[0]  # it learns
     for run_dir, rank in (
         ("ref", 0),

@@ -170,7 +170,8 @@ def moe_block(dense: Unit, moe: MoE, seq: int, hidden: int, dense_ffn: int, atte
     - FLOPs on the active ones: the router, top_k experts per token, the shared experts;
     - what autograd saves (s tokens, k slots each, sk = s·k rows): the routed rows [sk, h] (the
       experts' input), the four SwiGLU tensors per row, the experts' output rows [sk, h] and their
-      weights [sk] (the weighting multiply's operands); the router's fp32 scores [s, E] (softmax's or
+      weights [sk] (the weighting multiply's operands), the weighted rows [sk, h] (index_add saves
+      its source: the Mixtral dry run held it, 64 MiB a layer at 4,096 tokens); the router's fp32 scores [s, E] (softmax's or
       sigmoid's output), the chosen weights and their sum (normalize_weights' division), the three
       int64 index tensors (the chosen experts [s, k], the sort order and the rows' tokens [sk]: 8
       bytes each, counted as two fp32 elements), a sigmoid router's per-token sum (the balance loss),
@@ -199,7 +200,7 @@ def moe_block(dense: Unit, moe: MoE, seq: int, hidden: int, dense_ffn: int, atte
     acts_none = replace(
         none,
         split=none.split - 4 * s * dense_ffn,
-        replicated=none.replicated + 2 * sk * h + 4 * sk * f + sk + 4 * s * fs,
+        replicated=none.replicated + 3 * sk * h + 4 * sk * f + sk + 4 * s * fs,
         fp32=none.fp32 + router_fp32,
     )
     sel = dense.saved("selective")

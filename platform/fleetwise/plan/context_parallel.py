@@ -12,13 +12,18 @@ computes it:
   block's backward peak): per sample two blocks of K/V (the one in hand and the one arriving;
   one at cp 2, where the last step receives nothing) and the fp32 dK/dV -- this rank's own share,
   the one in flight out and in, the one being computed (three at cp 2, where the first step sends
-  none) -- beside dq (fp32), rowsum(dO·O), and one c×c block's probabilities and their gradients.
+  none) -- beside dq (fp32), rowsum(dO·O), and one c×c block's probabilities and their gradients
+  (packed documents, data=jsonl: and the block's c×c boolean masks, same-document and its AND with
+  the causal triangle, shared by the heads; the rows' document ids, 8 bytes a token per micro-batch
+  for all the layers, are not counted).
   Under tensor parallelism every count is of the mp rank's heads (1/mp of them).
   Traffic per layer and micro-batch, as cp - 1 point-to-point steps each way: forward (cp-1)/cp
   of the sequence's K/V; backward the same K/V again and as much dK/dV in fp32 (`ring_steps`).
 - ulysses: attention saves the head-sharded q, k, v in sequence order instead of the local ones (the
   same sizes: already counted), and its output apart from the output's all-to-all copy back that
   the out-projection saves (one is a view of the other without cp): heads·d·S/cp more;
+  packed documents: its attention's boolean mask is the whole rows' s×s, as plain attention's is
+  without cp (families/llama/model.py document_mask) -- counted in neither;
   traffic: four all-to-alls (q, k, v, output) of (cp-1)/cp of the local tensors forward, four back.
 
 FLOPs (as the dry run counts them): a cp rank computes 1/cp of every token's dense work; ulysses'
@@ -90,6 +95,8 @@ def ring_backward_peak(cfg: RunConfig, layout: Layout, act_bytes: float) -> floa
     blocks = block * (act_bytes + 3 * FP32) if cp == 2 else block * (2 * act_bytes + 4 * FP32)
     dq = a.heads * local * (a.head_dim + 1) * FP32  # and rowsum(dO·O)
     pair = 3 * a.heads * c * c * FP32  # one block's probabilities, dP, dS
+    if cfg.data.source == "jsonl":  # packed documents: the block's masks (bool), shared by the heads
+        pair += 2 * c * c
     if act_bytes != FP32 or a.kv_heads != a.heads:  # the pair's q, dO, k, v in fp32 at the query heads
         pair += 4 * a.heads * c * a.head_dim * FP32
     return blocks + dq + pair

@@ -37,10 +37,24 @@ Ulysses' all-to-alls are differentiable through the experts' exchange (compat.al
 the backward another all-to-all). The ring computes in plain tensor ops (math attention): torch's
 SDPA-based context_parallel does not run on a CPU.
 
+Packed documents (data=jsonl: a row holds several documents, positions restarting at each): every
+cp rank gets its chunks' positions the way it gets its tokens (`SeqShard.shard_batch`), and the
+document ids of the whole row besides (`document_ids`: b·s integers, derived from the whole row's
+positions before it is cut, so no rank has to ask another which document a key chunk belongs to).
+A query sees a key when causality allows it AND both lie in the same document: ulysses builds
+that mask over the whole sequence it holds (in sequence order; s×s booleans, as attention without
+cp does: for long rows the ring's c×c per block is the smaller); the ring ANDs each (query chunk,
+key chunk) pair's causal block mask with the two chunks' documents, forward and backward. A query
+may then see nothing of a block (a "full" block of another document): its log-sum-exp there is
+-inf and its output 0, and the merge weighs such a block by 0 instead of exp(-inf + inf) = NaN;
+every query sees itself in its diagonal block, so the merged log-sum-exp is finite. A rank's
+chunks hold some of the row's learned labels, not 1/cp of them (prompt and padding tokens are
+skipped): `SeqShard.loss_weight` turns the rank's mean into its share of the whole mean.
+
 The model asks for this through its attention and position modules' `seq` attribute (None: the
-whole sequence is here); `apply_context_parallel` sets it. The loss of a rank is its chunks' mean;
-with equal chunks, the mean over the cp group (what the gradient reduction and the logged loss
-average) is the whole sequence's mean.
+whole sequence is here); `apply_context_parallel` sets it. The loss of a rank is its chunks' mean,
+times `loss_weight` (1 when every label is learned): the mean over the cp group (what the gradient
+reduction and the logged loss average) is the whole sequence's mean.
 """
 
 from __future__ import annotations
@@ -74,27 +88,40 @@ def local_positions(seq_len: int, rank: int, cp: int, device: torch.device | Non
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(rank, cp)])
 
 
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """Which document of its row each token belongs to, [b, s] -> [b, s] (0, 1, …): packed documents
+    (data/jsonl.py) start where their position is 0."""
+    return (positions == 0).cumsum(-1)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """A log-sum-exp to subtract: -inf (a query that sees no key of the block) read as 0, so that the
+    masked scores' exp(-inf - 0) gives the probabilities 0 (not exp(-inf + inf) = NaN)."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def block_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_diagonal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [.., m, d] over one block of keys/values [.., n, d], in fp32: the output
-    and the log-sum-exp of each query's scores [.., m, 1]. causal_diagonal: q and k are the same
-    positions (a token sees itself and what precedes it)."""
+    and the log-sum-exp of each query's scores [.., m, 1]. keep: which (query, key) pairs may attend
+    (`block_mask`), None: all. A query that may attend to none gets output 0 and log-sum-exp -inf."""
     scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if causal_diagonal:
-        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v.float(), lse
+    return torch.exp(scores - _finite(lse)) @ v.float(), lse
 
 
 def merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two blocks' attention of the same queries, as if their keys had been one block: each output
-    weighted by its share of the total softmax mass, exp(lse_block - lse_total)."""
+    weighted by its share of the total softmax mass, exp(lse_block - lse_total) (0 for a block the
+    query saw nothing of, also when it has seen nothing yet at all)."""
     lse = torch.logaddexp(lse_a, lse_b)
-    return out_a * torch.exp(lse_a - lse) + out_b * torch.exp(lse_b - lse), lse
+    total = _finite(lse)
+    return out_a * torch.exp(lse_a - total) + out_b * torch.exp(lse_b - total), lse
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -109,6 +136,20 @@ def block_kind(q_chunk: int, k_chunk: int, causal: bool) -> str:
     if not causal or k_chunk < q_chunk:
         return "full"
     return "diagonal" if k_chunk == q_chunk else "skip"
+
+
+def block_mask(
+    kind: str, q_chunk: int, k_chunk: int, c: int, documents: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Which (query, key) pairs of a computed block of chunks of `c` tokens may attend: the causal
+    triangle on the diagonal, AND (packed documents: `documents` [b, s], the whole row's document
+    ids) the same document -- [c, c] or [b, 1, c, c], True: may attend; None: every pair."""
+    keep = torch.ones(c, c, dtype=torch.bool, device=device).tril() if kind == "diagonal" else None
+    if documents is None:
+        return keep
+    dq, dk = (documents[:, i * c : (i + 1) * c].to(device) for i in (q_chunk, k_chunk))
+    same = (dq[:, :, None] == dk[:, None, :]).unsqueeze(1)
+    return same if keep is None else same & keep
 
 
 def ring_owners(rank: int, cp: int) -> list[int]:
@@ -130,10 +171,13 @@ def attend_block(
     k_ids: tuple[int, int],
     causal: bool,
     acc: list[tuple[torch.Tensor, torch.Tensor] | None],
+    documents: torch.Tensor | None = None,
 ) -> None:
     """One ring step forward: this rank's query chunks q [b, h, 2c, d] over the key/value block kv
     [2, b, kv_heads, 2c, d] of the rank holding chunks `k_ids`, merged into `acc` (per query chunk:
-    the fp32 output and log-sum-exp so far, None before its first block)."""
+    the fp32 output and log-sum-exp so far, None before its first block). documents: the whole
+    row's document ids [b, s] (packed documents), or None."""
+    c = q.shape[-2] // 2
     for a, qi in enumerate(q_ids):
         for bj, kj in enumerate(k_ids):
             kind = block_kind(qi, kj, causal)
@@ -141,7 +185,7 @@ def attend_block(
                 continue
             k = _expand_kv(_chunk(kv[0], bj), q.shape[1])
             v = _expand_kv(_chunk(kv[1], bj), q.shape[1])
-            o, lse = block_attention(_chunk(q, a), k, v, kind == "diagonal")
+            o, lse = block_attention(_chunk(q, a), k, v, block_mask(kind, qi, kj, c, documents, q.device))
             acc[a] = (o, lse) if acc[a] is None else merge(*acc[a], o, lse)
 
 
@@ -155,12 +199,15 @@ def block_grads(
     k_ids: tuple[int, int],
     causal: bool,
     grad_q: torch.Tensor,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One ring step backward (FlashAttention's, block by block): the scores recomputed from q and
     the block's keys, the probabilities from the forward's log-sum-exp `lse`; adds this block's
     share of dq into `grad_q` (fp32, like q) and returns the block's dK/dV [2, b, kv_heads, 2c, d]
-    (fp32) from this rank's queries. delta: rowsum(dO · O), fp32 [b, h, 2c, 1]."""
+    (fp32) from this rank's queries. delta: rowsum(dO · O), fp32 [b, h, 2c, 1]. documents: as
+    attend_block's (the forward's mask, applied again to the recomputed scores)."""
     scale = 1 / math.sqrt(q.shape[-1])
+    c = q.shape[-2] // 2
     heads, kv_heads = q.shape[1], kv.shape[2]
     grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     for a, qi in enumerate(q_ids):
@@ -172,10 +219,10 @@ def block_grads(
             k = _expand_kv(_chunk(kv[0], bj), heads).float()
             v = _expand_kv(_chunk(kv[1], bj), heads).float()
             scores = (qa @ k.transpose(-2, -1)) * scale
-            if kind == "diagonal":
-                keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+            keep = block_mask(kind, qi, kj, c, documents, q.device)
+            if keep is not None:
                 scores = scores.masked_fill(~keep, float("-inf"))
-            p = torch.exp(scores - _chunk(lse, a))
+            p = torch.exp(scores - _finite(_chunk(lse, a)))
             dv = p.transpose(-2, -1) @ doa
             ds = p * (doa @ v.transpose(-2, -1) - _chunk(delta, a))
             _chunk(grad_q, a).add_(ds @ k, alpha=scale)
@@ -223,13 +270,13 @@ class _RingAttention(torch.autograd.Function):
     and the fp32 log-sum-exp: nothing of the other ranks' blocks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: _Ring, rank: int, cp: int, causal: bool):
+    def forward(ctx, q, k, v, ring: _Ring, rank: int, cp: int, causal: bool, documents=None):
         kv = torch.stack((k, v))
         q_ids = chunk_ids(rank, cp)
         acc: list = [None, None]
         for step, owner in enumerate(ring_owners(rank, cp)):
             pending = ring.start(kv) if step < cp - 1 else None  # the next block, while this computes
-            attend_block(q, kv, q_ids, chunk_ids(owner, cp), causal, acc)
+            attend_block(q, kv, q_ids, chunk_ids(owner, cp), causal, acc, documents)
             if pending is not None:
                 kv = ring.finish(pending)
         out32 = torch.cat([o for o, _ in acc], dim=-2)
@@ -239,7 +286,7 @@ class _RingAttention(torch.autograd.Function):
         b, h, s, d = out32.shape
         out = out32.new_empty((b, s, h, d), dtype=q.dtype).copy_(out32.transpose(1, 2)).transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.rank, ctx.cp, ctx.causal = ring, rank, cp, causal
+        ctx.ring, ctx.rank, ctx.cp, ctx.causal, ctx.documents = ring, rank, cp, causal, documents
         return out
 
     @staticmethod
@@ -253,7 +300,8 @@ class _RingAttention(torch.autograd.Function):
         own = travelling = None
         for step, owner in enumerate(ring_owners(rank, cp)):
             pending = ring.start(kv) if step < cp - 1 else None
-            grads = block_grads(q, grad_out, lse, delta, kv, q_ids, chunk_ids(owner, cp), causal, grad_q)
+            ids = chunk_ids(owner, cp)
+            grads = block_grads(q, grad_out, lse, delta, kv, q_ids, ids, causal, grad_q, ctx.documents)
             if step == 0:
                 own = grads  # this rank's share of its own block's gradient: added last, at home
             else:
@@ -266,7 +314,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = ring.finish(pending)
         if travelling is not None:
             own = own + ring.finish(travelling)
-        return grad_q.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
+        return grad_q.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None, None
 
 
 @dataclass
@@ -286,23 +334,66 @@ class SeqShard:
         """This rank's chunks of a [b, s, …] batch tensor."""
         return shard_sequence(x, self.rank, self.cp, dim=1)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        """q [b, h, s_local, d], k and v [b, kv_heads, s_local, d] (this rank's chunks) -> the output
-        of attention over the whole sequence for this rank's queries, [b, h, s_local, d], q's dtype."""
-        if self.method == "ulysses":
-            return self._ulysses(q, k, v, causal)
-        return self._ring(q, k, v, causal)
+    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's chunks of every tensor of a batch; with packed documents' `positions`, also
+        `documents`: the document ids of the whole rows (module doc), which attention compares
+        between any query chunk and any key chunk."""
+        out = {k: self.shard(t) for k, t in batch.items()}
+        if "positions" in batch:
+            out["documents"] = document_ids(batch["positions"])
+        return out
 
-    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def loss_weight(self, labels: torch.Tensor, mine: torch.Tensor, ignore: int = -100):
+        """(labels, weight): this rank's mean loss over its labels `mine` times `weight` is its share
+        of the mean over the whole batch `labels` (labels `ignore` skipped), so that the cp group's
+        mean (what the gradient reduction takes) is the whole batch's: cp · learned here / learned in
+        all (1 when no label is skipped). A rank with no label to learn gets weight 0 and one label
+        made learnable (a mean over no label is NaN, and the rank must still run its backward's
+        collectives); a tensor computation, no host synchronisation."""
+        here, total = (x.ne(ignore).sum() for x in (mine, labels))
+        weight = self.cp * here / total.clamp(min=1)
+        mine = mine.clone()
+        first = mine.view(-1)[:1]
+        first.copy_(torch.where(here == 0, torch.zeros_like(first), first))
+        return mine, weight
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [b, h, s_local, d], k and v [b, kv_heads, s_local, d] (this rank's chunks) -> the output
+        of attention over the whole sequence for this rank's queries, [b, h, s_local, d], q's dtype.
+        documents: the whole rows' document ids [b, s] (`shard_batch`): attention within documents."""
+        if self.method == "ulysses":
+            return self._ulysses(q, k, v, causal, documents)
+        return self._ring(q, k, v, causal, documents)
+
+    def _ring(self, q, k, v, causal: bool, documents: torch.Tensor | None) -> torch.Tensor:
         if self._ring_peers is None:
             self._ring_peers = _Ring(self.group, self.rank, self.cp)
-        return _RingAttention.apply(q, k, v, self._ring_peers, self.rank, self.cp, causal)
+        return _RingAttention.apply(q, k, v, self._ring_peers, self.rank, self.cp, causal, documents)
 
-    def _ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def _ulysses(self, q, k, v, causal: bool, documents: torch.Tensor | None) -> torch.Tensor:
         order = self._natural_order(q.shape[-2], q.device)
         qs, ks, vs = (self._to_heads(x)[..., order, :] for x in (q, k, v))
+        mask = None
+        if documents is not None:  # the whole rows' document mask: q, k, v are in sequence order now
+            d = documents.to(q.device)
+            s = d.shape[-1]
+            mask = (d[:, :, None] == d[:, None, :]).unsqueeze(1)
+            if causal:
+                mask = mask & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         out = F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=causal, enable_gqa=ks.shape[1] != qs.shape[1]
+            qs,
+            ks,
+            vs,
+            attn_mask=mask,
+            is_causal=causal and mask is None,
+            enable_gqa=ks.shape[1] != qs.shape[1],
         )
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)

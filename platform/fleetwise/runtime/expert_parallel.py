@@ -37,16 +37,24 @@ the same mean over the data-parallel ranks as above. FSDP shards the experts alo
 rows (Shard(1); torchtitan does so when edp × ep exceeds the experts), never along the experts
 again: Shard(0) over both dims would be a strided placement that the layout-invariant
 initialisation (models/init.py) and the checkpoint's resharding would have to interleave.
+
+Without expert parallelism (`expert_placement`) the experts sit in their block's FSDP unit, sharded
+over the job's FSDP ranks (sharding × cp). FSDP2's default Shard(0) splits them along the experts:
+with more FSDP ranks than experts that is uneven -- Mixtral's 8 experts over 64 ranks left ranks
+0-7 one whole expert of every block each (22.6 GB) and ranks 8-63 none. There they are sharded
+along their output rows too (Shard(1), as above), evenly on every rank.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fleetwise.compat import ddp_ignore, foreach_mul_, local_tensor
 from fleetwise.config.layout import Layout
@@ -120,6 +128,31 @@ def fully_shard_experts(part: nn.Module, mesh: DeviceMesh, data: int, **kwargs) 
 
 def _rows(_param: nn.Parameter) -> Shard:
     return Shard(1)
+
+
+def expert_shard_dim(num_experts: int, rows: int, degree: int) -> int:
+    """The dim FSDP shards a routed-expert weight [E, rows, cols] along over `degree` ranks
+    without expert parallelism: the rows (1) when there are more ranks than experts and the rows
+    split evenly (FSDP2 refuses an uneven Shard(1)); else the experts (0). Dim 0 where it can:
+    a Shard(1) weight costs FSDP2 a temporary copy of the gathered weight at each all-gather and
+    of the gradient at each reduce-scatter (it regroups the rows), and with ranks ≤ experts dim 0
+    leaves no rank empty (even, whole experts when the degree divides them)."""
+    return 1 if degree > num_experts and rows % degree == 0 else 0
+
+
+def expert_placement(block: nn.Module, degree: int) -> Callable[[nn.Parameter], Shard | None] | None:
+    """fully_shard's shard_placement_fn for a block whose routed experts it shards over `degree`
+    ranks (`expert_shard_dim`); None (FSDP's default Shard(0) for all) when no weight needs dim 1.
+    The experts of an expert-parallel job are not the block's (`fully_shard_experts`)."""
+    rows = {
+        id(w): Shard(1)
+        for m in block.modules() if isinstance(m, MoE) and not isinstance(m.experts.w1, DTensor)
+        for w in (getattr(m.experts, a) for a in EXPERT_WEIGHTS)
+        if expert_shard_dim(w.shape[0], w.shape[1], degree) == 1
+    }  # fmt: skip
+    if not rows:
+        return None
+    return lambda param: rows.get(id(param))
 
 
 def keep_from_ddp(part: nn.Module, names: list[str]) -> None:

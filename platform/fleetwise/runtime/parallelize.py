@@ -33,6 +33,7 @@ from fleetwise.runtime.context_parallel import SeqShard, apply_context_parallel
 from fleetwise.runtime.expert_parallel import (
     ExpertGrads,
     expert_mesh,
+    expert_placement,
     fully_shard_experts,
     keep_from_ddp,
     shard_experts,
@@ -329,8 +330,12 @@ def _data_parallel(
     if ep_mesh is not None:  # the experts first: units of their own over "edp" (runtime/expert_parallel.py)
         rest = {k: v for k, v in kwargs.items() if k != "mesh"}
         fully_shard_experts(part, ep_mesh, layout.sharding * layout.dp, reshard_after_forward=reshard, **rest)
+    degree = layout.sharding * layout.cp  # (the mesh's shard dim: dp replicates)
     for block in part.layers.values():
-        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+        # its routed experts along their rows where the experts are fewer than the ranks
+        # (runtime/expert_parallel.py `expert_placement`)
+        placement = expert_placement(block, degree) if ep_mesh is None else None
+        fully_shard(block, reshard_after_forward=reshard, shard_placement_fn=placement, **kwargs)
     fully_shard(part, reshard_after_forward=reshard, **kwargs)
     return part
 

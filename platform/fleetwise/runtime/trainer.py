@@ -155,7 +155,7 @@ class Trainer:
         if self.model.schedule is not None:
             batch = self.data.whole(step)
             if self.model.sequence is not None:  # context parallel: the stages pass this rank's chunks
-                batch = {k: self.model.sequence.shard(t) for k, t in batch.items()}
+                batch = self.model.sequence.shard_batch(batch)
             args = [self._to_device(batch[k]) for k in spec.inputs] if self.model.has_first else []
             target = self._to_device(batch[spec.label]) if self.model.has_last else None
             losses: list[torch.Tensor] = []
@@ -177,8 +177,11 @@ class Trainer:
         total = torch.zeros((), device=self.env.device)
         for i, mb in enumerate(micro):
             last = i == n - 1
+            weight = None
             if self.model.sequence is not None:  # context parallel: this rank's chunks of each sequence
-                mb = {k: self.model.sequence.shard(t) for k, t in mb.items()}
+                whole, mb = mb, self.model.sequence.shard_batch(mb)
+                # its share of the whole batch's mean loss (learned labels need not split evenly)
+                mb[spec.label], weight = self.model.sequence.loss_weight(whole[spec.label], mb[spec.label])
             with self._sync_context(part, last), self._loss_context():
                 with self.autocast():
                     # the output (a language model's logits) is not kept: bound to a name it would
@@ -188,6 +191,8 @@ class Trainer:
                         part(*[self._to_device(mb[k]) for k in spec.inputs], **extra),
                         self._to_device(mb[spec.label]),
                     )
+                    if weight is not None:
+                        loss = loss * self._to_device(weight)
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += _plain(loss)

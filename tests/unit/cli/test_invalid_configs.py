@@ -480,9 +480,10 @@ CASES = [
             "data.path={hf}/bad.jsonl",
             *HYB,
             "strategy.cp_degree=2",
-            "strategy.dp_degree=4",
+            "strategy.pp_degree=2",
+            "strategy.dp_degree=2",
         ),
-        "data.source",
+        "strategy.pp_degree",  # packed documents run under cp, not through a pipeline
     ),
     # --- expert parallelism
     (("strategy=dp", "strategy.ep_degree=2"), "strategy.ep_degree"),

@@ -104,8 +104,13 @@ def test_what_this_stage_does_not_combine_is_refused_with_a_reason():
     )
     moe = _problems("recipe=llama/moe_tiny", *CP, "hardware.devices_per_node=2")
     assert "model.moe.num_experts=0" in moe["model.moe.num_experts"]
+    # packed documents run under cp (document masks across the chunks); a pipeline still refuses them
     packed = _problems("recipe=llama/tiny", "data=jsonl", *CP, "hardware.devices_per_node=2")
-    assert "document mask across the chunks" in packed["data.source"]
+    assert "data.source" not in packed and "strategy.pp_degree" not in packed, packed
+    piped = _problems(
+        "recipe=llama/tiny", "data=jsonl", *CP, "strategy.pp_degree=2", "hardware.devices_per_node=4"
+    )
+    assert "pass between pipeline stages" in piped["strategy.pp_degree"]
 
 
 def test_a_sharding_stage_shards_over_cp_alone_but_still_needs_something_to_shard_over():
@@ -142,7 +147,11 @@ def test_tensor_parallelism_combines_and_tightens_the_shapes():
     # without sequence parallelism the chunks need 2·cp only
     assert "model.seq_len" not in _problems(*ring, "model.seq_len=36")
     kv = _problems(
-        "recipe=llama/tiny", *CP, "strategy.mp_degree=2", "strategy.cp_method=ulysses",
-        "hardware.devices_per_node=4", "model.num_kv_heads=2",
+        "recipe=llama/tiny",
+        *CP,
+        "strategy.mp_degree=2",
+        "strategy.cp_method=ulysses",
+        "hardware.devices_per_node=4",
+        "model.num_kv_heads=2",
     )
     assert "num_kv_heads=2 does not divide by cp_degree=2 × mp_degree=2 = 4" in kv["model.num_kv_heads"]

@@ -174,3 +174,32 @@ def test_the_ring_backward_peak_at_cp_4():
     block = 2 * 8 * HEADS * D
     want = block * (2 * 4 + 4 * 4) + HEADS * 8 * (D + 1) * 4 + 3 * HEADS * 4 * 4 * 4
     assert ring_backward_peak(cfg, Layout.of(cfg), 4.0) == want == 27_520
+    # packed documents (data=jsonl): the block's two 4×4 boolean masks (same document; AND causal)
+    packed = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": "jsonl"})})
+    assert ring_backward_peak(packed, Layout.of(packed), 4.0) == want + 2 * 4 * 4
+
+
+def test_a_large_untied_root_with_few_tokens_peaks_at_its_reduce_scatter_input():
+    """Llama 3 8B (vocabulary 128,256, hidden 4,096, embedding and head untied) at seq 8k over cp 4 ×
+    ZeRO-3 sharding 2 with offload: 2,048 tokens a rank hold little, and the step peaks when FSDP
+    allocates the root's fp32 reduce-scatter input while the root's bf16 gradients (embedding's
+    and head's) wait to be copied in. The dry run's peak there: 6,304,358,416 B (4 layers or 32),
+    of which this buffer 4,202,708,992 B; planned 5.88 GB (-6.75%) before this moment was counted."""
+    cfg, problems = compose(
+        "recipe=llama/llama3_8b_128k",
+        "model.num_layers=4",
+        "model.seq_len=8192",
+        "strategy.cp_degree=4",
+        "strategy.sharding_degree=2",
+        "hardware.devices_per_node=8",
+        "train.global_batch_size=4",
+    )
+    assert problems == [], problems
+    plan = make_plan(cfg)
+    root = 2 * 128_256 * 4_096 + 4_096  # embedding, head, final norm
+    assert 4 * root == 4_202_708_992  # the dry run's buffer
+    assert plan.memory_peak["phase"] == "root reduce-scatter input"
+    # the fp32 buffer and the bf16 gradients; the parameters, their gradients and AdamW's state
+    # are on the host (offload); the micro-batch's token ids
+    assert plan.memory_peak["parts"] == {"activations": 4 * root + 2 * root, "inputs": 131_072}
+    assert abs(plan.memory_bytes["total"] / 6_304_358_416 - 1) < 0.001

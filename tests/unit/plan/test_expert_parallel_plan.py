@@ -140,3 +140,23 @@ def test_under_tensor_parallelism_the_moe_mlp_is_whole_on_every_mp_rank():
     # (fp32: 4 bytes; 2 samples of 32 tokens; an all-reduce moves 2 (mp - 1) / mp = 1 of its bytes)
     size = 2 * 32 * h * 4
     assert mp2.comm_bytes_per_step["mp"] == 8 * size * (2 * 2 + 3 * 2 + 1 + 1)
+
+
+def test_what_a_moe_block_saves_without_recompute_by_hand():
+    """Mixtral's MoE block (s = 4,096 tokens a sample, top-2: sk = 8,192 rows, h = 4,096, experts of
+    width f = 14,336) saves, where the dense block's SwiGLU saved its four [s, f] tensors: the routed
+    rows (the experts' input), the experts' output rows and the weighted rows (index_add's source,
+    which the dry run held: 64 MiB a layer in bf16, the planner missed it), all [sk, h]; the four
+    SwiGLU tensors [sk, f]; the rows' weights [sk] -- whole on every mp rank -- and the router's
+    fp32 scores [s, 8], the two chosen weights and their sum, and three int64 index tensors."""
+    from fleetwise.families.llama.units import block, units
+
+    cfg, problems = compose(*MIXTRAL)
+    assert problems == [], problems
+    s, sk, h, f = 4096, 8192, 4096, 14336
+    moe = next(u for u in units(cfg.model) if u.name == "moe_block").acts["none"]
+    dense = block(cfg.model).acts["none"]  # the same block with its dense SwiGLU of width 14,336
+    assert moe.replicated - dense.replicated == sk * h + sk * h + sk * h + 4 * sk * f + sk
+    assert moe.split - dense.split == -4 * s * f
+    assert moe.fp32 - dense.fp32 == s * 8 + (2 * s + s) + 2 * (2 * s + sk + sk)
+    assert (moe.sp, moe.whole, moe.reduced) == (dense.sp, dense.whole, dense.reduced)

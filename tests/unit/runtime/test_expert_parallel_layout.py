@@ -49,3 +49,32 @@ def test_the_tensor_parallel_plan_leaves_the_moe_blocks_mlps_alone():
         "recipe=llama/tiny", "strategy=mp", "strategy.mp_degree=2", "hardware.devices_per_node=2"
     )
     assert "layers.*.mlp.gate" in _existing(build_meta_model(dense), model_spec(dense).tp_plan(False))
+
+
+def test_experts_are_sharded_along_their_rows_where_the_fsdp_ranks_outnumber_them():
+    """Without expert parallelism a MoE block's FSDP unit shards its [E, rows, cols] expert weights
+    along the rows (Shard(1)) where more ranks than experts share it and the rows split evenly --
+    along the experts, Mixtral's 8 over 64 ranks left ranks 8-63 without any -- and along the
+    experts (FSDP's default) everywhere else."""
+    from torch.distributed.tensor import Shard
+
+    from fleetwise.runtime.expert_parallel import expert_placement, expert_shard_dim
+    from fleetwise.runtime.modeling import build_meta_model
+
+    # Mixtral: 8 experts, w1/w3 [8, 14336, 4096], w2 [8, 4096, 14336]
+    assert [expert_shard_dim(8, 14336, n) for n in (1, 4, 8, 16, 64)] == [0, 0, 0, 1, 1]
+    assert expert_shard_dim(8, 4096, 64) == 1
+    assert expert_shard_dim(8, 14336, 12) == 0  # 14,336 rows do not split over 12 ranks
+    assert expert_shard_dim(4, 64, 128) == 0  # nor 64 over 128
+
+    cfg, problems = compose("recipe=llama/moe_tiny")  # 4 experts [4, 64, 64] in blocks 1-3
+    assert problems == []
+    model = build_meta_model(cfg)
+    assert expert_placement(model.layers["0"], 8) is None  # a dense block
+    assert expert_placement(model.layers["1"], 4) is None  # 4 ranks, 4 experts: one each
+    rule = expert_placement(model.layers["1"], 8)
+    block = model.layers["1"]
+    for name, p in block.named_parameters():
+        expected = Shard(1) if name.startswith("mlp.experts.") else None
+        assert rule(p) == expected, name
+    assert sum(rule(p) is not None for p in block.parameters()) == 3

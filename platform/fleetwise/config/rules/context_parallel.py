@@ -8,9 +8,10 @@ pieces between the blocks, and each chunk is asked to split evenly too (the issu
 piece within one chunk), so seq_len divides by 2·cp·mp. Ulysses hands each cp rank
 1/cp of the heads an mp rank holds (tensor parallelism splits them first), so the query heads and
 Llama's kv heads divide by cp·mp.
-Not yet combined: ZeRO-1 (its gradient reduction spans sharding and dp, not cp), torch.compile (the
-blockwise attention's loop and collectives are not traced), packed documents (data=jsonl: a document
-mask across chunks), attention dropout and mixtures of experts.
+Packed documents (data=jsonl) run with either method: attention masks by document across the chunks
+(runtime/context_parallel.py). Not yet combined: ZeRO-1 (its gradient reduction spans sharding and dp,
+not cp), torch.compile (the blockwise attention's loop and collectives are not traced), attention
+dropout and mixtures of experts.
 """
 
 from __future__ import annotations
@@ -107,13 +108,6 @@ def _combinations(ctx: Context, here: str) -> Iterator[Problem]:
             f"train.compile=true with {here}: the blockwise attention (a loop over chunks with collectives) "
             "is not traced into a block's graph",
             "set train.compile=false",
-        )
-    if cfg.data.source == "jsonl":
-        yield Problem(
-            "data.source",
-            f"data=jsonl with {here}: packed documents need a document mask across the chunks, which "
-            "context parallelism does not build yet",
-            "train the fine-tuning data with strategy.cp_degree=1 (dp or sharding for more ranks)",
         )
     moe = getattr(cfg.model, "moe", None)
     if moe is not None and moe.num_experts:

@@ -53,7 +53,8 @@ def spec(m: LlamaModel) -> ModelSpec:
         # (a MoE block's experts are not split over mp ranks: families/moe.py tp_plan_of)
         tp_plan_of(partial(llama_plan, qk_norm=m.qk_norm, tied=m.tie_word_embeddings), m.moe, m.num_layers),
         load_weights=load,
-        optional_inputs=("positions",),  # packed documents (data=jsonl): data/jsonl.py
+        # packed documents (data=jsonl): data/jsonl.py; documents: context parallel's document ids
+        optional_inputs=("positions", "documents"),
     )
 
 

@@ -117,20 +117,26 @@ class Attention(nn.Module):
         # the chunks' true positions, attention over the whole sequence
         self.seq = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """positions [b, s]: packed documents (data=jsonl): rotary positions restart per document,
         and an explicit block-diagonal causal mask (`document_mask`) keeps attention inside each;
         SDPA with a boolean mask (FlexAttention would skip the masked blocks, but needs compile to
-        be fast and runs eagerly on a CPU only with a warning). None: one causal sequence."""
+        be fast and runs eagerly on a CPU only with a warning). None: one causal sequence.
+        Context parallel: positions are this rank's chunks' and documents the whole rows' document
+        ids (SeqShard.shard_batch), the mask built by the SeqShard's attention."""
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a/mp query and kv/mp kv heads
         q, k, v = (proj(x).view(b, s, -1, self.head_dim) for proj in (self.wq, self.wk, self.wv))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.seq is not None:  # (validate refuses packed documents with context parallelism)
-            cos, sin = rotary_tables(self.inv_freq, s, q, self.seq.positions(s, q.device)[None])
+        if self.seq is not None:
+            at = self.seq.positions(s, q.device)[None] if positions is None else positions
+            cos, sin = rotary_tables(self.inv_freq, s, q, at)
             q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
-            return self.wo(self.seq.attend(q, k, v.transpose(1, 2), causal=True).transpose(1, 2).reshape(b, s, -1))
+            out = self.seq.attend(q, k, v.transpose(1, 2), causal=True, documents=documents)
+            return self.wo(out.transpose(1, 2).reshape(b, s, -1))
         cos, sin = rotary_tables(self.inv_freq, s, q, positions)
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
         mask = None if positions is None else document_mask(positions.to(q.device))
@@ -156,9 +162,11 @@ class Block(nn.Module):
             else SwiGLU(h, cfg.ffn_hidden_size)
         )
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # positions by keyword: the tensor-parallel plan lays out the attention's positional input only
-        x = x + self.attn(self.ln1(x), positions=positions)
+        x = x + self.attn(self.ln1(x), positions=positions, documents=documents)
         return x + self.mlp(self.ln2(x))
 
 
@@ -204,15 +212,18 @@ class Llama(DecoderLM):
         # initial values: drawn per parameter, after sharding (fleetwise.models.init)
         self.init_rule = llama_rule(cfg.init_std, cfg.num_layers)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """DecoderLM's forward; with `positions` [b, s] (packed documents, ModelSpec.optional_inputs)
-        every block attends within documents only. Not under a pipeline (validate refuses it: the
-        positions would have to travel between stages with the hidden states)."""
+        every block attends within documents only (context parallel: with the whole rows'
+        `documents` ids). Not under a pipeline (validate refuses it: the positions would have to
+        travel between stages with the hidden states)."""
         if positions is None:
             return super().forward(x)
         h = self.embed(x) if self.embed is not None else x
         for layer in self.layers.values():
-            h = layer(h, positions)
+            h = layer(h, positions, documents)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
