@@ -40,9 +40,12 @@ class Acts:
     # in the compute dtype like `split`, but whole on every mp rank: a MoE block's MLP, which tensor
     # parallelism does not split (models/moe.py)
     replicated: float = 0.0
+    # sharded like `sp`, but fp32 whatever the precision: an RMSNorm that normalises in fp32 saves
+    # its input's fp32 copy and the per-token rsqrt (families/llama: `x.float()`, as Hugging Face's)
+    sp32: float = 0.0
 
     def elements(self, mp: int, sequence_parallel: bool) -> float:
-        seq = self.sp + self.reduced
+        seq = self.sp + self.reduced + self.sp32
         return (
             (self.split + self.fp32) / mp
             + (seq / mp if sequence_parallel else seq)
@@ -53,7 +56,9 @@ class Acts:
 
     @property
     def total(self) -> float:
-        return self.split + self.sp + self.whole + self.reduced + self.fp32 + self.partial + self.replicated
+        return (
+            self.split + self.sp + self.whole + self.reduced + self.fp32 + self.partial + self.replicated + self.sp32
+        )
 
 
 NO_ACTS = Acts()  # a unit that saves nothing

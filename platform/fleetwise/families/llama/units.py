@@ -3,8 +3,9 @@ RMSNorm, LM head, loss), counted from families/llama/model.py as torch runs it.
 
 What autograd saves (fp32 elements per sample; s tokens, h width, a query and g kv heads of width d,
 f the SwiGLU width):
-- an RMSNorm saves its input (pow and the normalising mul), the per-token rsqrt and the normalised
-  input (read by the weight's mul); its output is saved by the matmuls that read it;
+- an RMSNorm saves its input (pow and the normalising mul) and the per-token rsqrt, both fp32 (it
+  normalises an fp32 copy, whatever the precision), and the normalised input in the input's dtype
+  (read by the weight's mul); its output is saved by the matmuls that read it;
 - attention: SDPA saves q, k and v after RoPE (k and v at the kv heads' width: enable_gqa copies
   nothing), its output and log-sum-exp; RoPE's muls save only the cos/sin tables, which are per
   batch, not per sample (2·s·d a block and micro-batch, left out); with q/k norms, each norm saves
@@ -29,12 +30,17 @@ def block(m: LlamaModel) -> Unit:
     # q, k, v, gate and up are column-parallel, o and down row-parallel; the norms are replicated
     split = 2 * h * q + 2 * h * kv + 3 * h * f
     whole = 2 * h + (2 * d if m.qk_norm else 0)
-    qk_norm = (2 * s * q + s * a + 2 * s * kv + s * g) if m.qk_norm else 0
+    # the q/k norms' normalised inputs (split), their inputs' fp32 copies and rsqrt (fp32)
+    qk_norm, qk_norm32 = (s * (q + kv), s * (q + kv) + s * (a + g)) if m.qk_norm else (0, 0)
     none = Acts(
         # q, k, v after RoPE, SDPA's output and log-sum-exp; the q/k norms'; SwiGLU's four
         split=2 * s * q + 2 * s * kv + a * s + qk_norm + 4 * s * f,
-        # each norm's input and normalised input, and its rsqrt (sequence parallel shards them)
-        sp=2 * (2 * s * h + s),
+        fp32=qk_norm32,
+        # each norm's normalised input (read by the weight's mul; sequence parallel shards them) ...
+        sp=2 * s * h,
+        # ... and its input and rsqrt, fp32 whatever the precision: RMSNorm normalises an fp32 copy
+        # (a 2-byte count missed 64 MiB a layer of Mixtral at 4,096 tokens, ZeRO-3 bf16: -3%)
+        sp32=2 * (s * h + s),
         # the norms' outputs, saved by the column-parallel matmuls that read them (gathered in full
         # under sequence parallelism)
         whole=2 * s * h,
@@ -123,9 +129,9 @@ def units(m: LlamaModel) -> list[Unit]:
         params_split=0 if tied else h * v,
         params_whole=h,  # final norm
         fwd_flops=2 * s * h * v,
-        # final norm: input, rsqrt, normalised input; its output (saved by the LM head);
-        # log-softmax output (vocab-parallel)
-        acts={"none": Acts(fp32=s * v, sp=2 * s * h + s, whole=s * h)},
+        # final norm: normalised input, and its input and rsqrt in fp32; its output (saved by the
+        # LM head); log-softmax output (vocab-parallel)
+        acts={"none": Acts(fp32=s * v, sp=s * h, sp32=s * h + s, whole=s * h)},
         # the gradients of the log-softmax output and of the logits (fp32: the loss upcasts)
         transient=Acts(fp32=2 * s * v),
         transient_tp=Acts(fp32=s * v),

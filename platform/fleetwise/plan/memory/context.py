@@ -76,6 +76,7 @@ class RankContext:
             + a.whole * whole_bytes
             + (a.reduced / mp if sp else a.reduced) * split_bytes
             + (a.fp32 / mp) * FP32
+            + (a.sp32 / mp if sp else a.sp32) * FP32
             + (a.partial + a.replicated) * split_bytes
         ) / self.cp
 

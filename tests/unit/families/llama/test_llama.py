@@ -325,3 +325,23 @@ def test_hugging_face_export_refuses_experts_it_cannot_express(tmp_path):
     cfg, _ = compose("recipe=llama/moe_tiny")
     with pytest.raises(WeightsError, match="num_shared_experts=1.*dense blocks without q/k norms.*--format torch"):
         write_hf_dir(cfg.model, tmp_path / "out", {}, read=None)
+
+
+def test_rms_norms_save_an_fp32_copy_of_their_input_whatever_the_precision():
+    """RMSNorm normalises `x.float()` (as Hugging Face's): in a bf16 FSDP job (16-bit residual
+    stream) each norm saves its input's fp32 copy and the per-token rsqrt in fp32, and only the
+    normalised input in bf16; the q/k norms likewise per head. Counted at 2 bytes, Qwen 3 8B (4
+    layers, its recipe's layout) planned 3,781,166,080 B against the dry run's 3,911,769,300 B
+    (-3.34%); Mixtral at 64 ranks missed 64 MiB a layer."""
+    from fleetwise.families.llama.units import block
+    from fleetwise.plan import make_plan
+
+    cfg, problems = compose("recipe=llama/qwen3_8b", "model.num_layers=4")
+    assert problems == [], problems
+    m = cfg.model
+    s, h, q, kv = m.seq_len, m.hidden_size, m.num_attention_heads * m.head_width, m.num_kv_heads * m.head_width
+    none = block(m).saved("none")
+    assert none.sp == 2 * s * h  # the two normalised inputs, in the residual's dtype
+    assert none.sp32 == 2 * (s * h + s)  # their fp32 inputs and rsqrt
+    assert none.fp32 == s * (q + kv) + s * (m.num_attention_heads + m.num_kv_heads)  # q/k norms'
+    assert abs(make_plan(cfg).memory_bytes["total"] / 3_911_769_300 - 1) < 0.005
