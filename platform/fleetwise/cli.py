@@ -218,8 +218,13 @@ def _print_cfg(overrides: list[str], which: str, resolve: bool) -> int:
     if which == "hydra":
         cfg = cfg.hydra
     elif which == "job":
+        from fleetwise.config.recipes import apply_strategy_choice
+
         with open_dict(cfg):
             cfg.pop("hydra", None)
+        # the strategy section the job runs with: a `strategy=X` other than the recipe's replaces
+        # the recipe's strategy keys (config/recipes.py), which Hydra's composition alone still shows
+        cfg = OmegaConf.create(apply_strategy_choice(OmegaConf.to_container(cfg), overrides))
     print(OmegaConf.to_yaml(cfg, resolve=resolve and which == "job"), end="")
     return EXIT_OK
 
