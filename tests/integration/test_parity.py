@@ -354,7 +354,8 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers(tmp_path):
     """llama/tiny started from a Hugging Face checkpoint (a Qwen 3, written by transformers in the
     test): tensor parallel 2 (sequence parallel; the q/k norms' shared weight over split heads) ×
-    pipeline 2, ZeRO-3 over 2 ranks, and context parallel 2 (ring and ulysses), equal one process; each ZeRO-3 rank read half of the
+    pipeline 2, ZeRO-3 over 2 ranks, context parallel 2 (ring and ulysses) and cp 2 × mp 2 × pp 2,
+    equal one process; each ZeRO-3 rank read half of the
     weights' bytes; the one-process run exported as a Hugging Face directory loads in transformers
     and computes fleetwise's logits."""
     import transformers
@@ -386,9 +387,19 @@ def test_llama_from_hf_weights_equals_single_process_and_exports_to_transformers
             "strategy.cp_method=ulysses",
             "strategy.sharding_stage=3",
         ),
+        # the issue's cp 2 × mp 2 × pp 2 on llama (8 ranks): the ring over each mp rank's 4 query
+        # and 2 kv heads, sequence parallel between the blocks, 1F1B stages passing the cp chunks
+        "cp2_ring_mp2_sp_pp2": (
+            "strategy=hybrid",
+            "strategy.cp_degree=2",
+            "strategy.mp_degree=2",
+            "strategy.sequence_parallel=true",
+            "strategy.pp_degree=2",
+        ),
     }
+    procs = {"mp2_sp_pp2": 4, "cp2_ring_mp2_sp_pp2": 8}
     for name, layout in layouts.items():
-        got = run(tmp_path, name, *base, *layout, procs=4 if name.startswith("mp2") else 2)
+        got = run(tmp_path, name, *base, *layout, procs=procs.get(name, 2))
         assert_same(ref, got, SGD_TOL)
     for rank, name in ((0, "zero3x2"), (1, "zero3x2"), (1, "cp2_ulysses_stage3")):
         # ZeRO-3 (over sharding, or over cp alone): each rank read its half of every tensor, no more
