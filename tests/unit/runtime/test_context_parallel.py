@@ -103,6 +103,23 @@ def test_each_ranks_blocks_are_skipped_diagonal_or_full_as_causality_says():
     assert block_kind(3, 1, causal=False) == block_kind(1, 3, causal=False) == "full"
 
 
+def run_virtual_ranks(rank, cp: int) -> None:
+    """`rank(r)` for every cp rank at once, one thread each (their exchanges block on each other)."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+def whole_sequence(parts: list[torch.Tensor], like: torch.Tensor, s: int, cp: int) -> torch.Tensor:
+    """The cp ranks' outputs (their head-tail chunks, sequence on dim -2) put back in sequence order."""
+    got = torch.empty_like(like)
+    for r, part in enumerate(parts):
+        got[..., local_positions(s, r, cp), :] = part
+    return got
+
+
 class _VirtualRing:
     """cp ranks as threads of one process, passing tensors through queues: the transport
     _RingAttention uses (`start`, `finish`), without process groups."""
@@ -160,18 +177,12 @@ def test_ring_attention_over_virtual_ranks_equals_full_causal_attention(cp, head
         grads = torch.autograd.grad((out * shard_sequence(w, r, cp, dim=2)).sum(), mine)
         results[r] = (out.detach(), *grads)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_virtual_ranks(rank, cp)
     assert sorted(results) == list(range(cp))
     # sequence-major like SDPA's output: the out-projection's input is a view of it
     assert results[0][0].transpose(1, 2).is_contiguous()
     for i, full in enumerate((want, *grads_want)):
-        got = torch.empty_like(full)
-        for r in range(cp):
-            got[..., local_positions(s, r, cp), :] = results[r][i]
+        got = whole_sequence([results[r][i] for r in range(cp)], full, s, cp)
         assert torch.isfinite(got).all() and torch.allclose(got, full, atol=1e-5), i
 
 
@@ -245,15 +256,9 @@ def test_ulysses_over_virtual_ranks_masks_packed_documents_in_sequence_order(cp,
         mine = [shard.shard(x.transpose(1, 2)).transpose(1, 2) for x in (q, k, v)]
         results[r] = shard.attend(*mine, causal=True, documents=batch["documents"])
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_virtual_ranks(rank, cp)
     assert sorted(results) == list(range(cp))
-    got = torch.empty_like(want)
-    for r in range(cp):
-        got[..., local_positions(s, r, cp), :] = results[r]
+    got = whole_sequence([results[r] for r in range(cp)], want, s, cp)
     assert torch.allclose(got, want, atol=1e-5)
 
 
