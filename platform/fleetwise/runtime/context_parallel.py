@@ -381,12 +381,9 @@ class SeqShard:
         order = self._natural_order(q.shape[-2], q.device)
         qs, ks, vs = (self._to_heads(x)[..., order, :] for x in (q, k, v))
         mask = None
-        if documents is not None:  # the whole rows' document mask: q, k, v are in sequence order now
-            d = documents.to(q.device)
-            s = d.shape[-1]
-            mask = (d[:, :, None] == d[:, None, :]).unsqueeze(1)
-            if causal:
-                mask = mask & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        if documents is not None:  # q, k, v are in sequence order now: the whole rows are one block
+            kind = "diagonal" if causal else "full"
+            mask = block_mask(kind, 0, 0, documents.shape[-1], documents, q.device)
         out = F.scaled_dot_product_attention(
             qs,
             ks,
