@@ -23,6 +23,7 @@ def test_a_two_rank_job_trains_and_writes_its_run_directory(tmp_path):
         "tracking.enabled=false",
         f"run.dir={run_dir}",
         timeout=300,
+        env={"OMP_WAIT_POLICY": ""},  # (the test session's own PASSIVE unset: the launcher's default)
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     records = read_metrics(run_dir)
@@ -35,7 +36,7 @@ def test_a_two_rank_job_trains_and_writes_its_run_directory(tmp_path):
     assert "final loss" in r.stdout
     # the ranks were forked from a preloaded fork server (not two more interpreters importing
     # torch), which is the agent itself (not one more interpreter importing what the agent has),
-    # with the one intra-op thread torchrun gives ranks that share a node
+    # with the one intra-op thread torchrun gives ranks that share a node, waiting passively
     for log in (run_dir / "logs").glob("rank_*.log"):
         start_up = next(line for line in log.read_text().splitlines() if "start-up:" in line)
-        assert "forked from the fork server (the agent), 1 threads;" in start_up, start_up
+        assert "forked from the fork server (the agent), 1 threads (OpenMP waits: passive);" in start_up, start_up

@@ -147,7 +147,7 @@ def rank_thread_env(environ, nproc: int) -> dict[str, str]:
     22-32 CPU-s and 48-68 s a job spinning, 10-11 CPU-s and 23 s passive -- the same as 1 thread."""
     threads = max(1, (os.cpu_count() or 1) // max(1, nproc))
     defaults = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
-    return {k: v for k, v in defaults.items() if k not in environ}
+    return {k: v for k, v in defaults.items() if not environ.get(k)}  # (set empty: not set)
 
 
 def rank_environment(environ) -> dict[str, str]:

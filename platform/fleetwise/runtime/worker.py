@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None, started_as: str = "a new interpreter") -
     trainer = Trainer(cfg, plan, env, run_dir)
     built = time.perf_counter()
     log.info(
-        "rank %d/%d on %s, attempt %d, %s, %d threads; start-up: imports %.2f s, process group %.2f s, "
+        "rank %d/%d on %s, attempt %d, %s, %d threads (OpenMP waits: %s); start-up: imports %.2f s, "
+        "process group %.2f s, "
         "mesh+model+optimizer %.2f s",
         env.rank,
         env.world_size,
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None, started_as: str = "a new interpreter") -
         env.restart,
         started_as,
         torch.get_num_threads(),
+        os.environ.get("OMP_WAIT_POLICY", "default").lower(),  # launcher/torchrun.py rank_thread_env
         imported - started,
         joined - imported,
         built - joined,

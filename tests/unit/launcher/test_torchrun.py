@@ -88,3 +88,4 @@ def test_ranks_get_their_core_share_and_passive_openmp_threads_unless_the_user_s
     assert rank_thread_env({}, 2) == {"OMP_NUM_THREADS": "4", "OMP_WAIT_POLICY": "PASSIVE"}
     assert rank_thread_env({}, 16) == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     assert rank_thread_env({"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}, 2) == {}
+    assert rank_thread_env({"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": ""}, 2) == {"OMP_WAIT_POLICY": "PASSIVE"}
