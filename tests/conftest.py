@@ -24,6 +24,23 @@ def pytest_configure(config):
     # writes hardware/local.yaml: with one there the hardware group's key check read a local.yaml
     # that conf/ lacks and failed); tests that need a local profile make their own.
     os.environ["FLEETWISE_CONFIG_DIR"] = tempfile.mkdtemp(prefix="fleetwise-test-config-")
+    # Jobs' torchrun agents forked from a warm pool process per test process (torch imported once,
+    # launcher/agent_pool.py): ~4-5 CPU-s less a job. FLEETWISE_TEST_COLD_AGENTS=1: every agent a new
+    # interpreter, as users run them (the smoke test always is one).
+    if not os.environ.get("FLEETWISE_TEST_COLD_AGENTS"):
+        from fleetwise.launcher.agent_pool import open_pool
+
+        config._fleetwise_agent_pool = Path(tempfile.mkdtemp(prefix="fleetwise-agents-"))
+        open_pool(config._fleetwise_agent_pool)
+
+
+def pytest_unconfigure(config):
+    pool = getattr(config, "_fleetwise_agent_pool", None)
+    if pool is not None:
+        from fleetwise.launcher.agent_pool import close_pool
+
+        close_pool(pool)
+        shutil.rmtree(pool, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,3 +82,12 @@ def netns_hosts():
     yield make
     for hosts in made:
         hosts.close()
+
+
+@pytest.fixture
+def cold_agents(monkeypatch):
+    """The jobs this test starts run their torchrun agent as a new interpreter, as users run it,
+    not forked from the session's warm pool (launcher/agent_pool.py): for tests that find a job's
+    processes by their command line (a pooled agent's is the pool process's), or that need the
+    seconds a new agent takes before the ranks start."""
+    monkeypatch.setenv("FLEETWISE_AGENT_POOL", "")

@@ -48,6 +48,7 @@ def test_gpu_profile_without_gpu_fails_fast(tmp_path):
     assert run_cli("plan", "recipe=gpt/tiny", "hardware=a100").returncode == 0  # planning still works
 
 
+@pytest.mark.usefixtures("cold_agents")  # (leftover_processes: a job's processes by their command line)
 @pytest.mark.parametrize(
     "mode,expect", [("raise", "injected fault on rank 1 at step 2"), ("exit", "exit code 13")]
 )
@@ -85,6 +86,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.usefixtures("cold_agents")  # node 1 samples only once node 0's MLflow run exists
 def test_two_nodes_on_loopback_match_one_node(tmp_path):
     """Also: both nodes report their system metrics into the job's one MLflow run (a sqlite store
     in tmp_path), and node 0 logs the model consolidated from the 4 ranks' shards."""
@@ -227,6 +229,7 @@ def _gone(marker: str, timeout_s: float = 60) -> list[str]:
     return leftover_processes(marker)
 
 
+@pytest.mark.usefixtures("cold_agents")  # (leftover_processes: a job's processes by their command line)
 def test_sigterm_stops_every_rank_and_marks_the_run_killed(tmp_path):
     """What SLURM, systemd and `kill` send: the job stops like on Ctrl-C, and its MLflow run ends
     KILLED (before: every rank kept running and the run stayed RUNNING)."""
@@ -251,6 +254,7 @@ def test_sigterm_stops_every_rank_and_marks_the_run_killed(tmp_path):
         assert db.execute("select status from runs").fetchall() == [("KILLED",)]
 
 
+@pytest.mark.usefixtures("cold_agents")  # (leftover_processes: a job's processes by their command line)
 def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
     import signal
 

@@ -23,7 +23,9 @@ def test_a_two_rank_job_trains_and_writes_its_run_directory(tmp_path):
         "tracking.enabled=false",
         f"run.dir={run_dir}",
         timeout=300,
-        env={"OMP_WAIT_POLICY": ""},  # (the test session's own PASSIVE unset: the launcher's default)
+        # the test session's own PASSIVE unset (the launcher's default), and its agent a new
+        # interpreter, as users run it (not forked from the session's warm pool: agent_pool.py)
+        env={"OMP_WAIT_POLICY": "", "FLEETWISE_AGENT_POOL": ""},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     records = read_metrics(run_dir)

@@ -9,6 +9,7 @@
     job_tracking.py   the job's MLflow run, owned by the launcher on node 0
     failure.py        the failure's root cause and report (cause first, peers' tracebacks folded)
     agent.py          torchrun for one node, its rendezvous stores on loopback
+    agent_pool.py     warm agents: forked from a process with torch imported (FLEETWISE_AGENT_POOL; the tests)
     auto.py           strategy=auto: the layout search's outcome as overrides
 
 Imports point one way, no cycle: sweeps → job → torchrun → failure, beside them preflight,

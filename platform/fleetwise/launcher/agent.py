@@ -241,11 +241,26 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-if __name__ == "__main__":
+def main() -> NoReturn:
+    """The agent of `python -m fleetwise.launcher.agent --bind=ADDR TORCHRUN_ARGS…` (sys.argv): a new
+    interpreter, or forked from a warm pool process (launcher/agent_pool.py)."""
+    from fleetwise.launcher import agent_pool
+
     start_fork_server()
+    agent_pool.watch()  # a forked agent's launcher watch: a thread, so after the server's fork
     if not sys.argv[1].startswith("--bind="):
         raise SystemExit(f"usage: python -m {__name__} --bind=ADDR TORCHRUN_ARGS...")
     install(sys.argv.pop(1).removeprefix("--bind="))
     export_round()
     fork_ranks()
     exit_now(run_torchrun())
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":  # a pool process: python -m fleetwise.launcher.agent --serve SOCKET OWNER
+        from fleetwise.launcher.agent_pool import serve
+
+        # what the ranks import, and what this agent imports to run torchrun
+        preload = [*PRELOAD, "torch.distributed.run", "fleetwise.compat", "fleetwise.runtime.mesh"]
+        serve(sys.argv[2], int(sys.argv[3]), preload, lambda argv: main())
+    main()

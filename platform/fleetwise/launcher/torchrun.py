@@ -33,6 +33,7 @@ from fleetwise.hostnet import (
     torchrun_args,
 )
 from fleetwise.launcher.agent import WORKER
+from fleetwise.launcher.agent_pool import POOL_VAR, start_pooled
 from fleetwise.launcher.failure import TracebackFold, root_cause
 from fleetwise.plan.records import Plan
 from fleetwise.rundir import Metric
@@ -250,7 +251,8 @@ def launch_job(
         # session also keeps a terminal's SIGHUP away from it, so torchrun gets SIGTERM when this
         # launcher dies by any means, SIGKILL included (the ranks die with torchrun: worker.py).
         launcher = os.getpid()
-        proc = subprocess.Popen(
+        # (in the test suite: forked from a warm pool process with torch imported, launcher/agent_pool.py)
+        proc = start_pooled(cmd, env, launcher_log.fileno()) or subprocess.Popen(
             cmd,
             stdout=launcher_log,
             stderr=subprocess.STDOUT,
@@ -258,6 +260,9 @@ def launch_job(
             start_new_session=True,
             preexec_fn=lambda: die_with_parent(signal.SIGTERM, launcher),
         )
+        if not isinstance(proc, subprocess.Popen):
+            launcher_log.write(f"agent {proc.pid}: forked from the warm pool at ${POOL_VAR}\n".encode())
+            launcher_log.flush()
         progress = _progress_bar(console)
         task = progress.add_task("train", total=cfg.train.steps, status="starting the ranks")
         try:
@@ -331,7 +336,7 @@ def latest_per_step(records: list[dict]) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+def _stop(proc, grace_s: float = 10.0) -> None:
     """SIGTERM the torchrun group (torchrun forwards it to the workers), then SIGKILL stragglers."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)

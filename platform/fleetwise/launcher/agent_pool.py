@@ -1,0 +1,295 @@
+"""Warm agents: a job's torchrun agent forked from a process that has already imported torch.
+
+Every job starts one agent (launcher/agent.py), and before its first rank the agent imports torch,
+torchrun and the runtime: ~4-5 s of CPU, most of a small job's cost (measured: a 2-rank gpt/tiny
+job of 4 steps took 8.4 CPU-s -- the launcher 2.1, the agent 5.1, both ranks 1.1). A test suite
+that starts hundreds of jobs pays it hundreds of times. With FLEETWISE_AGENT_POOL naming a
+directory (`open_pool`), the launcher asks a pool process there (`python -m
+fleetwise.launcher.agent --serve SOCKET`, torch imported once) to fork the agent instead of
+starting a new interpreter; the fork then runs exactly what a new agent runs (agent.main).
+
+What must be the same as in a new interpreter is: the environment read when the interpreter and
+torch start (OpenMP's thread count and wait policy, glibc's malloc settings, Python's own
+variables: `IMPORT_TIME_PREFIXES`) and the Python. A pool process serves one such `signature` (a
+launch with another starts another pool process; one in other network or mount namespaces than the
+pool's owner starts its agent itself); the rest
+of the environment, the working directory, the command line and the log file are the launch's own.
+The agent forked here is the leader of its own session, as a new one is, and dies with its
+launcher (SIGTERM once the launcher's pid is gone: a pidfd, since its parent is the pool process).
+
+Without FLEETWISE_AGENT_POOL (what users run) nothing changes: the agent is a new interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+POOL_VAR = "FLEETWISE_AGENT_POOL"
+# Environment variables a process reads as it starts or as torch loads; a forked agent inherits
+# the pool process's reading of them, so a pool process serves only launches that agree on them.
+IMPORT_TIME_PREFIXES = (
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "MALLOC_",
+    "LD_",
+    "PYTHON",
+    "TORCH",
+    "CUDA",
+)
+OWNER_FILE = "owner"  # the pid whose end ends the pool's processes
+NAMESPACES_FILE = "namespaces"  # the owner's; launches in others are not served
+START_TIMEOUT_S = 120.0  # a pool process importing torch on a busy machine
+
+
+def signature(env: dict[str, str]) -> str:
+    """What a pool process must share with a launch for its fork to be that launch's agent."""
+    same = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+    data = json.dumps([sys.executable, sys.path[1:], same], sort_keys=True)
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def namespaces() -> dict[str, str]:
+    """This process's network and mount namespaces: a launch in others (a test's network
+    namespace as a host) starts its agent itself."""
+    out = {}
+    for ns in ("net", "mnt"):
+        with contextlib.suppress(OSError):
+            out[ns] = os.readlink(f"/proc/self/ns/{ns}")
+    return out
+
+
+def open_pool(directory: Path) -> None:
+    """Make `directory` a pool owned by this process: launches from processes that inherit this
+    environment fork their agents from it (see `close_pool`)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / NAMESPACES_FILE).write_text(json.dumps(namespaces()))
+    (directory / OWNER_FILE).write_text(str(os.getpid()))
+    os.environ[POOL_VAR] = str(directory)
+
+
+def close_pool(directory: Path) -> None:
+    """Stop the pool's processes (their agents run on, in their own sessions)."""
+    for pid_file in directory.glob("*.pid"):
+        with contextlib.suppress(ValueError, ProcessLookupError, OSError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    os.environ.pop(POOL_VAR, None)
+
+
+class PooledAgent:
+    """The launcher's handle on a forked agent: the part of subprocess.Popen launch_job uses."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self.conn, self.pid, self.returncode = conn, pid, None
+        self._buf = b""
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(["agent", str(self.pid)], timeout)
+            self._read(left)
+        return self.returncode
+
+    def _read(self, timeout: float | None) -> None:
+        ready, _, _ = select.select([self.conn], [], [], timeout)
+        if not ready:
+            return
+        data = self.conn.recv(4096)
+        if not data:  # the pool process died: its agent with it, or reparented and unwatched
+            self.returncode = -signal.SIGKILL
+            self.conn.close()
+            return
+        self._buf += data
+        if b"\n" in self._buf:
+            self.returncode = int(json.loads(self._buf.split(b"\n", 1)[0])["returncode"])
+            self.conn.close()
+
+
+def start_pooled(cmd: list[str], env: dict[str, str], log_fd: int) -> PooledAgent | None:
+    """The agent of `cmd` (`python -m fleetwise.launcher.agent ARGS`) forked from this
+    environment's pool, with `env`, the working directory of this process and stdout/stderr to
+    `log_fd`; None where no pool is set (the caller starts a new interpreter)."""
+    directory = os.environ.get(POOL_VAR)
+    if not directory or not Path(directory, OWNER_FILE).exists():
+        return None
+    if json.loads(Path(directory, NAMESPACES_FILE).read_text()) != namespaces():
+        return None
+    key = signature(env)
+    path = Path(directory, f"{key}.sock")
+    request = json.dumps({"argv": cmd[3:], "env": env, "cwd": os.getcwd(), "launcher": os.getpid()}).encode()
+    for attempt in range(2):
+        if attempt or not path.exists():
+            _start_server(path, env)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(str(path))
+            socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [log_fd])
+            reply = b""
+            while not reply.endswith(b"\n"):
+                part = conn.recv(4096)
+                if not part:
+                    raise ConnectionError("the pool process closed the connection")
+                reply += part
+            return PooledAgent(conn, int(json.loads(reply)["pid"]))
+        except OSError:  # a stale socket (its process killed): start a new pool process once
+            conn.close()
+    return None
+
+
+def _start_server(path: Path, env: dict[str, str]) -> None:
+    """Start the pool process for `path`'s signature (one at a time: the lock), and wait for it."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as probe:
+                probe.connect(str(path))
+                return  # another launcher started it meanwhile
+            path.unlink()
+        owner = Path(path.parent, OWNER_FILE).read_text().strip()
+        with open(path.with_suffix(".log"), "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fleetwise.launcher.agent", "--serve", str(path), owner],
+                env=env,
+                cwd=path.parent,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        path.with_suffix(".pid").write_text(str(proc.pid))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+# --- the pool process (imports torch; run by `python -m fleetwise.launcher.agent --serve`) ---
+
+
+def serve(path: str, owner: int, preload: list[str], run_agent) -> None:
+    """Import what an agent imports (`preload`), then fork an agent (`run_agent(argv)`) for each
+    request on the socket at `path`, reporting its pid and then its exit status; end when `owner`
+    does."""
+    import importlib
+
+    for name in preload:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = f"{path}.{os.getpid()}"
+    listener.bind(tmp)
+    listener.listen(16)
+    os.rename(tmp, path)  # appears ready
+    waiting: dict[int, socket.socket] = {}
+    while True:
+        ready, _, _ = select.select([listener], [], [], 0.2)
+        if ready:
+            conn, _ = listener.accept()
+            with contextlib.suppress(OSError, ValueError):
+                pid = _fork_agent(conn, listener, run_agent)
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                waiting[pid] = conn
+        while waiting:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.sendall(
+                        json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n"
+                    )
+                conn.close()
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            os._exit(0)
+
+
+def _fork_agent(conn: socket.socket, listener: socket.socket, run_agent) -> int:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 1)
+    (size,) = struct.unpack("!I", data[:4])
+    data = data[4:]
+    while len(data) < size:
+        part = conn.recv(size - len(data))
+        if not part:
+            raise ConnectionError("short request")
+        data += part
+    request = json.loads(data)
+    (log_fd,) = fds
+    pid = os.fork()
+    if pid:
+        os.close(log_fd)
+        return pid
+    try:  # the agent: never back into the loop above
+        listener.close()
+        conn.close()
+        os.setsid()
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.path[0] = request["cwd"]  # as `python -m` sets it
+        sys.argv = [sys.argv[0], *request["argv"]]
+        _die_with(int(request["launcher"]))
+        run_agent(sys.argv[1:])
+    finally:
+        os._exit(1)
+
+
+def _die_with(launcher: int) -> None:
+    """SIGTERM this agent once the launcher is gone, as PR_SET_PDEATHSIG does for an agent the
+    launcher started itself. The watch is a pidfd read by a thread started only after the agent
+    has forked its own fork server (agent.main calls `watch` then): that fork must be the only
+    thread's."""
+    try:
+        fd = os.pidfd_open(launcher)
+    except ProcessLookupError:  # gone already
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (OSError, AttributeError):
+        return
+    global _WATCH_FD
+    _WATCH_FD = fd
+
+
+_WATCH_FD: int | None = None
+
+
+def watch() -> None:
+    """Start the launcher watch `_die_with` prepared (a no-op in a new-interpreter agent)."""
+    if _WATCH_FD is None:
+        return
+    import threading
+
+    def wait_for_launcher(fd: int) -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait_for_launcher, args=(_WATCH_FD,), daemon=True, name="launcher-watch").start()
