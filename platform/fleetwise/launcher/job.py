@@ -66,12 +66,13 @@ def run_job(
 def _run_locked(cfg, plan, run_dir: Path, argv: list[str], console: Console, env_paths, auto=None) -> int:
     from rich.markup import escape
 
-    from fleetwise.launcher.torchrun import launch_job
+    from fleetwise.launcher.torchrun import launch_job, rdzv_id
     from fleetwise.runtime.lifeline import Stopped, stop_signals
 
     if auto is not None and cfg.launch.node_rank == 0:
         rundir.write_auto_search(run_dir, auto.to_dict())
-    tracker = JobTracking(cfg, plan, run_dir, env_paths, auto)
+    job_id = rdzv_id(cfg) if cfg.hardware.nodes > 1 else None  # alike on every node (multi-node)
+    tracker = JobTracking(cfg, plan, run_dir, env_paths, auto, job_id)
     # Ctrl-C, SIGTERM (kill, SLURM, systemd) and SIGHUP (a closed terminal) all stop the ranks'
     # process group (launch_job) and mark the run KILLED; without this a SIGTERM'd launcher left
     # every rank running and the MLflow run RUNNING forever.

@@ -52,8 +52,17 @@ class JobTracking:
     # mostly MLflow's start-up (import, run, params: ~4 s of CPU) still running when the steps began.
     STEPPING_NICE = 10
 
-    def __init__(self, cfg, plan, run_dir: Path, env_paths=frozenset(), auto: AutoOutcome | None = None):
+    def __init__(
+        self,
+        cfg,
+        plan,
+        run_dir: Path,
+        env_paths=frozenset(),
+        auto: AutoOutcome | None = None,
+        job_id: str | None = None,
+    ):
         self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
+        self.job_id = job_id  # a multi-node job's rendezvous id, alike on every node: its run's tag
         self.auto = auto
         self.env_paths = env_paths  # config paths read from the environment: kept out of the params
         self.tracker = None
@@ -76,7 +85,13 @@ class JobTracking:
             from fleetwise.tracking.store import tracking_uri
 
             launch = self.cfg.launch
-            self.node_metrics = NodeSystemMetrics(launch.rdzv_endpoint, launch.node_rank, tracking_uri())
+            self.node_metrics = NodeSystemMetrics(
+                launch.rdzv_endpoint,
+                launch.node_rank,
+                tracking_uri(),
+                self.job_id,
+                self.cfg.tracking.experiment,
+            )
             self.node_metrics.start()
         if not self.enabled:
             return
@@ -91,6 +106,10 @@ class JobTracking:
             "fleetwise.hardware": cfg.hardware.name,
             "fleetwise.world_size": str(self.plan.world_size),
         }
+        if self.multi_node and self.job_id:  # how the other nodes find the run when the store is gone
+            from fleetwise.tracking.nodes import JOB_TAG
+
+            tags[JOB_TAG] = self.job_id
         commit = git_commit()
         if commit:
             tags["fleetwise.git_commit"] = commit

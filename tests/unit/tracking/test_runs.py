@@ -498,3 +498,34 @@ def test_a_killed_launchers_run_is_marked_killed_by_the_next_command_at_its_last
     assert "marked KILLED" in (tmp_path / "ui.txt").read_text()
     assert store.get_run(other_id).info.status == "KILLED"
     live.finish("FINISHED")
+
+
+def test_a_later_node_finds_the_jobs_run_by_its_tag_when_the_store_is_gone(store, monkeypatch):
+    """A short job on a busy node 0 can end (its rendezvous store with it) before node 1 read the
+    run id there (seen under `make test-under-load`: "Failed to recv ... Connection was likely
+    closed", no system/node_1 metrics): node 1 then finds the run in MLflow by the job's tag."""
+    from fleetwise.tracking import nodes
+    from fleetwise.tracking.nodes import JOB_TAG, NodeSystemMetrics
+
+    def gone(*args, **kwargs):
+        raise ConnectionError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    monkeypatch.setattr(nodes, "_store", gone)
+
+    exp = store.get_experiment_by_name("nodes") or store.get_experiment(store.create_experiment("nodes"))
+    other = store.create_run(exp.experiment_id, tags={JOB_TAG: "fw-other"}).info.run_id
+    mine = store.create_run(exp.experiment_id, tags={JOB_TAG: "fw-mine"}).info.run_id
+    endpoint = "127.0.0.1:29400"
+    node = NodeSystemMetrics(endpoint, 1, store.tracking_uri, "fw-mine", "nodes")
+    node.start()
+    node.stop()
+    assert node.run_id == mine, node.error
+    assert any(k.startswith("system/node_1/") for k in store.get_run(mine).data.metrics)
+    assert not store.get_run(other).data.metrics
+    # a run of the same job id from before this node started is an earlier job's, not this one's
+    late = NodeSystemMetrics(endpoint, 1, store.tracking_uri, "fw-other", "nodes")
+    late._since_ms = store.get_run(other).info.start_time + 1
+    late.start()
+    late._stopping.set()  # (no grace wait: nothing may be found)
+    late.stop()
+    assert late.run_id is None
