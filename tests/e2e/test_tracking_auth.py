@@ -153,6 +153,9 @@ def _environments(marker: str) -> dict[int, tuple[bool, dict[str, str]]]:
     return found
 
 
+# (a new agent: its processes are found by command line, and /proc/PID/environ is what a process
+# was started with -- a pooled agent's is its pool process's)
+@pytest.mark.usefixtures("cold_agents")
 def test_run_lands_and_credentials_stay_in_the_launcher(tmp_path, server):
     run_dir = tmp_path / "run"
     in_uri = server.replace("http://", f"http://{USER}:{PASSWORD}@")
