@@ -262,5 +262,5 @@ if __name__ == "__main__":
 
         # what the ranks import, and what this agent imports to run torchrun
         preload = [*PRELOAD, "torch.distributed.run", "fleetwise.compat", "fleetwise.runtime.mesh"]
-        serve(sys.argv[2], int(sys.argv[3]), preload, lambda argv: main())
+        serve(sys.argv[2], int(sys.argv[3]), preload, main)
     main()

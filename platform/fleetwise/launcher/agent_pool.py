@@ -187,9 +187,9 @@ def _start_server(path: Path, env: dict[str, str]) -> None:
 
 
 def serve(path: str, owner: int, preload: list[str], run_agent) -> None:
-    """Import what an agent imports (`preload`), then fork an agent (`run_agent(argv)`) for each
-    request on the socket at `path`, reporting its pid and then its exit status; end when `owner`
-    does."""
+    """Import what an agent imports (`preload`), then fork an agent (`run_agent()`, reading the
+    request's sys.argv) for each request on the socket at `path`, reporting its pid and then its
+    exit status; end when `owner` does."""
     import importlib
 
     for name in preload:
@@ -204,10 +204,12 @@ def serve(path: str, owner: int, preload: list[str], run_agent) -> None:
         ready, _, _ = select.select([listener], [], [], 0.2)
         if ready:
             conn, _ = listener.accept()
-            with contextlib.suppress(OSError, ValueError):
+            try:
                 pid = _fork_agent(conn, listener, run_agent)
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 waiting[pid] = conn
+            except (OSError, ValueError):  # a torn request, or a launcher gone meanwhile
+                conn.close()
         while waiting:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
@@ -258,7 +260,7 @@ def _fork_agent(conn: socket.socket, listener: socket.socket, run_agent) -> int:
         sys.path[0] = request["cwd"]  # as `python -m` sets it
         sys.argv = [sys.argv[0], *request["argv"]]
         _die_with(int(request["launcher"]))
-        run_agent(sys.argv[1:])
+        run_agent()
     finally:
         os._exit(1)
 
