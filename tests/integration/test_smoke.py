@@ -36,6 +36,7 @@ def test_a_two_rank_job_trains_and_writes_its_run_directory(tmp_path):
     assert 0.8 < last["memory/peak_bytes_max"] / last["memory/predicted_bytes"] < 1.25
     assert sorted(p.name for p in (run_dir / "logs").glob("rank_*.log")) == ["rank_0.log", "rank_1.log"]
     assert "final loss" in r.stdout
+    assert "warm pool" not in (run_dir / "logs" / "launcher.log").read_text()  # a new agent, as users run
     # the ranks were forked from a preloaded fork server (not two more interpreters importing
     # torch), which is the agent itself (not one more interpreter importing what the agent has),
     # with the one intra-op thread torchrun gives ranks that share a node, waiting passively

@@ -523,9 +523,10 @@ def test_a_later_node_finds_the_jobs_run_by_its_tag_when_the_store_is_gone(store
     assert any(k.startswith("system/node_1/") for k in store.get_run(mine).data.metrics)
     assert not store.get_run(other).data.metrics
     # a run of the same job id from before this node started is an earlier job's, not this one's
+    # (it searches every 0.5 s through the grace period, shortened here, and must find nothing)
+    monkeypatch.setattr(nodes, "START_GRACE_S", 1.5)
     late = NodeSystemMetrics(endpoint, 1, store.tracking_uri, "fw-other", "nodes")
     late._since_ms = store.get_run(other).info.start_time + 1
     late.start()
-    late._stopping.set()  # (no grace wait: nothing may be found)
     late.stop()
-    assert late.run_id is None
+    assert late.run_id is None and not store.get_run(other).data.metrics
