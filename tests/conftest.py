@@ -25,8 +25,9 @@ def pytest_configure(config):
     # that conf/ lacks and failed); tests that need a local profile make their own.
     os.environ["FLEETWISE_CONFIG_DIR"] = tempfile.mkdtemp(prefix="fleetwise-test-config-")
     # Jobs' torchrun agents forked from a warm pool process per test process (torch imported once,
-    # launcher/agent_pool.py): ~4-5 CPU-s less a job. FLEETWISE_TEST_COLD_AGENTS=1: every agent a new
-    # interpreter, as users run them (the smoke test always is one).
+    # launcher/agent_pool.py): ~4-5 CPU-s less a job; and run_cli's launchers from a server there
+    # (helpers/cli_pool.py). FLEETWISE_TEST_COLD_AGENTS=1: every agent and launcher a new
+    # interpreter, as users run them (the smoke test's always are).
     if not os.environ.get("FLEETWISE_TEST_COLD_AGENTS"):
         from fleetwise.launcher.agent_pool import open_pool
 
@@ -86,8 +87,9 @@ def netns_hosts():
 
 @pytest.fixture
 def cold_agents(monkeypatch):
-    """The jobs this test starts run their torchrun agent as a new interpreter, as users run it,
-    not forked from the session's warm pool (launcher/agent_pool.py): for tests that find a job's
+    """The jobs this test starts run their torchrun agent (and run_cli its launcher) as a new
+    interpreter, as users run them, not forked from the session's warm pool (launcher/agent_pool.py,
+    helpers/cli_pool.py): for tests that find a job's
     processes by their command line (a pooled agent's is the pool process's), or that need the
     seconds a new agent takes before the ranks start."""
     monkeypatch.setenv("FLEETWISE_AGENT_POOL", "")

@@ -9,9 +9,16 @@ from pathlib import Path
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None):
-    """Run the fleetwise console script; returns the CompletedProcess (text)."""
+    """Run the fleetwise console script; returns the CompletedProcess (text). Forked from the test
+    process's warm launcher pool where it has one (helpers/cli_pool.py: the script's own `main`, its
+    imports done once), else a new interpreter."""
+    from helpers.cli_pool import run_pooled
+
     exe = Path(sys.executable).parent / "fleetwise"
     full_env = {**os.environ, **(env or {})}
+    pooled = run_pooled(exe, args, cwd, timeout, full_env)
+    if pooled is not None:
+        return pooled
     return subprocess.run(
         [str(exe), *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=full_env
     )

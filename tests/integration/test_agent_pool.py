@@ -42,7 +42,8 @@ def _start_up(run_dir: Path) -> str:
 
 
 def _pool_pids(pool: Path) -> dict[str, int]:
-    return {p.stem: int(p.read_text()) for p in pool.glob("*.pid")}
+    """The agent pool processes (not run_cli's launcher server, helpers/cli_pool.py: cli-*.pid)."""
+    return {p.stem: int(p.read_text()) for p in pool.glob("*.pid") if not p.stem.startswith("cli-")}
 
 
 def test_pooled_agents_run_jobs_as_new_ones_do_one_pool_process_per_startup_environment(tmp_path, pool):
