@@ -195,7 +195,9 @@ def serve(path: str, owner: int, preload: list[str], run_agent) -> None:
     for name in preload:
         importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    tmp = f"{path}.{os.getpid()}"
+    # bound under a short name, then renamed: a Unix socket's path is at most 107 bytes, and the
+    # pool's directory may be a test's deep tmp_path
+    tmp = os.path.join(os.path.dirname(path), f".{os.getpid()}")
     listener.bind(tmp)
     listener.listen(16)
     os.rename(tmp, path)  # appears ready
