@@ -17,11 +17,13 @@ def test_a_failed_job_leads_with_its_cause_and_prints_a_working_resume_command(t
         "✗ training failed: rank 1 failed: RuntimeError: injected fault on rank 1 at step 3"
     )
     assert "logs/rank_1.log" in err[0]
-    # rank 0's gloo traceback (the echo of rank 1's death) is one line here, whole in its log
+    # rank 0's gloo traceback (the echo of rank 1's death) is one line here, whole in its log. On a
+    # busy machine torchrun's SIGTERM may reach rank 0 before gloo notices the lost peer: then rank 0
+    # printed no traceback and there is no echo to fold (seen under make test-under-load)
     assert "Traceback" not in r.stdout + r.stderr
     echo = [line for line in err if line.startswith("  rank 0 stopped as a consequence")]
-    assert len(echo) == 1 and "pair.cc" not in echo[0], err
-    assert "Traceback (most recent call last)" in (run_dir / "logs" / "rank_0.log").read_text()
+    rank0_traceback = "Traceback (most recent call last)" in (run_dir / "logs" / "rank_0.log").read_text()
+    assert len(echo) == int(rank0_traceback) and all("pair.cc" not in line for line in echo), err
     (resume,) = [
         line for line in err if line.startswith("  resume from step 2 (checkpoints/step_00000002): ")
     ]
