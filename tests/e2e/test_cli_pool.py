@@ -9,8 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers.cli import run_cli
 from helpers.repo import REPO
+
+from fleetwise.launcher.agent_pool import POOL_VAR, close_pool, open_pool
 
 EXE = str(Path(sys.executable).parent / "fleetwise")
 
@@ -25,8 +28,21 @@ def servers(pool: Path) -> set[str]:
     return {p.read_text() for p in pool.glob("cli-*.pid")}
 
 
-def test_a_pooled_launcher_answers_what_a_new_interpreter_answers(tmp_path):
-    pool = Path(os.environ["FLEETWISE_AGENT_POOL"])
+@pytest.fixture
+def pool(tmp_path, monkeypatch):
+    """A pool of this test's own, no server in it yet (the session's is left alone)."""
+    directory = tmp_path / "pool"
+    monkeypatch.setenv(POOL_VAR, "")  # restored after the test; open_pool points it here
+    open_pool(directory)
+    yield directory
+    close_pool(directory)
+
+
+def test_a_pooled_launcher_answers_what_a_new_interpreter_answers(tmp_path, pool):
+    # without a pool (FLEETWISE_AGENT_POOL empty: the smoke test, cold_agents) no server is started
+    r = run_cli("validate", "recipe=gpt/tiny", env={POOL_VAR: ""}, cwd=tmp_path)
+    assert r.returncode == 0 and "valid" in r.stdout
+    assert not servers(pool)
     # stdout, exit 0 (a plan as JSON); stderr, exit 2 (every problem of a bad config)
     for args in (
         ("plan", "recipe=gpt/tiny", "strategy=hybrid", "strategy.mp_degree=2", "--json"),
@@ -35,7 +51,7 @@ def test_a_pooled_launcher_answers_what_a_new_interpreter_answers(tmp_path):
         warm, new = run_cli(*args, cwd=tmp_path), cold(*args, cwd=tmp_path)
         assert (warm.returncode, warm.stdout, warm.stderr) == (new.returncode, new.stdout, new.stderr), args
     assert new.returncode == 2 and "dp_degree(3)" in new.stdout + new.stderr
-    assert servers(pool), "the calls above were not served by a pool server"
+    assert len(servers(pool)) == 1, "the calls above were not served by one pool server"
 
     # the call's environment: a user config tree named by FLEETWISE_CONFIG_DIR
     tree = tmp_path / "tree"
@@ -49,11 +65,3 @@ def test_a_pooled_launcher_answers_what_a_new_interpreter_answers(tmp_path):
     mynet = REPO / "examples" / "mynet"
     assert run_cli("validate", "--config-dir", "my_conf", "recipe=mynet", cwd=mynet).returncode == 0
     assert run_cli("validate", "--config-dir", "my_conf", "recipe=mynet", cwd=tmp_path).returncode == 2
-
-
-def test_without_a_pool_the_console_script_is_a_new_interpreter(tmp_path):
-    pool = Path(os.environ["FLEETWISE_AGENT_POOL"])
-    before = servers(pool)
-    r = run_cli("validate", "recipe=gpt/tiny", env={"FLEETWISE_AGENT_POOL": ""}, cwd=tmp_path)
-    assert r.returncode == 0 and "valid" in r.stdout
-    assert servers(pool) == before

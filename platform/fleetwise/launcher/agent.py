@@ -258,9 +258,9 @@ def main() -> NoReturn:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":  # a pool process: python -m fleetwise.launcher.agent --serve SOCKET OWNER
-        from fleetwise.launcher.agent_pool import serve
+        from fleetwise.launcher.agent_pool import serve_agents
 
         # what the ranks import, and what this agent imports to run torchrun
         preload = [*PRELOAD, "torch.distributed.run", "fleetwise.compat", "fleetwise.runtime.mesh"]
-        serve(sys.argv[2], int(sys.argv[3]), preload, main)
+        serve_agents(sys.argv[2], int(sys.argv[3]), preload, main)
     main()

@@ -18,6 +18,8 @@ The agent forked here is the leader of its own session, as a new one is, and die
 launcher (SIGTERM once the launcher's pid is gone: a pidfd, since its parent is the pool process).
 
 Without FLEETWISE_AGENT_POOL (what users run) nothing changes: the agent is a new interpreter.
+The server mechanism (`request_fork`, `serve`) also forks the suite's `fleetwise` launchers
+(tests/helpers/cli_pool.py), from a server of its own in the same directory.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 POOL_VAR = "FLEETWISE_AGENT_POOL"
@@ -50,6 +53,8 @@ IMPORT_TIME_PREFIXES = (
     "PYTHON",
     "TORCH",
     "CUDA",
+    "LANG",  # the locale picks stdout's encoding as the interpreter starts
+    "LC_",
 )
 OWNER_FILE = "owner"  # the pid whose end ends the pool's processes
 NAMESPACES_FILE = "namespaces"  # the owner's; launches in others are not served
@@ -126,39 +131,64 @@ class PooledAgent:
             self.conn.close()
 
 
-def start_pooled(cmd: list[str], env: dict[str, str], log_fd: int) -> PooledAgent | None:
-    """The agent of `cmd` (`python -m fleetwise.launcher.agent ARGS`) forked from this
-    environment's pool, with `env`, the working directory of this process and stdout/stderr to
-    `log_fd`; None where no pool is set (the caller starts a new interpreter)."""
-    directory = os.environ.get(POOL_VAR)
+def pool_directory(env: dict[str, str]) -> Path | None:
+    """The pool named by `env` that may serve this process (open, and in its owner's network and
+    mount namespaces); None: start a new interpreter."""
+    directory = env.get(POOL_VAR)
     if not directory or not Path(directory, OWNER_FILE).exists():
         return None
     if json.loads(Path(directory, NAMESPACES_FILE).read_text()) != namespaces():
         return None
-    key = signature(env)
-    path = Path(directory, f"{key}.sock")
-    request = json.dumps({"argv": cmd[3:], "env": env, "cwd": os.getcwd(), "launcher": os.getpid()}).encode()
+    return Path(directory)
+
+
+def start_pooled(cmd: list[str], env: dict[str, str], log_fd: int) -> PooledAgent | None:
+    """The agent of `cmd` (`python -m fleetwise.launcher.agent ARGS`) forked from this
+    environment's pool, with `env`, the working directory of this process and stdout/stderr to
+    `log_fd`; None where no pool is set (the caller starts a new interpreter)."""
+    directory = pool_directory(dict(os.environ))
+    if directory is None:
+        return None
+    request = {"argv": cmd[3:], "env": env, "cwd": os.getcwd(), "launcher": os.getpid()}
+    server = [sys.executable, "-m", "fleetwise.launcher.agent", "--serve"]
+    forked = request_fork(directory / f"{signature(env)}.sock", server, env, request, [log_fd])
+    return None if forked is None else PooledAgent(*forked)
+
+
+def request_fork(
+    path: Path, server: list[str], env: dict[str, str], request: dict, fds: list[int]
+) -> tuple[socket.socket, int] | None:
+    """Ask the pool server at `path` to fork a child for `request`, passing it `fds`; a missing or
+    stale server (its process killed) is started first (`server` + [path, owner], with `env`), once.
+    Returns the connection, on which the child's exit status arrives, and the child's pid; None
+    when no server answers."""
+    data = json.dumps(request).encode()
     for attempt in range(2):
         if attempt or not path.exists():
-            _start_server(path, env)
+            _start_server(path, server, env)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(str(path))
-            socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [log_fd])
-            reply = b""
-            while not reply.endswith(b"\n"):
-                part = conn.recv(4096)
-                if not part:
-                    raise ConnectionError("the pool process closed the connection")
-                reply += part
-            return PooledAgent(conn, int(json.loads(reply)["pid"]))
-        except OSError:  # a stale socket (its process killed): start a new pool process once
+            socket.send_fds(conn, [struct.pack("!I", len(data)) + data], fds)
+            return conn, int(json.loads(read_line(conn))["pid"])
+        except (OSError, ValueError):
             conn.close()
     return None
 
 
-def _start_server(path: Path, env: dict[str, str]) -> None:
-    """Start the pool process for `path`'s signature (one at a time: the lock), and wait for it."""
+def read_line(conn: socket.socket) -> bytes:
+    """One reply of a pool server (a JSON line), waiting for it."""
+    data = b""
+    while not data.endswith(b"\n"):
+        part = conn.recv(4096)
+        if not part:
+            raise ConnectionError("the pool process closed the connection")
+        data += part
+    return data
+
+
+def _start_server(path: Path, server: list[str], env: dict[str, str]) -> None:
+    """Start the pool server for `path`'s signature (one at a time: the lock), and wait for it."""
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.exists():
@@ -169,7 +199,7 @@ def _start_server(path: Path, env: dict[str, str]) -> None:
         owner = Path(path.parent, OWNER_FILE).read_text().strip()
         with open(path.with_suffix(".log"), "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "fleetwise.launcher.agent", "--serve", str(path), owner],
+                [*server, str(path), owner],
                 env=env,
                 cwd=path.parent,
                 stdin=subprocess.DEVNULL,
@@ -177,23 +207,28 @@ def _start_server(path: Path, env: dict[str, str]) -> None:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        path.with_suffix(".pid").write_text(str(proc.pid))
+        path.with_suffix(".pid").write_text(str(proc.pid))  # close_pool kills every *.pid
         deadline = time.monotonic() + START_TIMEOUT_S
         while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
-# --- the pool process (imports torch; run by `python -m fleetwise.launcher.agent --serve`) ---
+# --- a pool server (imports once, then forks; `python -m fleetwise.launcher.agent --serve`) ---
 
 
-def serve(path: str, owner: int, preload: list[str], run_agent) -> None:
-    """Import what an agent imports (`preload`), then fork an agent (`run_agent()`, reading the
-    request's sys.argv) for each request on the socket at `path`, reporting its pid and then its
-    exit status; end when `owner` does."""
+def serve(path: str, owner: int, preload: list[str], child: Callable[[dict], object], fds: int = 1) -> None:
+    """Import `preload`, then for each request on the socket at `path` fork a child that takes the
+    request's environment, working directory and stdout/stderr (the request's `fds` file
+    descriptors: one for both, or two) and runs `child(request)`; report its pid, then its exit
+    status. End when `owner` does."""
     import importlib
+    import threading
 
     for name in preload:
         importlib.import_module(name)
+    if threading.active_count() != 1:  # a fork copies the forking thread only
+        print(f"pool server: threads {threading.enumerate()} after the imports; not serving", flush=True)
+        return
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     # bound under a short name, then renamed: a Unix socket's path is at most 107 bytes, and the
     # pool's directory may be a test's deep tmp_path
@@ -207,7 +242,7 @@ def serve(path: str, owner: int, preload: list[str], run_agent) -> None:
         if ready:
             conn, _ = listener.accept()
             try:
-                pid = _fork_agent(conn, listener, run_agent)
+                pid = _fork(conn, listener, child, fds)
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 waiting[pid] = conn
             except (OSError, ValueError):  # a torn request, or a launcher gone meanwhile
@@ -231,8 +266,8 @@ def serve(path: str, owner: int, preload: list[str], run_agent) -> None:
             os._exit(0)
 
 
-def _fork_agent(conn: socket.socket, listener: socket.socket, run_agent) -> int:
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 1)
+def _fork(conn: socket.socket, listener: socket.socket, child: Callable[[dict], object], nfds: int) -> int:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, nfds)
     (size,) = struct.unpack("!I", data[:4])
     data = data[4:]
     while len(data) < size:
@@ -241,30 +276,40 @@ def _fork_agent(conn: socket.socket, listener: socket.socket, run_agent) -> int:
             raise ConnectionError("short request")
         data += part
     request = json.loads(data)
-    (log_fd,) = fds
     pid = os.fork()
     if pid:
-        os.close(log_fd)
+        for fd in fds:
+            os.close(fd)
         return pid
-    try:  # the agent: never back into the loop above
+    try:  # the child: never back into the server's loop
         listener.close()
         conn.close()
-        os.setsid()
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        os.close(log_fd)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[-1], 2)
+        for fd in fds:
+            os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        child(request)
+    finally:
+        os._exit(1)
+
+
+def serve_agents(path: str, owner: int, preload: list[str], run_agent: Callable[[], object]) -> None:
+    """The agent pool server: each child is an agent (`run_agent()`, reading the request's argv)."""
+
+    def agent(request: dict) -> None:
+        os.setsid()  # the leader of its own session, as a new agent is (launch_job kills the group)
         sys.path[0] = request["cwd"]  # as `python -m` sets it
         sys.argv = [sys.argv[0], *request["argv"]]
         _die_with(int(request["launcher"]))
         run_agent()
-    finally:
-        os._exit(1)
+
+    serve(path, owner, preload, agent)
 
 
 def _die_with(launcher: int) -> None:

@@ -14,7 +14,8 @@ def test_the_signature_is_the_environment_read_as_the_interpreter_and_torch_star
     same = signature(base)
     assert signature({**base, "PATH": "/bin", "PYTEST_CURRENT_TEST": "x", "RANDOM_VAR": "1"}) == same
     for key, value in (("OMP_NUM_THREADS", "2"), ("OMP_WAIT_POLICY", "ACTIVE"), ("MALLOC_ARENA_MAX", "4"),
-                       ("PYTHONHASHSEED", "0"), ("TORCH_SHOW_CPP_STACKTRACES", "1"), ("LD_PRELOAD", "x.so")):  # fmt: skip
+                       ("PYTHONHASHSEED", "0"), ("TORCH_SHOW_CPP_STACKTRACES", "1"), ("LD_PRELOAD", "x.so"),
+                       ("LANG", "C"), ("LC_ALL", "C")):  # fmt: skip
         assert signature({**base, key: value}) != same, key
 
 
