@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
 
-from fleetwise.config.paths import config_dir, extra_config_dirs, group_options, user_config_dir
+from fleetwise.config.paths import config_dir, extra_config_dirs, group_options, search_dirs, user_config_dir
 from fleetwise.config.problems import ConfigError, Problem, did_you_mean
 from fleetwise.config.recipes import apply_strategy_choice
 
@@ -35,35 +36,93 @@ def _is_group_override(text: str) -> bool:
     return "." not in key or "/" in key
 
 
-# Within one _compose_partial, the compositions already made (a rejected override's diagnosis
-# composes the base and the accepted overrides, which the final composition repeats): ~0.3 s each.
-_COMPOSED: dict[tuple[tuple[str, ...], bool], Any] | None = None
+# Hydra composes a config in ~0.2 s, most of it building the defaults tree of the group choices
+# and merging their files; a value override (`strategy.pp_degree=2`) is then one `OmegaConf.update`.
+# Validation diagnoses a bad override by composing again, `strategy=auto` and a sweep's preflight
+# compose a candidate each, and all of them differ mostly in values: the composition of the group
+# choices is kept per process (keyed by the config files' sizes and mtimes, so an edited tree
+# composes again) and each call applies its value overrides to a copy, as Hydra itself does after
+# composing (hydra/_internal/config_loader_impl.py `_apply_overrides_to_config`, its `change` case).
+_GROUPS_KEPT = 32
+_GROUPS: dict[tuple, Any] = {}
 
 
-def _compose(overrides: list[str], *, hydra_cfg: bool = False) -> Any:
+def _split_values(overrides: list[str]) -> tuple[list[str], list[Any], list[Any]]:
+    """(overrides Hydra must compose, parsed plain value changes applied after it, every parsed
+    override not of hydra.*). A value change: no +/~/++ prefix, no package, a dotted key outside
+    hydra.*, no sweep. Anything else -- or a line that does not parse: Hydra reports it -- stays
+    with the composition."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:  # noqa: BLE001 - Hydra's composition raises it, as before
+        return list(overrides), [], []
+    composed, values = [], []
+    for text, o in zip(overrides, parsed, strict=True):
+        key = o.key_or_group
+        plain = o.type == OverrideType.CHANGE and o.package is None and not o.is_sweep_override()
+        if plain and "." in key and "/" not in key and key.split(".", 1)[0] != "hydra":
+            values.append(o)
+        else:
+            composed.append(text)
+    return composed, values, [o for o in parsed if not o.is_hydra_override()]
+
+
+def _tree_stamp() -> tuple:
+    """Every config file of the search path: (path, size, mtime)."""
+    stamp = []
+    for base in search_dirs():
+        for root, _, files in os.walk(base, followlinks=True):
+            for name in files:
+                st = os.stat(os.path.join(root, name))
+                stamp.append((root, name, st.st_size, st.st_mtime_ns))
+    return tuple(stamp)
+
+
+def _compose_groups(overrides: list[str]) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    key = (tuple(overrides), hydra_cfg)
-    if _COMPOSED is not None and key in _COMPOSED:
-        return copy.deepcopy(_COMPOSED[key])  # a copy: _to_dict deletes its hydra node
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="fleetwise"):
-        cfg = compose(PRIMARY, overrides=list(overrides) + search_path_overrides(overrides), return_hydra_config=hydra_cfg)
-    if _COMPOSED is not None:
-        _COMPOSED[key] = copy.deepcopy(cfg)
+    key = (tuple(overrides), str(config_dir()), _tree_stamp())
+    if key not in _GROUPS:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="fleetwise"):
+            cfg = compose(PRIMARY, overrides=list(overrides), return_hydra_config=True)
+        if len(_GROUPS) >= _GROUPS_KEPT:
+            del _GROUPS[next(iter(_GROUPS))]
+        _GROUPS[key] = cfg
+    return copy.deepcopy(_GROUPS[key])  # a copy: the values below and _to_dict change it
+
+
+def _compose(overrides: list[str], *, hydra_cfg: bool = False) -> Any:
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    groups, values, task = _split_values(list(overrides))
+    cfg = _compose_groups(groups + search_path_overrides(overrides))
+    for o in values:  # Hydra's messages, word for word: validation explains them (_explain)
+        try:
+            try:
+                OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True)
+            except (ConfigAttributeError, ConfigKeyError) as ex:
+                raise ConfigCompositionException(
+                    f"Could not override '{o.key_or_group}'.\nTo append to your config use +{o.input_line}"
+                ) from ex
+        except OmegaConfBaseException as ex:
+            raise ConfigCompositionException(f"Error merging override {o.input_line}") from ex
+    cfg.hydra.runtime.cwd = os.getcwd()  # this call's (the composition's may be another's)
+    if values:  # the job's overrides as Hydra records them, in the given order
+        cfg.hydra.overrides.task = [o.input_line for o in task]
+        dirname = cfg.hydra.job.config.override_dirname  # Hydra's job.override_dirname, documented
+        lines = sorted(o.input_line for o in task if o.key_or_group not in dirname.exclude_keys)
+        cfg.hydra.job.override_dirname = dirname.item_sep.join(lines).replace("=", dirname.kv_sep)
+    if not hydra_cfg:
+        with open_dict(cfg):
+            del cfg["hydra"]
     return cfg
-
-
-@contextlib.contextmanager
-def _composing_memo() -> Iterator[None]:
-    global _COMPOSED
-    outer = _COMPOSED
-    _COMPOSED = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _COMPOSED = outer
 
 
 def _to_dict(cfg: Any) -> dict[str, Any]:
@@ -169,11 +228,6 @@ def compose_partial(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]
 
 
 def _compose_partial(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
-    with _composing_memo():
-        return _compose_partial_memo(overrides)
-
-
-def _compose_partial_memo(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
     refused = hydra_override_problems(overrides)
     if refused:
         kept = [o for o in overrides if not any(o.lstrip("+~").startswith(p.loc) for p in refused)]
@@ -214,7 +268,7 @@ def diagnose(overrides: list[str], first: BaseException) -> tuple[list[Problem],
             problems.append(_explain(text, first, accepted))
             continue
         try:
-            _compose(accepted + [text], hydra_cfg=True)  # as the final composition will: memoized
+            _compose(accepted + [text], hydra_cfg=True)
             accepted.append(text)
         except Exception as exc:  # noqa: BLE001
             problems.append(_explain(text, exc, accepted))
