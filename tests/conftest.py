@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -10,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from helpers.durations import file_seconds
 from helpers.repo import netns_module
 
 
@@ -47,11 +49,23 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     """Every test that starts processes is `slow` (`make check` leaves them out): all of
     tests/integration (torchrun ranks) and tests/e2e (the console script, servers, a wheel build),
-    plus the unit tests marked one by one."""
+    plus the unit tests marked one by one.
+
+    Files run longest first, by tests/DURATIONS.md (a file not in it first of all: it may be long):
+    the workers (`make test` runs with --dist loadfile --no-loadscope-reorder) take files in this
+    order, so that the last ones are short and both workers finish together. xdist's own order, by
+    number of tests, left its one-test files of a minute (the dashboards, mixed precision) to the
+    end: the last two minutes of a run had one worker idle."""
     for item in items:
         parts = Path(str(item.fspath)).parts
         if "integration" in parts or "e2e" in parts:
             item.add_marker(pytest.mark.slow)
+    seconds = file_seconds(Path(__file__).with_name("DURATIONS.md"))
+    if seconds:  # a stable sort: each file's tests stay together and in their order
+        root = Path(str(config.rootpath))
+        items.sort(
+            key=lambda item: -seconds.get(Path(str(item.fspath)).relative_to(root).as_posix(), math.inf)
+        )
 
 
 @pytest.fixture(scope="session")

@@ -43,3 +43,22 @@ def test_files_are_summed_sorted_and_totalled(tmp_path, monkeypatch):
         < slowest.index("test_c[mp] | 12.5")
         < slowest.index("test_d | 4.0")
     )
+
+
+def test_the_table_reads_back_as_the_order_files_run_in(tmp_path, monkeypatch):
+    """conftest.py runs the longest files first by this table (helpers/durations.py): what render
+    writes must read back, thousands separators included, or the suite silently runs in xdist's order."""
+    from helpers.durations import file_seconds
+
+    monkeypatch.chdir(REPO)
+    xml = tmp_path / "junit.xml"
+    xml.write_text(REPORT.replace('time="30.0"', 'time="1234.5"'))
+    table = tmp_path / "DURATIONS.md"
+    table.write_text(durations.render(xml, wall=25.0, workers=2, load="0.10 0.20 0.30"))
+    assert file_seconds(table) == {
+        "tests/integration/test_parity.py": 1247.0,
+        "tests/e2e/test_cli.py": 4.0,
+        "tests/unit/plan/test_planner.py": 2.0,
+    }
+    committed = file_seconds(REPO / "tests" / "DURATIONS.md")
+    assert len(committed) > 100 and all((REPO / path).is_file() for path in list(committed)[:20])
