@@ -107,3 +107,16 @@ def cold_agents(monkeypatch):
     processes by their command line (a pooled agent's is the pool process's), or that need the
     seconds a new agent takes before the ranks start."""
     monkeypatch.setenv("FLEETWISE_AGENT_POOL", "")
+
+
+@pytest.fixture
+def own_pool(tmp_path, monkeypatch):
+    """A warm pool of this test's own, empty (the session's is left alone), its processes stopped
+    after: for tests of the pools themselves (test_agent_pool, test_cli_pool)."""
+    from fleetwise.launcher.agent_pool import POOL_VAR, close_pool, open_pool
+
+    directory = tmp_path / "pool"
+    monkeypatch.setenv(POOL_VAR, "")  # restored after the test; open_pool points it here
+    open_pool(directory)
+    yield directory
+    close_pool(directory)

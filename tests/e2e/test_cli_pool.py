@@ -9,11 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from helpers.cli import run_cli
 from helpers.repo import REPO
 
-from fleetwise.launcher.agent_pool import POOL_VAR, close_pool, open_pool
+from fleetwise.launcher.agent_pool import POOL_VAR
 
 EXE = str(Path(sys.executable).parent / "fleetwise")
 
@@ -28,21 +27,11 @@ def servers(pool: Path) -> set[str]:
     return {p.read_text() for p in pool.glob("cli-*.pid")}
 
 
-@pytest.fixture
-def pool(tmp_path, monkeypatch):
-    """A pool of this test's own, no server in it yet (the session's is left alone)."""
-    directory = tmp_path / "pool"
-    monkeypatch.setenv(POOL_VAR, "")  # restored after the test; open_pool points it here
-    open_pool(directory)
-    yield directory
-    close_pool(directory)
-
-
-def test_a_pooled_launcher_answers_what_a_new_interpreter_answers(tmp_path, pool):
+def test_a_pooled_launcher_answers_what_a_new_interpreter_answers(tmp_path, own_pool):
     # without a pool (FLEETWISE_AGENT_POOL empty: the smoke test, cold_agents) no server is started
     r = run_cli("validate", "recipe=gpt/tiny", env={POOL_VAR: ""}, cwd=tmp_path)
     assert r.returncode == 0 and "valid" in r.stdout
-    assert not servers(pool)
+    assert not servers(own_pool)
     # stdout, exit 0 (a plan as JSON); stderr, exit 2 (every problem of a bad config)
     for args in (
         ("plan", "recipe=gpt/tiny", "strategy=hybrid", "strategy.mp_degree=2", "--json"),
@@ -51,7 +40,7 @@ def test_a_pooled_launcher_answers_what_a_new_interpreter_answers(tmp_path, pool
         warm, new = run_cli(*args, cwd=tmp_path), cold(*args, cwd=tmp_path)
         assert (warm.returncode, warm.stdout, warm.stderr) == (new.returncode, new.stdout, new.stderr), args
     assert new.returncode == 2 and "dp_degree(3)" in new.stdout + new.stderr
-    assert len(servers(pool)) == 1, "the calls above were not served by one pool server"
+    assert len(servers(own_pool)) == 1, "the calls above were not served by one pool server"
 
     # the call's environment: a user config tree named by FLEETWISE_CONFIG_DIR
     tree = tmp_path / "tree"

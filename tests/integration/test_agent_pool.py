@@ -11,22 +11,9 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 from helpers.cli import run_cli
 
-from fleetwise.launcher.agent_pool import POOL_VAR, close_pool, open_pool
-
 TINY = ("recipe=gpt/tiny", "optim=sgd", "tracking.enabled=false")
-
-
-@pytest.fixture
-def pool(tmp_path, monkeypatch):
-    """A pool of this test's own (the session's is left alone), its processes stopped after."""
-    directory = tmp_path / "pool"
-    monkeypatch.setenv(POOL_VAR, "")  # restored after the test; open_pool points it here
-    open_pool(directory)
-    yield directory
-    close_pool(directory)
 
 
 def _pooled_agent(run_dir: Path) -> int | None:
@@ -46,7 +33,7 @@ def _pool_pids(pool: Path) -> dict[str, int]:
     return {p.stem: int(p.read_text()) for p in pool.glob("*.pid") if not p.stem.startswith("cli-")}
 
 
-def test_pooled_agents_run_jobs_as_new_ones_do_one_pool_process_per_startup_environment(tmp_path, pool):
+def test_pooled_agents_run_jobs_as_new_ones_do_one_pool_process_per_startup_environment(tmp_path, own_pool):
     runs = {}
     for name, devices in (("a", 2), ("b", 2), ("c", 1)):
         runs[name] = tmp_path / name
@@ -63,7 +50,7 @@ def test_pooled_agents_run_jobs_as_new_ones_do_one_pool_process_per_startup_envi
     assert "forked from the fork server (the agent), 2 threads (OpenMP waits: passive)" in _start_up(
         runs["c"]
     )
-    pids = _pool_pids(pool)
+    pids = _pool_pids(own_pool)
     assert len(pids) == 2, pids  # a and b shared one
     # pool processes that died leave stale sockets: the next launch starts another
     for pid in pids.values():
@@ -72,11 +59,11 @@ def test_pooled_agents_run_jobs_as_new_ones_do_one_pool_process_per_startup_envi
     r = run_cli("train", *TINY, "train.steps=2", "hardware.devices_per_node=2", f"run.dir={tmp_path / 'd'}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert _pooled_agent(tmp_path / "d") is not None
-    restarted = [k for k, pid in _pool_pids(pool).items() if pid != pids[k]]
-    assert len(restarted) == 1 and psutil.pid_exists(_pool_pids(pool)[restarted[0]])
+    restarted = [k for k, pid in _pool_pids(own_pool).items() if pid != pids[k]]
+    assert len(restarted) == 1 and psutil.pid_exists(_pool_pids(own_pool)[restarted[0]])
 
 
-def test_a_pooled_agent_and_its_ranks_die_with_a_sigkilled_launcher(tmp_path, pool):
+def test_a_pooled_agent_and_its_ranks_die_with_a_sigkilled_launcher(tmp_path, own_pool):
     """Its parent is the pool process, not the launcher: it watches the launcher (a pidfd) and
     stops as a new agent does when PR_SET_PDEATHSIG fires."""
     run_dir = tmp_path / "run"
