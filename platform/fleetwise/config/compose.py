@@ -61,9 +61,8 @@ def _split_values(overrides: list[str]) -> tuple[list[str], list[Any], list[Any]
         return list(overrides), [], []
     composed, values = [], []
     for text, o in zip(overrides, parsed, strict=True):
-        key = o.key_or_group
         plain = o.type == OverrideType.CHANGE and o.package is None and not o.is_sweep_override()
-        if plain and "." in key and "/" not in key and key.split(".", 1)[0] != "hydra":
+        if plain and not _is_group_override(text) and not o.is_hydra_override():
             values.append(o)
         else:
             composed.append(text)
