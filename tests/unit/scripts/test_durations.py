@@ -62,3 +62,21 @@ def test_the_table_reads_back_as_the_order_files_run_in(tmp_path, monkeypatch):
     }
     committed = file_seconds(REPO / "tests" / "DURATIONS.md")
     assert len(committed) > 100 and all((REPO / path).is_file() for path in list(committed)[:20])
+
+
+def test_the_session_runs_its_files_longest_first_and_make_keeps_that_order(request):
+    """The README's promise: the suite runs its files longest first by the table. conftest.py sorts
+    the session's items; make's xdist flags must not let xdist re-sort them by number of tests."""
+    import math
+    from pathlib import Path
+
+    from helpers.durations import file_seconds
+
+    seconds = file_seconds(REPO / "tests" / "DURATIONS.md")
+    root = Path(str(request.config.rootpath))
+    order = [
+        seconds.get(Path(str(i.fspath)).relative_to(root).as_posix(), math.inf) for i in request.session.items
+    ]
+    assert order == sorted(order, reverse=True)
+    xdist = next(line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("XDIST"))
+    assert "--dist loadfile" in xdist and "--no-loadscope-reorder" in xdist
