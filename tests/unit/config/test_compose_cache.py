@@ -69,3 +69,5 @@ def test_a_value_changes_only_its_copy_and_an_edited_tree_composes_again(tmp_pat
     recipe.write_text(recipe.read_text().replace("num_layers: 3", "num_layers: 7"))
     os.utime(recipe, ns=(time.time_ns(), time.time_ns() + 1_000_000))  # even within one mtime tick
     assert composition._compose(["recipe=mine"]).model.num_layers == 7
+    monkeypatch.chdir(tmp_path)  # the kept composition was made elsewhere: hydra.runtime.cwd is this call's
+    assert composition._compose(["recipe=mine"], hydra_cfg=True).hydra.runtime.cwd == os.getcwd()
