@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 from dataclasses import dataclass
 
 # Environment variables naming the interface each communication library listens and connects on.
@@ -103,6 +104,39 @@ def torchrun_args(net: NodeNet, rdzv_conf: list[str]) -> list[str]:
         return [f"--rdzv-conf={','.join(rdzv_conf)}"]
     conf = [*rdzv_conf, f"is_host={str(net.is_host).lower()}"]
     return [f"--rdzv-conf={','.join(conf)}", f"--local-addr={net.local_addr}"]
+
+
+# torch's rendezvous waits this long for the nodes to join (its join_timeout, unless --rdzv-conf sets one)
+JOIN_TIMEOUT_S = 600.0
+
+
+def wait_for_store(
+    host: str, port: int, timeout: float = JOIN_TIMEOUT_S, interval: float = 0.5, say=print
+) -> bool:
+    """Until the rendezvous store at host:port accepts a TCP connection (polled every `interval` s,
+    at most `timeout` s); whether it did. A joining node runs this before torch's rendezvous: torch's
+    store client retries a refused connection with exponential backoff (500 ms, x1.5, jitter, up to
+    60 s), so a node started ~25 s before node 0 next tried 8-19 s after the store came up -- past
+    node 0's last call (launch.rdzv_last_call_s), and node 0's first round ran without it (measured
+    under load, test_multihost's lost host). Polled, it connects within `interval` of the store."""
+    started = time.monotonic()
+    waiting = False
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(interval, 5.0) + 1.0).close()
+            if waiting:
+                say(
+                    f"the rendezvous store at {host}:{port} answered after {time.monotonic() - started:.1f} s"
+                )
+            return True
+        except OSError as err:
+            if time.monotonic() - started >= timeout:
+                say(f"the rendezvous store at {host}:{port} did not answer in {timeout:.0f} s ({err})")
+                return False
+            if not waiting:
+                say(f"waiting for the rendezvous store at {host}:{port} (node 0 hosts it): {err}")
+                waiting = True
+        time.sleep(interval)
 
 
 def interface_env(net: NodeNet, environ) -> dict[str, str]:

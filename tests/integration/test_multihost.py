@@ -337,13 +337,16 @@ def test_a_lost_host_the_survivor_restarts_from_the_checkpoint_and_finishes(netn
     def said(host: int) -> str:
         return (tmp_path / f"host{host}.out").read_text()[-3000:]
 
-    # host 1 first, host 0 once host 1's torchrun is starting: host 1 then waits for host 0's
-    # store, and both are in the first round (with 1:2 a node still importing torch when host 0's
-    # last call ends would be left out)
+    # host 1 first, host 0 once host 1's agent waits for host 0's store: a node started before node
+    # 0 connects as soon as the store is up (hostnet.wait_for_store), and both are in the first round.
+    # (Under load host 0 once came up 27 s after host 1; torch's client, backing off, tried again
+    # past host 0's 15 s last call, and host 0's first round ran alone: world sizes 1, 1, ...)
     lost = start(1)
     launcher_log = run / "logs" / "launcher.log"
     _wait_for(
-        lambda: launcher_log.exists() and "joins the rendezvous" in launcher_log.read_text(), 120, "host 1"
+        lambda: launcher_log.exists() and "waiting for the rendezvous store" in launcher_log.read_text(),
+        120,
+        "host 1's agent to wait for host 0's store",
     )
     survivor = start(0)
     rank1_log = run / "logs" / "rank_1.log"
@@ -359,6 +362,7 @@ def test_a_lost_host_the_survivor_restarts_from_the_checkpoint_and_finishes(netn
     assert survivor.wait(300) == 0, said(0)
     records = read_metrics(run)
     by_step = {m["step"]: m for m in records}  # steps re-run after the restart count last
+    assert f"the rendezvous store at {hosts.addrs[0]}:{PORT} answered after" in launcher_log.read_text()
     assert [by_step[s]["job/world_size"] for s in range(1, 6)] == [2, 2, 1, 1, 1]
     assert [by_step[s]["job/attempt"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
     assert [by_step[s]["train/loss"] for s in range(1, 6)] == pytest.approx(_losses(ref), abs=1e-5)

@@ -72,6 +72,47 @@ def test_multi_node_torchrun_command_carries_the_derived_network():
     ]
     assert "--local-addr=10.77.0.2" in cmd and "--rdzv-endpoint=10.77.0.1:29555" in cmd
     assert cmd[3] == "--bind=10.77.0.2"  # what this node's agent hosts listens there only
+    # a joining node's agent waits for node 0's store itself; node 0 hosts it and does not
+    assert cmd[4] == "--wait-for=10.77.0.1:29555"
+    node0 = hostnet.node_network("10.77.0.2:29555", ADDRS, _route)
+    assert not any(
+        c.startswith("--wait-for") for c in torchrun.torchrun_command(cfg, Path("/tmp/run"), node0)
+    )
+
+
+def test_a_joining_node_connects_within_half_a_second_of_the_store_coming_up():
+    """hostnet.wait_for_store against a plain socket that starts listening 2 s later (as node 0's
+    store does when node 0 starts after this node): it returns within its 0.5 s poll of the listen,
+    where torch's own client, backing off, would try again seconds later; with nothing listening it
+    gives up at its timeout and says so."""
+    import socket
+    import threading
+    import time
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    up: list[float] = []
+    server = socket.socket()
+
+    def listen_later():
+        time.sleep(2.0)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        up.append(time.monotonic())
+
+    said: list[str] = []
+    threading.Thread(target=listen_later, daemon=True).start()
+    try:
+        assert hostnet.wait_for_store("127.0.0.1", port, timeout=30, say=said.append)
+        late = time.monotonic() - up[0]
+    finally:
+        server.close()
+    assert late < 1.0, late  # the poll's 0.5 s, and a busy machine's scheduling
+    assert "waiting for the rendezvous store at 127.0.0.1" in said[0] and "answered after" in said[1]
+    said.clear()
+    assert not hostnet.wait_for_store("127.0.0.1", port, timeout=1.0, interval=0.2, say=said.append)
+    assert "did not answer in 1 s" in said[-1]
 
 
 def test_an_endpoint_this_node_cannot_resolve_is_refused_before_launch():

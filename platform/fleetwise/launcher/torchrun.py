@@ -82,7 +82,10 @@ def torchrun_command(cfg: RunConfig, run_dir: Path, net: NodeNet | None = None) 
     else:
         net = net or node_network(launch.rdzv_endpoint)
         # the stores node 0 hosts listen on its address on the route the other nodes take, only
-        cmd = [sys.executable, "-m", AGENT, f"--bind={net.local_addr}", nproc]
+        cmd = [sys.executable, "-m", AGENT, f"--bind={net.local_addr}"]
+        if not net.loopback and not net.is_host:  # node 0's store may not be up yet (hostnet.wait_for_store)
+            cmd.append(f"--wait-for={host}:{port}")
+        cmd.append(nproc)
         cmd += [
             f"--nnodes={launch.nnodes}",
             f"--node-rank={launch.node_rank}",
