@@ -88,7 +88,7 @@ class JobFailed(RuntimeError):
 def run_hydra(overrides: list[str], multirun: bool, checked: dict[tuple[str, ...], Checked]) -> int:
     import hydra
 
-    from fleetwise.config.compose import search_path_overrides
+    from fleetwise.config.compose import kept_app_compositions, search_path_overrides
     from fleetwise.config.paths import config_dir
 
     jobs = Jobs(checked)
@@ -101,7 +101,8 @@ def run_hydra(overrides: list[str], multirun: bool, checked: dict[tuple[str, ...
     extra += search_path_overrides(overrides)
     sys.argv = ["fleetwise train", *overrides, *extra, *(["--multirun"] if multirun else [])]
     try:
-        app()
+        with kept_app_compositions():
+            app()
     except SystemExit as exc:  # Hydra reports a job's exception itself, then exits non-zero
         if exc.code not in (0, None):
             return max(jobs.codes, default=EXIT_FAIL) or EXIT_FAIL
