@@ -10,6 +10,11 @@ machine's networks could join the rendezvous or write the keys the ranks read. T
 already-listening socket (`master_listen_fd`); this module hands it one bound to ADDR
 (runtime/mesh.py's `listening_socket`, which rank 0's own store uses too).
 
+`--wait-for=HOST:PORT` (a node that does not host the rendezvous store): before torchrun, wait for
+node 0's store to answer, polling every 0.5 s (fleetwise/hostnet.py `wait_for_store`): torch's own
+client backs off to tries many seconds apart, and a node started well before node 0 missed its first
+round.
+
 Every group the agent starts gets FLEETWISE_RDZV_ROUND (runtime/mesh.py's ROUND_VAR): the round is
 the same on every node, 0 only for the job's first group, so a group re-formed because a lost node
 came back -- which torch does not count as a restart -- still resumes from the checkpoint.
