@@ -5,6 +5,7 @@ derives the rest from the route to the endpoint. Skipped only where namespaces c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -524,8 +525,28 @@ def test_a_host_coming_back_rejoins_the_running_job(netns_hosts, tmp_path):
     first = start(0)
     metrics = run / "metrics.jsonl"
     _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 180, "host 0 to train")
+    # host 0 holds still (every process of it stopped) until host 1 is at its store: under load host 1
+    # once took longer to reach its agent than host 0 took for all 40 steps, and waited for a store no
+    # one hosted any more. A stopped store still completes the TCP handshake (the kernel's backlog);
+    # torch's client then waits for its answer.
+    frozen = netns_module().pids_in(hosts.names[0])
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
     back = time.time()
     second = start(1)
+
+    def host1_at_the_store() -> bool:
+        established = ["ss", "-tnH", "state", "established", "dst", f"{hosts.addrs[0]}:{PORT}"]
+        return second.poll() is not None or bool(
+            hosts.run(1, established, capture_output=True, text=True).stdout
+        )
+
+    try:
+        _wait_for(host1_at_the_store, 300, "host 1 to connect to host 0's store")
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     said = {h: (tmp_path / f"host{h}.out") for h in (0, 1)}
     assert first.wait(480) == 0 and second.wait(60) == 0, [said[h].read_text()[-3000:] for h in (0, 1)]
     records = read_metrics(run)
