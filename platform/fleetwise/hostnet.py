@@ -106,7 +106,7 @@ def torchrun_args(net: NodeNet, rdzv_conf: list[str]) -> list[str]:
     return [f"--rdzv-conf={','.join(conf)}", f"--local-addr={net.local_addr}"]
 
 
-# torch's rendezvous waits this long for the nodes to join (its join_timeout, unless --rdzv-conf sets one)
+# torch's rendezvous waits this long for the nodes to join (its join_timeout; the launcher sets none)
 JOIN_TIMEOUT_S = 600.0
 
 

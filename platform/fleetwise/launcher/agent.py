@@ -215,23 +215,6 @@ def fork_ranks() -> None:
     report_every_failed_worker()
 
 
-def wait_for_node0(endpoint: str, torchrun_args: list[str]) -> None:
-    """Wait (hostnet.wait_for_store) for the rendezvous store of node 0 at `endpoint`, as long as
-    torch's rendezvous would (its join_timeout, from --rdzv-conf); then torchrun goes on either way
-    and reports what it finds."""
-    from fleetwise.hostnet import JOIN_TIMEOUT_S, wait_for_store
-
-    timeout = JOIN_TIMEOUT_S
-    for arg in torchrun_args:
-        if arg.startswith("--rdzv-conf="):
-            conf = dict(kv.split("=", 1) for kv in arg.removeprefix("--rdzv-conf=").split(",") if "=" in kv)
-            timeout = float(conf.get("join_timeout", timeout))
-    host, _, port = endpoint.rpartition(":")
-    wait_for_store(
-        host.strip("[]"), int(port), timeout, say=lambda line: print(f"fleetwise agent: {line}", flush=True)
-    )
-
-
 def run_torchrun() -> int:
     """torchrun's main in this process; its exit status, a failure's traceback on stderr as an
     uncaught exception would print it (the launcher reads the cause from the ranks' error files)."""
@@ -274,7 +257,12 @@ def main() -> NoReturn:
         raise SystemExit(f"usage: python -m {__name__} --bind=ADDR [--wait-for=HOST:PORT] TORCHRUN_ARGS...")
     install(sys.argv.pop(1).removeprefix("--bind="))
     if sys.argv[1].startswith("--wait-for="):  # a joining node: connect as soon as node 0's store is up
-        wait_for_node0(sys.argv.pop(1).removeprefix("--wait-for="), sys.argv[1:])
+        from fleetwise.hostnet import wait_for_store
+
+        host, _, port = sys.argv.pop(1).removeprefix("--wait-for=").rpartition(":")
+        wait_for_store(
+            host.strip("[]"), int(port), say=lambda line: print(f"fleetwise agent: {line}", flush=True)
+        )
     export_round()
     fork_ranks()
     exit_now(run_torchrun())
