@@ -168,10 +168,7 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
     outsider = _node(hosts, 2, tmp_path / "outsider", *jobs["dp"], "train.seed=7", node_rank=1)
 
     def outsider_at_the_store() -> bool:  # a TCP connection of host 2 to the dp job's store
-        established = ["ss", "-tnH", "state", "established", "dst", f"{hosts.addrs[0]}:{PORT}"]
-        return outsider.poll() is None and bool(
-            hosts.run(2, established, capture_output=True, text=True).stdout
-        )
+        return outsider.poll() is None and _at_the_store(hosts, 2)
 
     _wait_for(outsider_at_the_store, 300, "host 2 to connect to the dp job's rendezvous store")
     listening = _listeners_while_running(hosts, [p for key, p in procs.items() if key[1] == 0], other0)
@@ -195,6 +192,12 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
     netns_module().kill_all_in(hosts.names[2])
     assert not list((tmp_path / "outsider").glob("logs/rank_*.log")), outsider.communicate()[0][-3000:]
     assert hosts.leftover() == {}  # both jobs ended every process they started, on every host
+
+
+def _at_the_store(hosts, host: int, port: int = PORT) -> bool:
+    """Whether `host` has an established TCP connection to host 0's rendezvous store."""
+    established = ["ss", "-tnH", "state", "established", "dst", f"{hosts.addrs[0]}:{port}"]
+    return bool(hosts.run(host, established, capture_output=True, text=True).stdout)
 
 
 def _listeners_while_running(hosts, procs, other_addr: str) -> set[tuple[str, int, str]]:
@@ -535,14 +538,10 @@ def test_a_host_coming_back_rejoins_the_running_job(netns_hosts, tmp_path):
     back = time.time()
     second = start(1)
 
-    def host1_at_the_store() -> bool:
-        established = ["ss", "-tnH", "state", "established", "dst", f"{hosts.addrs[0]}:{PORT}"]
-        return second.poll() is not None or bool(
-            hosts.run(1, established, capture_output=True, text=True).stdout
-        )
-
     try:
-        _wait_for(host1_at_the_store, 300, "host 1 to connect to host 0's store")
+        _wait_for(
+            lambda: second.poll() is not None or _at_the_store(hosts, 1), 300, "host 1 at host 0's store"
+        )
     finally:
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
