@@ -6,8 +6,8 @@ summed, storage by storage, and held against the units."""
 
 import torch
 from helpers.config import compose
-from torch.distributed.pipelining._backward import stage_backward_input
 
+from fleetwise.compat import stage_backward_split
 from fleetwise.families.gpt.model import GPT
 from fleetwise.models.transformer import lm_loss
 from fleetwise.plan.chunks import units_of
@@ -24,6 +24,7 @@ def test_weight_grad_outputs_are_what_torch_keeps_for_the_weight_step():
     x = torch.randn(b, m.seq_len, m.hidden_size, requires_grad=True)
     labels = torch.randint(0, m.vocab_size, (b, m.seq_len))
     loss = lm_loss(stage(x), labels)
+    _, stage_backward_input, _ = stage_backward_split()
     _, groups = stage_backward_input((loss,), None, [x], stage.parameters())
     kept = {}
     for group in groups:

@@ -100,8 +100,8 @@ def test_cuda_peak_reports_reserved_beside_allocated(monkeypatch):
 def test_clipping_uses_foreach_kernels():
     """One fused multiply per device and dtype, not one kernel launch per parameter."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
+    from fleetwise.compat import TorchDispatchMode
     from fleetwise.runtime.optim import clip_, grad_norm
 
     params = [torch.nn.Parameter(torch.ones(3) * i) for i in range(1, 6)]
