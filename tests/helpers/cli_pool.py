@@ -12,8 +12,8 @@ what an interpreter does at exit (non-daemon threads joined, atexit handlers), a
 main's code.
 
 A server serves one `signature` (agent_pool.signature: the interpreter and the environment read at
-start-up), and a call from other network or mount namespaces than the pool's owner runs a new
-interpreter. FLEETWISE_AGENT_POOL empty (the `cold_agents` fixture, the smoke test) or
+start-up); a launcher forked for a call from other network or mount namespaces enters the caller's
+(root only; agent_pool.enter_namespaces_of), elsewhere such a call runs a new interpreter. FLEETWISE_AGENT_POOL empty (the `cold_agents` fixture, the smoke test) or
 FLEETWISE_TEST_COLD_AGENTS=1: the console script as a new interpreter, as users run it. Test code
 only: the product never forks a launcher.
 """
@@ -65,7 +65,7 @@ def run_pooled(exe: Path, args: tuple[str, ...], cwd: Path | None, timeout: floa
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        request = {"argv": list(args), "env": env, "cwd": str(cwd or os.getcwd())}
+        request = {"argv": list(args), "env": env, "cwd": str(cwd or os.getcwd()), "namespaces_of": os.getpid()}
         try:
             forked = agent_pool.request_fork(path, SERVER, env, request, [out_w, err_w])
         finally:  # the child holds its own copies: EOF on the pipes is its end

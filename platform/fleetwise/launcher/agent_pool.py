@@ -11,9 +11,11 @@ starting a new interpreter; the fork then runs exactly what a new agent runs (ag
 What must be the same as in a new interpreter is: the environment read when the interpreter and
 torch start (OpenMP's thread count and wait policy, glibc's malloc settings, Python's own
 variables: `IMPORT_TIME_PREFIXES`) and the Python. A pool process serves one such `signature` (a
-launch with another starts another pool process; one in other network or mount namespaces than the
-pool's owner starts its agent itself); the rest
-of the environment, the working directory, the command line and the log file are the launch's own.
+launch with another starts another pool process); the rest of the environment, the working
+directory, the command line, the log file and the network and mount namespaces are the launch's
+own: a launch on a test's host (another network namespace, entered by `ip netns exec`) gets an agent
+forked here that enters the launcher's namespaces before anything else (`enter_namespaces_of`; root
+only, as creating them is -- elsewhere such a launch starts its agent itself).
 The agent forked here is the leader of its own session, as a new one is, and dies with its
 launcher (SIGTERM once the launcher's pid is gone: a pidfd, since its parent is the pool process).
 
@@ -57,7 +59,9 @@ IMPORT_TIME_PREFIXES = (
     "LC_",
 )
 OWNER_FILE = "owner"  # the pid whose end ends the pool's processes
-NAMESPACES_FILE = "namespaces"  # the owner's; launches in others are not served
+NAMESPACES_FILE = "namespaces"  # the owner's; a launch in others is served only where it can enter them
+# setns(2)'s namespace types: a forked child joins its requester's network and mount namespaces
+NAMESPACE_TYPES = {"net": 0x40000000, "mnt": 0x00020000}  # CLONE_NEWNET, CLONE_NEWNS
 START_TIMEOUT_S = 120.0  # a pool process importing torch on a busy machine
 
 
@@ -68,14 +72,42 @@ def signature(env: dict[str, str]) -> str:
     return hashlib.sha256(data.encode()).hexdigest()[:16]
 
 
-def namespaces() -> dict[str, str]:
-    """This process's network and mount namespaces: a launch in others (a test's network
-    namespace as a host) starts its agent itself."""
+def namespaces(pid: int | str = "self") -> dict[str, str]:
+    """The network and mount namespaces of `pid` (this process by default)."""
     out = {}
-    for ns in ("net", "mnt"):
+    for ns in NAMESPACE_TYPES:
         with contextlib.suppress(OSError):
-            out[ns] = os.readlink(f"/proc/self/ns/{ns}")
+            out[ns] = os.readlink(f"/proc/{pid}/ns/{ns}")
     return out
+
+
+def enter_namespaces_of(pid: int) -> None:
+    """Join `pid`'s network and mount namespaces where they are not this process's: a child forked
+    for a launch on a test's host (`ip netns exec`) is then where a new interpreter started by that
+    launcher would be -- its addresses, routes and /sys. Needs one thread (a fork's child has one)
+    and root. The working directory is the new mount namespace's root after: the caller sets it."""
+    mine, theirs = namespaces(), namespaces(pid)
+    fds = {ns: os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY) for ns in NAMESPACE_TYPES if theirs[ns] != mine[ns]}
+    try:
+        for ns, fd in fds.items():
+            _setns(fd, NAMESPACE_TYPES[ns])
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if namespaces() != theirs:
+        raise OSError(f"could not enter the namespaces of {pid}: {theirs}, here {namespaces()}")
+
+
+def _setns(fd: int, nstype: int) -> None:
+    if hasattr(os, "setns"):  # Python 3.12+
+        os.setns(fd, nstype)
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, nstype) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def open_pool(directory: Path) -> None:
@@ -132,12 +164,13 @@ class PooledAgent:
 
 
 def pool_directory(env: dict[str, str]) -> Path | None:
-    """The pool named by `env` that may serve this process (open, and in its owner's network and
-    mount namespaces); None: start a new interpreter."""
+    """The pool named by `env` that may serve this process (open; in its owner's network and mount
+    namespaces, or in others as root, whose forked children can enter them: `enter_namespaces_of`);
+    None: start a new interpreter."""
     directory = env.get(POOL_VAR)
     if not directory or not Path(directory, OWNER_FILE).exists():
         return None
-    if json.loads(Path(directory, NAMESPACES_FILE).read_text()) != namespaces():
+    if json.loads(Path(directory, NAMESPACES_FILE).read_text()) != namespaces() and os.geteuid() != 0:
         return None
     return Path(directory)
 
@@ -149,7 +182,8 @@ def start_pooled(cmd: list[str], env: dict[str, str], log_fd: int) -> PooledAgen
     directory = pool_directory(dict(os.environ))
     if directory is None:
         return None
-    request = {"argv": cmd[3:], "env": env, "cwd": os.getcwd(), "launcher": os.getpid()}
+    me = os.getpid()
+    request = {"argv": cmd[3:], "env": env, "cwd": os.getcwd(), "launcher": me, "namespaces_of": me}
     server = [sys.executable, "-m", "fleetwise.launcher.agent", "--serve"]
     forked = request_fork(directory / f"{signature(env)}.sock", server, env, request, [log_fd])
     return None if forked is None else PooledAgent(*forked)
@@ -197,9 +231,14 @@ def _start_server(path: Path, server: list[str], env: dict[str, str]) -> None:
                 return  # another launcher started it meanwhile
             path.unlink()
         owner = Path(path.parent, OWNER_FILE).read_text().strip()
+        # a launcher on a test's host starts the server where the pool's owner is: a server in the
+        # host's namespaces would outlive the job there (and die with the host)
+        enter = []
+        if json.loads(Path(path.parent, NAMESPACES_FILE).read_text()) != namespaces():
+            enter = ["nsenter", f"--target={owner}", "--net", "--mount", f"--wd={path.parent}", "--"]
         with open(path.with_suffix(".log"), "ab") as log:
             proc = subprocess.Popen(
-                [*server, str(path), owner],
+                [*enter, *server, str(path), owner],
                 env=env,
                 cwd=path.parent,
                 stdin=subprocess.DEVNULL,
@@ -268,6 +307,8 @@ def serve(path: str, owner: int, preload: list[str], child: Callable[[dict], obj
 
 def _fork(conn: socket.socket, listener: socket.socket, child: Callable[[dict], object], nfds: int) -> int:
     data, fds, _, _ = socket.recv_fds(conn, 1 << 16, nfds)
+    if len(data) < 4:  # a probe (`_start_server`: is the server up?) sends nothing
+        raise ConnectionError("no request")
     (size,) = struct.unpack("!I", data[:4])
     data = data[4:]
     while len(data) < size:
@@ -291,10 +332,17 @@ def _fork(conn: socket.socket, listener: socket.socket, child: Callable[[dict], 
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
+        if request.get("namespaces_of"):  # the requester's host (a test's network namespace)
+            enter_namespaces_of(int(request["namespaces_of"]))
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         child(request)
+    except Exception:  # the child's own failure, in the log it was given (its exit is 1)
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
     finally:
         os._exit(1)
 
