@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -170,7 +171,8 @@ def pool_directory(env: dict[str, str]) -> Path | None:
     directory = env.get(POOL_VAR)
     if not directory or not Path(directory, OWNER_FILE).exists():
         return None
-    if json.loads(Path(directory, NAMESPACES_FILE).read_text()) != namespaces() and os.geteuid() != 0:
+    foreign = json.loads(Path(directory, NAMESPACES_FILE).read_text()) != namespaces()
+    if foreign and (os.geteuid() != 0 or shutil.which("nsenter") is None):  # (`_start_server` uses it)
         return None
     return Path(directory)
 

@@ -33,9 +33,14 @@ def test_no_pool_without_the_variable_nor_from_other_namespaces_unless_root(tmp_
     assert agent_pool.pool_directory(dict(os.environ)) == tmp_path
     (tmp_path / agent_pool.NAMESPACES_FILE).write_text(json.dumps({"net": "net:[1]", "mnt": "mnt:[1]"}))
     # a test's network namespace as a host: served where a forked child can enter the launcher's
-    # namespaces (root), else a new interpreter, and no pool process started for it
+    # namespaces (root, with nsenter to start the server where the owner is), else a new
+    # interpreter, and no pool process started for it
     monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(agent_pool.shutil, "which", lambda name: f"/usr/bin/{name}")
     assert agent_pool.pool_directory(dict(os.environ)) == tmp_path
+    monkeypatch.setattr(agent_pool.shutil, "which", lambda name: None)
+    assert agent_pool.pool_directory(dict(os.environ)) is None
+    monkeypatch.setattr(agent_pool.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert start_pooled(["python", "-m", "agent"], {}, 1) is None
     assert not list(tmp_path.glob("*.sock"))
