@@ -65,7 +65,11 @@ def on_local_shards(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     placements are not its parameter's (a replicated norm weight's pending sum under sequence
     parallel) is reduced to them first, once; DTensor did it on every op that read the gradient.
     The state stays DTensors between steps (checkpoints save and reshard them as before): the step
-    sees their local shards, and state the step creates is wrapped with its parameter's layout."""
+    sees their local shards, and state the step creates is wrapped with its parameter's layout.
+    The fused kernel (a GPU job's offloaded shards: `step_kernel`) keeps DTensor's step: it takes
+    GradScaler's device-side flags and checks every tensor's device, which the shards would fail."""
+    if opt.defaults.get("fused"):
+        return opt
 
     def step(self, *args, **kwargs):
         shards: dict[torch.Tensor, DTensor] = {}  # local shard -> its DTensor parameter

@@ -82,3 +82,14 @@ def test_the_state_round_trips_a_checkpoint_and_steps_on(gloo_world_of_one):
     fresh.step()
     for p in params:
         assert fresh.state[p]["step"].item() == 4
+
+
+def test_the_fused_kernel_keeps_dtensors_own_step(gloo_world_of_one):
+    """A GPU job's offloaded shards step with the fused kernel (runtime/optim.py `step_kernel`),
+    which takes GradScaler's device flags and checks every tensor's device: DTensor's own step
+    (tests/integration/test_cuda_semantics.py runs those jobs)."""
+    model, scale = sharded_model(init_device_mesh("cpu", (1,)))
+    params = [*model.parameters(), scale]
+    optim = compose("recipe=gpt/tiny")[0].optim
+    assert "step" not in vars(build_optimizer(params, optim, {"fused": True}))
+    assert "step" in vars(build_optimizer(params, optim, {"foreach": True}))
