@@ -187,6 +187,8 @@ def test_gpt_trains_dp_and_pp_across_two_hosts_with_one_hosts_losses(netns_hosts
         assert "this node hosts the rendezvous store; local address 10.77.0.1 on eth0" in first
         assert "this node joins the rendezvous store; local address 10.77.0.2 on eth0" in second
         assert "GLOO_SOCKET_IFNAME=eth0" in first and "GLOO_SOCKET_IFNAME=eth0" in second
+        if os.environ.get("FLEETWISE_AGENT_POOL"):  # the session's warm pool serves the hosts too (README)
+            assert "forked from the warm pool" in first and "forked from the warm pool" in second
     # it was at the store while the job trained without it; its own rendezvous (its id) never
     # found a second node, so it never started a rank
     netns_module().kill_all_in(hosts.names[2])
