@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -86,6 +87,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_nodes(cmds, cwd, env, timeout=300.0, after_failure=30.0):
+    """Run one launcher per node until all end: (exit codes, [(stdout, stderr)]). A node that fails
+    (its port taken, a crash) leaves its peers waiting for a rendezvous that never completes: they
+    are stopped `after_failure` seconds later, as is every node still running at `timeout`, with their
+    whole process group -- the test then fails (or retries) on both nodes' output, not on a timeout."""
+    files = [(cwd / f"node{i}.out", cwd / f"node{i}.err") for i in range(len(cmds))]
+    procs = []
+    for cmd, (out, err) in zip(cmds, files):
+        with out.open("w") as o, err.open("w") as e:
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=o, stderr=e, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + after_failure)
+        time.sleep(0.5)
+    stopped = [p for p in procs if p.poll() is None]
+    for p in stopped:
+        os.killpg(p.pid, signal.SIGKILL)
+    codes = [p.wait() for p in procs]
+    outs = [(out.read_text(errors="replace"), err.read_text(errors="replace")) for out, err in files]
+    for p in stopped:
+        i = procs.index(p)
+        outs[i] = (outs[i][0], outs[i][1] + f"\n[test: node {i} still running at its deadline (a peer failed, or the timeout); killed]")
+    return codes, outs
+
+
 @pytest.mark.usefixtures("cold_agents")  # node 1 samples only once node 0's MLflow run exists
 def test_two_nodes_on_loopback_match_one_node(tmp_path):
     """Also: both nodes report their system metrics into the job's one MLflow run (a sqlite store
@@ -102,30 +129,23 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path):
         work.mkdir()
         multi = work / "multi"
         nodes = [
-            subprocess.Popen(
-                [
-                    str(exe),
-                    "train",
-                    *(a for a in TINY if not a.startswith("tracking.")),
-                    "hardware.nodes=2",
-                    "hardware.devices_per_node=2",
-                    f"launch.node_rank={rank}",
-                    f"launch.rdzv_endpoint=127.0.0.1:{port}",
-                    f"run.dir={multi}",
-                ],
-                cwd=work,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            [
+                str(exe),
+                "train",
+                *(a for a in TINY if not a.startswith("tracking.")),
+                "hardware.nodes=2",
+                "hardware.devices_per_node=2",
+                f"launch.node_rank={rank}",
+                f"launch.rdzv_endpoint=127.0.0.1:{port}",
+                f"run.dir={multi}",
+            ]
             for rank in (0, 1)
         ]
-        outs = [p.communicate(timeout=300) for p in nodes]
+        codes, outs = run_nodes(nodes, work, env)
         logs = "".join(f.read_text(errors="replace") for f in multi.glob("logs/*.log"))
         if not any(port_taken(out + err) for out, err in outs) and not port_taken(logs):
             break
-    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert codes == [0, 0], outs
     assert sorted(f.name for f in (multi / "logs").glob("rank_*.log")) == [f"rank_{i}.log" for i in range(4)]
     a, b = read_metrics(single), read_metrics(multi)
     assert [m["train/loss"] for m in a] == pytest.approx([m["train/loss"] for m in b], abs=2e-6)
