@@ -42,6 +42,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fleetwise.runtime.lifeline import freeze_inherited_objects
+
 POOL_VAR = "FLEETWISE_AGENT_POOL"
 # Environment variables a process reads as it starts or as torch loads; a forked agent inherits
 # the pool process's reading of them, so a pool process serves only launches that agree on them.
@@ -325,6 +327,7 @@ def _fork(conn: socket.socket, listener: socket.socket, child: Callable[[dict], 
             os.close(fd)
         return pid
     try:  # the child: never back into the server's loop
+        freeze_inherited_objects()
         listener.close()
         conn.close()
         os.dup2(fds[0], 1)
