@@ -94,7 +94,7 @@ def run_nodes(cmds, cwd, env, timeout=300.0, after_failure=30.0):
     whole process group -- the test then fails (or retries) on both nodes' output, not on a timeout."""
     files = [(cwd / f"node{i}.out", cwd / f"node{i}.err") for i in range(len(cmds))]
     procs = []
-    for cmd, (out, err) in zip(cmds, files):
+    for cmd, (out, err) in zip(cmds, files, strict=True):
         with out.open("w") as o, err.open("w") as e:
             procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=o, stderr=e, start_new_session=True))
     deadline = time.monotonic() + timeout
