@@ -77,6 +77,7 @@ class JobTracking:
         self._tid: int | None = None
         self._metrics_at_start = -1
         self._yielded = False
+        self._started = threading.Event()  # the thread's `start` is done: the run exists in MLflow
 
     def start(self) -> None:
         """Called once torchrun runs: importing mlflow (~2.5 s) overlaps the ranks' start-up."""
@@ -174,6 +175,7 @@ class JobTracking:
         self._tid = threading.get_native_id()
         try:
             self.start()
+            self._started.set()
             while not self._stop.wait(self.DELIVER_EVERY_S if self._yielded else self.POLL_EVERY_S):
                 if self.tracker is not None:
                     self.tracker.poll(max_batches=self.MAX_BATCHES)  # never raises
@@ -181,12 +183,14 @@ class JobTracking:
             print(f"fleetwise: MLflow tracking stopped: {exc}", file=sys.stderr, flush=True)
 
     def _yield_to_ranks(self) -> None:
-        """Once the ranks train, the tracking thread runs at nice STEPPING_NICE: on a machine whose
-        cores the ranks fill, MLflow's start-up and deliveries take only what they leave idle (a
-        rank waking from a collective preempts it). Only then, so that the start-up keeps its share
-        while the ranks start; the thread keeps the value (lowering it needs privileges), and
-        `finish` runs in the launcher's own thread."""
-        if self._yielded or self._tid is None:
+        """Once the ranks train and the run exists, the tracking thread runs at nice STEPPING_NICE:
+        on a machine whose cores the ranks fill, MLflow's deliveries take only what they leave idle
+        (a rank waking from a collective preempts it). Not before the run exists: its start-up
+        (importing MLflow, creating the run, ~2.5 CPU-s once) keeps its share, so that the run shows
+        in MLflow while the job trains -- niced from the ranks' first step, on a loaded machine it
+        took minutes (the SIGTERM test under two CPU hogs: 74-170 s, 13-14 s idle). The thread keeps
+        the value (lowering it needs privileges), and `finish` runs in the launcher's own thread."""
+        if self._yielded or self._tid is None or not self._started.is_set():
             return
         if _size(rundir.metrics_path(self.run_dir)) == self._metrics_at_start:
             return

@@ -1,5 +1,5 @@
 """The launcher's MLflow thread yields the CPU to the ranks once they train (README: "Tracking runs
-in MLflow"): nice STEPPING_NICE from the first growth of metrics.jsonl, not before; and a delivery
+in MLflow"): nice STEPPING_NICE from the first growth of metrics.jsonl once the run exists, not before; and a delivery
 every DELIVER_EVERY_S from then on, not every POLL_EVERY_S."""
 
 import os
@@ -28,12 +28,17 @@ def test_the_tracking_thread_yields_to_the_ranks_once_they_train(tmp_path):
     ready.wait(10)
     try:
         t = object.__new__(JobTracking)  # only what _yield_to_ranks reads
-        t.run_dir, t._tid, t._yielded = tmp_path, tids[0], False
+        t.run_dir, t._tid, t._yielded, t._started = tmp_path, tids[0], False, threading.Event()
         t._metrics_at_start = -1  # no metrics.jsonl when the job started
         before = os.getpriority(os.PRIO_PROCESS, tids[0])
+        t._started.set()
         t._yield_to_ranks()
         assert os.getpriority(os.PRIO_PROCESS, tids[0]) == before  # ranks not training yet
         rundir.metrics_path(tmp_path).write_text('{"step": 1}\n')
+        t._started.clear()  # the thread still creating the run: it keeps its share
+        t._yield_to_ranks()
+        assert os.getpriority(os.PRIO_PROCESS, tids[0]) == before
+        t._started.set()
         t._yield_to_ranks()
         assert os.getpriority(os.PRIO_PROCESS, tids[0]) == max(before, JobTracking.STEPPING_NICE)
         assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the launcher's own thread keeps its share
@@ -53,7 +58,7 @@ def test_the_tracking_thread_delivers_less_often_once_the_ranks_train(tmp_path, 
     monkeypatch.setattr(JobTracking, "POLL_EVERY_S", 0.02)
     monkeypatch.setattr(JobTracking, "DELIVER_EVERY_S", 0.5)
     t = object.__new__(JobTracking)  # only what _deliver reads
-    t.tracker, t._yielded, t._stop = Tracker(), False, threading.Event()
+    t.tracker, t._yielded, t._stop, t._started = Tracker(), False, threading.Event(), threading.Event()
     t.start = lambda: None  # the run exists
     thread = threading.Thread(target=t._deliver, daemon=True)
     thread.start()
