@@ -102,15 +102,15 @@ def run_nodes(cmds, cwd, env, timeout=300.0, after_failure=30.0):
         if any(p.returncode not in (None, 0) for p in procs):
             deadline = min(deadline, time.monotonic() + after_failure)
         time.sleep(0.5)
-    stopped = [p for p in procs if p.poll() is None]
-    for p in stopped:
-        os.killpg(p.pid, signal.SIGKILL)
+    stopped = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in stopped:
+        os.killpg(procs[i].pid, signal.SIGKILL)
     codes = [p.wait() for p in procs]
-    outs = [(out.read_text(errors="replace"), err.read_text(errors="replace")) for out, err in files]
-    for p in stopped:
-        i = procs.index(p)
-        outs[i] = (outs[i][0], outs[i][1] + f"\n[test: node {i} still running at its deadline (a peer failed, or the timeout); killed]")
-    return codes, outs
+    killed = "\n[test: still running at its deadline (a peer failed, or the timeout); killed]"
+    return codes, [
+        (out.read_text(errors="replace"), err.read_text(errors="replace") + (killed if i in stopped else ""))
+        for i, (out, err) in enumerate(files)
+    ]
 
 
 @pytest.mark.usefixtures("cold_agents")  # node 1 samples only once node 0's MLflow run exists

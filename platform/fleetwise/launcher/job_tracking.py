@@ -74,10 +74,9 @@ class JobTracking:
         self.node_metrics = None
         self._thread = None  # start_background's: RunTracker is used by it alone until finish joins it
         self._stop = threading.Event()
-        self._tid: int | None = None
+        self._tid: int | None = None  # the tracking thread's, once its `start` is done (the run exists)
         self._metrics_at_start = -1
         self._yielded = False
-        self._started = threading.Event()  # the thread's `start` is done: the run exists in MLflow
 
     def start(self) -> None:
         """Called once torchrun runs: importing mlflow (~2.5 s) overlaps the ranks' start-up."""
@@ -172,10 +171,9 @@ class JobTracking:
         self._thread.start()
 
     def _deliver(self) -> None:
-        self._tid = threading.get_native_id()
         try:
             self.start()
-            self._started.set()
+            self._tid = threading.get_native_id()  # from now on `_yield_to_ranks` may nice it
             while not self._stop.wait(self.DELIVER_EVERY_S if self._yielded else self.POLL_EVERY_S):
                 if self.tracker is not None:
                     self.tracker.poll(max_batches=self.MAX_BATCHES)  # never raises
@@ -190,7 +188,7 @@ class JobTracking:
         in MLflow while the job trains -- niced from the ranks' first step, on a loaded machine it
         took minutes (the SIGTERM test under two CPU hogs: 74-170 s, 13-14 s idle). The thread keeps
         the value (lowering it needs privileges), and `finish` runs in the launcher's own thread."""
-        if self._yielded or self._tid is None or not self._started.is_set():
+        if self._yielded or self._tid is None:
             return
         if _size(rundir.metrics_path(self.run_dir)) == self._metrics_at_start:
             return

@@ -15,20 +15,6 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def freeze_inherited_objects() -> None:
-    """First thing in a process forked from a warm pool server (launcher/agent_pool.py: a test
-    suite's launchers, warm agents): every object inherited from the server -- torch, MLflow, the
-    CLI, everything it imported -- leaves the garbage collector's generations (`gc.freeze`, O(1)),
-    so that a collection in the child never walks them (writing every object's header, each
-    inherited page copied on that write). They live as long as the process anyway. Measured (a
-    launcher forked from a server with torch and MLflow imported, gpt/tiny on 2 ranks): 0.54-0.72
-    -> 0.21-0.29 CPU-s. A rank forked from the agent's fork server, or a dry run's rank, showed no
-    difference (10.9-13.3 CPU-s of 2 ranks either way): their steps dominate."""
-    import gc
-
-    gc.freeze()
-
-
 class Stopped(KeyboardInterrupt):
     """A stop signal arrived (Ctrl-C, SIGTERM from kill/SLURM/systemd, SIGHUP from a closed terminal).
 

@@ -47,7 +47,7 @@ def test_no_pool_without_the_variable_nor_from_other_namespaces_unless_root(tmp_
 
 
 # a pool server whose children print their network and mount namespaces, working directory and
-# how many objects the garbage collector leaves alone (lifeline.freeze_inherited_objects)
+# how many objects the garbage collector leaves alone (agent_pool._fork's gc.freeze)
 SERVER = (
     "import gc, json, os, sys\n"
     "from fleetwise.launcher import agent_pool\n"

@@ -28,17 +28,16 @@ def test_the_tracking_thread_yields_to_the_ranks_once_they_train(tmp_path):
     ready.wait(10)
     try:
         t = object.__new__(JobTracking)  # only what _yield_to_ranks reads
-        t.run_dir, t._tid, t._yielded, t._started = tmp_path, tids[0], False, threading.Event()
+        t.run_dir, t._tid, t._yielded = tmp_path, tids[0], False
         t._metrics_at_start = -1  # no metrics.jsonl when the job started
         before = os.getpriority(os.PRIO_PROCESS, tids[0])
-        t._started.set()
         t._yield_to_ranks()
         assert os.getpriority(os.PRIO_PROCESS, tids[0]) == before  # ranks not training yet
         rundir.metrics_path(tmp_path).write_text('{"step": 1}\n')
-        t._started.clear()  # the thread still creating the run: it keeps its share
+        t._tid = None  # the thread still creating the run: it keeps its share
         t._yield_to_ranks()
         assert os.getpriority(os.PRIO_PROCESS, tids[0]) == before
-        t._started.set()
+        t._tid = tids[0]
         t._yield_to_ranks()
         assert os.getpriority(os.PRIO_PROCESS, tids[0]) == max(before, JobTracking.STEPPING_NICE)
         assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the launcher's own thread keeps its share
@@ -58,8 +57,9 @@ def test_the_tracking_thread_delivers_less_often_once_the_ranks_train(tmp_path, 
     monkeypatch.setattr(JobTracking, "POLL_EVERY_S", 0.02)
     monkeypatch.setattr(JobTracking, "DELIVER_EVERY_S", 0.5)
     t = object.__new__(JobTracking)  # only what _deliver reads
-    t.tracker, t._yielded, t._stop, t._started = Tracker(), False, threading.Event(), threading.Event()
-    t.start = lambda: None  # the run exists
+    t.tracker, t._yielded, t._stop, t._tid = Tracker(), False, threading.Event(), None
+    while_starting: list = []
+    t.start = lambda: while_starting.append(t._tid)  # creates the run
     thread = threading.Thread(target=t._deliver, daemon=True)
     thread.start()
     try:
@@ -76,3 +76,5 @@ def test_the_tracking_thread_delivers_less_often_once_the_ranks_train(tmp_path, 
     assert before >= 5, before  # every 0.02 s while the ranks start (fewer on a loaded machine)
     assert after <= 4, after  # every 0.5 s once they train: ~3 in 1.6 s, not ~80
     assert set(polls) == {JobTracking.MAX_BATCHES}  # a delivery takes the whole backlog
+    # the thread can be niced only once the run exists: not while `start` creates it
+    assert while_starting == [None] and t._tid is not None
