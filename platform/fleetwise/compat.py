@@ -139,12 +139,17 @@ def storage_key(storage) -> int:
     return storage._cdata
 
 
+_DTensor: type | None = None  # torch.distributed.tensor.DTensor, imported on first use
+
+
 @_entry("a DTensor's local shard")
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard as it is held (no autograd view, unlike `to_local()`); others as they are."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
+    """A DTensor's local shard as it is held (no autograd view, unlike `to_local()`); others as they
+    are. (Called for every op's output by the memory tracker: the import is done once.)"""
+    global _DTensor
+    if _DTensor is None:
+        from torch.distributed.tensor import DTensor as _DTensor
+    return t._local_tensor if isinstance(t, _DTensor) else t
 
 
 # Multi-tensor kernels (one launch for a list of tensors): what torch.optim and

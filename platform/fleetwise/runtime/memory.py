@@ -88,8 +88,12 @@ class LiveTensorBytes(TorchDispatchMode):
             return None
 
     def _track(self, t: torch.Tensor, host: bool = False) -> None:
-        if not self.fake and is_fake(local_tensor(t)):
-            return  # torch.compile's tracing tensors, not this rank's memory
+        t = local_tensor(t)
+        # torch.compile's tracing tensors (the saved-tensors hook sees them), not this rank's
+        # memory: subclasses (FakeTensor, FunctionalTensor), so a plain tensor skips is_fake, which
+        # cost more than the rest of this call (compiled train.compile runs: peaks byte-identical)
+        if not self.fake and type(t) is not torch.Tensor and is_fake(t):
+            return
         storage = self._storage(t)
         if storage is None:
             return
@@ -212,6 +216,9 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         host = self._on_host(args, kwargs)
         out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):  # most ops (a pytree walk costs as much as tracking)
+            self._track(out, host=host)
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t, host=host)

@@ -43,3 +43,19 @@ def test_a_retained_graph_dies_with_its_last_reference_while_tracked():
         loss.detach_()  # what pipelining does once the input gradient is computed
         del loss
         assert t.current == 64 * 64 * 4, t.current  # x only: the graph and its saved output are gone
+
+
+def test_a_real_run_leaves_out_what_torch_compile_traces_with():
+    """torch.compile traces a block with fake tensors, which the saved-tensors hook sees (dispatch
+    does not: `ignore_compile_internals`): they are not this rank's memory. Plain tensors, DTensors'
+    local shards and parameters are."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode().from_tensor(torch.zeros(1024))
+    with LiveTensorBytes([]) as t:
+        t._saved(fake)
+        assert t.current == 0
+        real, param = torch.zeros(1024), torch.nn.Parameter(torch.zeros(256))
+        t._saved(real)
+        t._saved(param)
+        assert t.current == 4096 + 1024
