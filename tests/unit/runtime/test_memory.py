@@ -47,9 +47,9 @@ def test_a_retained_graph_dies_with_its_last_reference_while_tracked():
 
 def test_a_real_run_leaves_out_what_torch_compile_traces_with():
     """torch.compile traces a block with fake tensors, which the saved-tensors hook sees (dispatch
-    does not: `ignore_compile_internals`): they are not this rank's memory. Plain tensors, DTensors'
-    local shards and parameters are."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    does not: `ignore_compile_internals`): they are not this rank's memory. Plain tensors and
+    parameters (a subclass: the fake check runs for it) are."""
+    from fleetwise.compat import FakeTensorMode
 
     fake = FakeTensorMode().from_tensor(torch.zeros(1024))
     with LiveTensorBytes([]) as t:
