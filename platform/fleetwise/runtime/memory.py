@@ -216,10 +216,8 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         host = self._on_host(args, kwargs)
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):  # most ops (a pytree walk costs as much as tracking)
-            self._track(out, host=host)
-            return out
-        for t in tree_flatten(out)[0]:
+        # most ops return one tensor: no pytree walk (it cost as much as the tracking)
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t, host=host)
         return out
