@@ -67,9 +67,19 @@ NAMESPACE_TYPES = {"net": 0x40000000, "mnt": 0x00020000}  # CLONE_NEWNET, CLONE_
 START_TIMEOUT_S = 120.0  # a pool process importing torch on a busy machine
 
 
+# ... except these, read only later and set by torch itself in the process that reads them:
+# inductor writes its cache directory into the environment the first time it asks for it
+# (torch/_inductor/runtime/cache_dir_utils.py): a test process where anything had asked (after its
+# first parity row) named it in every later launch, and each of those started a second launcher
+# and agent pool process (~4 CPU-s of imports each) for the same interpreter and start-up.
+SET_BY_TORCH_LATER = ("TORCHINDUCTOR_CACHE_DIR",)
+
+
 def signature(env: dict[str, str]) -> str:
     """What a pool process must share with a launch for its fork to be that launch's agent."""
-    same = {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+    same = {
+        k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in SET_BY_TORCH_LATER
+    }
     data = json.dumps([sys.executable, sys.path[1:], same], sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:16]
 
