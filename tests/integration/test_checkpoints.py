@@ -14,7 +14,15 @@ from helpers.runs import final_params, read_metrics, truncated_copy
 
 pytestmark = pytest.mark.slow
 
-SGD = ("optim=sgd", "optim.lr=0.3", "optim.momentum=0.9", "optim.grad_clip=0.5", "optim.warmup_steps=1")
+# 8 sequences a step (test_parity.py's): 2 micro-batches a data-parallel rank of 2
+SGD = (
+    "optim=sgd",
+    "optim.lr=0.3",
+    "optim.momentum=0.9",
+    "optim.grad_clip=0.5",
+    "optim.warmup_steps=1",
+    "train.global_batch_size=8",
+)
 BASE = ("recipe=gpt/tiny", "train.steps=6", "checkpoint.enabled=true")
 
 
