@@ -20,8 +20,8 @@ def test_the_signature_is_the_environment_read_as_the_interpreter_and_torch_star
     base = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "MALLOC_ARENA_MAX": "2"}
     same = signature(base)
     assert signature({**base, "PATH": "/bin", "PYTEST_CURRENT_TEST": "x", "RANDOM_VAR": "1"}) == same
-    # set by torch in a process once inductor asks for its cache (a test process that compiled):
-    # the same pool process still serves it, not a second one for the same start-up
+    # set by torch in a process once anything asks for inductor's cache (a test process, after its
+    # first parity row): the same pool process still serves it, not a second one for the same start-up
     assert signature({**base, "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root"}) == same
     for key, value in (("OMP_NUM_THREADS", "2"), ("OMP_WAIT_POLICY", "ACTIVE"), ("MALLOC_ARENA_MAX", "4"),
                        ("PYTHONHASHSEED", "0"), ("TORCH_SHOW_CPP_STACKTRACES", "1"), ("LD_PRELOAD", "x.so"),
