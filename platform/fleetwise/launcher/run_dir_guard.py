@@ -28,6 +28,7 @@ JOB_FILES = (
 )
 JOB_DIRS = (rundir.LOGS_DIR, rundir.CHECKPOINTS_DIR)
 LOCK_NAME = ".fleetwise.lock"
+HYDRA_SUBDIR = ".hydra"  # Hydra's record of the composition in a job's directory (hydra.output_subdir)
 
 
 def run_dir_problems(cfg: RunConfig) -> list[Problem]:
@@ -52,6 +53,12 @@ def run_dir_problems(cfg: RunConfig) -> list[Problem]:
             # .hydra/ and plan.json come before config.yaml): only a different job's config refuses
             # it here -- else node 1 starting a moment late saw a half-written job and exited 2
             return []
+        if not written.exists() and _a_node_starting(path, entries):
+            # and the other way round: another node started first and has made only what every
+            # node makes before its config.yaml (Hydra's .hydra/, an empty logs/; its lock is not
+            # an entry) -- node 0 starting a moment late exited 2 there (test_launch's two nodes on
+            # loopback, once in a full suite run)
+            return []
     shown = ", ".join(entries[:5]) + (", …" if len(entries) > 5 else "")
     return [
         Problem(
@@ -61,6 +68,14 @@ def run_dir_problems(cfg: RunConfig) -> list[Problem]:
             "replace the old job's files",
         )
     ]
+
+
+def _a_node_starting(path: Path, entries: list[str]) -> bool:
+    """Whether the directory holds only what a node of a multi-node job makes before it writes its
+    config.yaml (launcher/job.py: Hydra's output subdirectory when the job starts, then its lock,
+    then rundir.write_run_dir: logs/ first)."""
+    logs = path / rundir.LOGS_DIR
+    return set(entries) <= {HYDRA_SUBDIR, rundir.LOGS_DIR} and (not logs.is_dir() or not any(logs.iterdir()))
 
 
 def _same_job(cfg: RunConfig, written: Path) -> bool:

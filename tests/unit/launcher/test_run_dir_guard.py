@@ -110,3 +110,26 @@ def test_a_later_node_accepts_the_run_dir_node_0_is_still_writing(tmp_path):
     assert [
         p.loc for p in run_dir_guard.run_dir_problems(_cfg(f"run.dir={run}", *node, "launch.node_rank=1"))
     ] == ["run.dir"]
+
+
+def test_node_0_accepts_the_run_dir_another_node_is_starting_in(tmp_path):
+    """Node 1 may start first: before its config.yaml it has made Hydra's .hydra/ and an empty logs/
+    (its lock file is no entry). Node 0 checking then is not refused (it exited 2 and left node 1
+    waiting for its store); anything a job writes later still refuses it."""
+    run = tmp_path / "run"
+    node = ("hardware.nodes=2", "hardware.devices_per_node=2", "launch.rdzv_endpoint=127.0.0.1:29999")
+    node0 = _cfg(f"run.dir={run}", *node, "launch.node_rank=0")
+    run.mkdir()
+    (run / ".hydra").mkdir()
+    (run / ".fleetwise.lock.node1").write_text("pid 1\n")
+    (run / "logs").mkdir()
+    assert run_dir_guard.run_dir_problems(node0) == []
+    (run / "logs" / "launcher.log").write_text("")  # a node past its config.yaml, or an old job's
+    assert [p.loc for p in run_dir_guard.run_dir_problems(node0)] == ["run.dir"]
+    (run / "logs" / "launcher.log").unlink()
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert [p.loc for p in run_dir_guard.run_dir_problems(node0)] == ["run.dir"]
+    # a single-node job still refuses even the directory a node is starting in
+    single = _cfg(f"run.dir={run}")
+    (run / "metrics.jsonl").unlink()
+    assert [p.loc for p in run_dir_guard.run_dir_problems(single)] == ["run.dir"]
