@@ -50,7 +50,7 @@ def run_dir_problems(cfg: RunConfig) -> list[Problem]:
             return []
         if cfg.launch.node_rank > 0 and not written.exists():
             # node 0 checked the directory before writing into it and may be writing it now (its
-            # .hydra/ and plan.json come before config.yaml): only a different job's config refuses
+            # .hydra/ and logs/ come before config.yaml): only a different job's config refuses
             # it here -- else node 1 starting a moment late saw a half-written job and exited 2
             return []
         if not written.exists() and _a_node_starting(path, entries):
@@ -75,7 +75,8 @@ def _a_node_starting(path: Path, entries: list[str]) -> bool:
     config.yaml (launcher/job.py: Hydra's output subdirectory when the job starts, then its lock,
     then rundir.write_run_dir: logs/ first)."""
     logs = path / rundir.LOGS_DIR
-    return set(entries) <= {HYDRA_SUBDIR, rundir.LOGS_DIR} and (not logs.is_dir() or not any(logs.iterdir()))
+    empty_logs = not logs.exists() or (logs.is_dir() and not any(logs.iterdir()))
+    return set(entries) <= {HYDRA_SUBDIR, rundir.LOGS_DIR} and empty_logs
 
 
 def _same_job(cfg: RunConfig, written: Path) -> bool:

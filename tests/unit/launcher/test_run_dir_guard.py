@@ -127,6 +127,10 @@ def test_node_0_accepts_the_run_dir_another_node_is_starting_in(tmp_path):
     (run / "logs" / "launcher.log").write_text("")  # a node past its config.yaml, or an old job's
     assert [p.loc for p in run_dir_guard.run_dir_problems(node0)] == ["run.dir"]
     (run / "logs" / "launcher.log").unlink()
+    (run / "logs").rmdir()
+    (run / "logs").write_text("")  # no directory a node makes
+    assert [p.loc for p in run_dir_guard.run_dir_problems(node0)] == ["run.dir"]
+    (run / "logs").unlink()
     (run / "metrics.jsonl").write_text("{}\n")
     assert [p.loc for p in run_dir_guard.run_dir_problems(node0)] == ["run.dir"]
     # a single-node job still refuses even the directory a node is starting in
