@@ -48,16 +48,13 @@ def run_dir_problems(cfg: RunConfig) -> list[Problem]:
         written = path / rundir.CONFIG_FILE
         if _same_job(cfg, written):
             return []
-        if cfg.launch.node_rank > 0 and not written.exists():
-            # node 0 checked the directory before writing into it and may be writing it now (its
-            # .hydra/ and logs/ come before config.yaml): only a different job's config refuses
-            # it here -- else node 1 starting a moment late saw a half-written job and exited 2
-            return []
-        if not written.exists() and _a_node_starting(path, entries):
-            # and the other way round: another node started first and has made only what every
-            # node makes before its config.yaml (Hydra's .hydra/, an empty logs/; its lock is not
-            # an entry) -- node 0 starting a moment late exited 2 there (test_launch's two nodes on
-            # loopback, once in a full suite run)
+        if not written.exists() and (cfg.launch.node_rank > 0 or _a_node_starting(path, entries)):
+            # another node of a job is writing the directory now, before its config.yaml (its
+            # .hydra/ and logs/ come first): only a different job's config refuses it. A later node
+            # may find node 0 at any point of that (node 1 starting a moment late exited 2); node 0
+            # accepts only what every node makes before its config -- Hydra's .hydra/ and an empty
+            # logs/, its lock being no entry (node 0 starting a moment late exited 2: test_launch's
+            # two nodes on loopback, once in a full suite run)
             return []
     shown = ", ".join(entries[:5]) + (", …" if len(entries) > 5 else "")
     return [
@@ -74,7 +71,7 @@ def _a_node_starting(path: Path, entries: list[str]) -> bool:
     """Whether the directory holds only what a node of a multi-node job makes before it writes its
     config.yaml (launcher/job.py: Hydra's output subdirectory when the job starts, then its lock,
     then rundir.write_run_dir: logs/ first)."""
-    logs = path / rundir.LOGS_DIR
+    logs = rundir.logs_dir(path)
     empty_logs = not logs.exists() or (logs.is_dir() and not any(logs.iterdir()))
     return set(entries) <= {HYDRA_SUBDIR, rundir.LOGS_DIR} and empty_logs
 
