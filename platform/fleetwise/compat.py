@@ -165,6 +165,8 @@ foreach_copy_ = _find(torch, "_foreach_copy_")
 # is missing, nothing matches it (the attention kernels: the ones present are saved).
 _aten = torch.ops.aten
 SCALAR_READ = _find(_aten, "_local_scalar_dense.default")  # `.item()`, `float(t)`, `bool(t)`
+TO_COPY = _find(_aten, "_to_copy.default")  # `.to(device / dtype)`: a copy across devices among others
+PIN_MEMORY = _find(_aten, "_pin_memory.default")  # `.pin_memory()`
 AMP_UNSCALE = _find(_aten, "_amp_foreach_non_finite_check_and_unscale_.default")  # GradScaler's check
 SDPA_CPU = _find(_aten, "_scaled_dot_product_flash_attention_for_cpu")
 SDPA_CPU_BACKWARD = _find(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward")

@@ -17,7 +17,8 @@ Why this shape (torch 2.13, CPU build):
   and the pipeline's metadata messages (pickled objects between stages) through files
   (`MetaRelay`), because fake collectives carry no data: simulated ranks of one pipeline must
   run at the same time.
-- What the stand-in device lacks is supplied here, and only that: a device module (`torch.meta`:
+- What the stand-in device lacks is supplied here (what it changes inside FSDP2 and DDP, with torch's
+  private names, in fleetwise/dryrun/patches.py), and only that: a device module (`torch.meta`:
   current_device, streams, events), device-to-host copies (ones; a GradScaler flag 0), pinned
   host memory, FSDP2's host copy of offloaded meta shards (which it skips for meta parameters),
   DDP with a Python all-reduce hook (its C++ hook needs a result the fake backend does not
@@ -49,7 +50,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from fleetwise.compat import SCALAR_READ, TorchDispatchMode, storage_key
+from fleetwise.compat import PIN_MEMORY, SCALAR_READ, TO_COPY, TorchDispatchMode, storage_key
+from fleetwise.dryrun import patches as torch_patches
 from fleetwise.dryrun.fake import HostReads, MetaRelay, join_fake_world
 
 DEVICE = torch.device("meta")
@@ -98,16 +100,16 @@ class DeviceReads(TorchDispatchMode):
         self.reads.note(func, args)
         if func is torch.ops.aten.is_pinned.default:
             return pinned(args[0])
-        if func is torch.ops.aten._pin_memory.default:
+        if func is PIN_MEMORY:
             return pin(args[0].clone())
-        if func is torch.ops.aten._to_copy.default and args[0].is_meta and str(kwargs.get("device")) == "cpu":
+        if func is TO_COPY and args[0].is_meta and str(kwargs.get("device")) == "cpu":
             SYNCS["count"] += 1
             return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
         if func is torch.ops.aten.copy_.default and args[1].is_meta and args[0].device.type == "cpu":
             SYNCS["count"] += 1
             # a GradScaler found-inf flag (offload: on the host) reads 0, as HostReads answers it
             return args[0].fill_(0 if storage_key(args[0].untyped_storage()) in self.reads.found_inf else 1)
-        if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu":
+        if func is TO_COPY and args[0].device.type == "cpu":
             to_device = str(kwargs.get("device")) == "meta"
             SYNCS["count"] += to_device and not (kwargs.get("non_blocking") and pinned(args[0]))
             H2D["elements"] += args[0].numel() if to_device else 0
@@ -176,48 +178,13 @@ def _ddp_class():
         fut.set_result(buf)
         return fut
 
-    class KeepBuckets:
-        """DDP re-buckets after the first backward, broadcasting rank 0's bucket order: with no
-        data in the broadcast, keep the first order instead."""
-
-        def __init__(self, reducer):
-            self._reducer = reducer
-
-        def _rebuild_buckets(self):
-            return False
-
-        def __getattr__(self, name):
-            return getattr(self._reducer, name)
-
     class HookedDDP(DistributedDataParallel):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.register_comm_hook(self.process_group, allreduce_hook)
-            self.reducer = KeepBuckets(self.reducer)
+            torch_patches.ddp_keeps_its_first_buckets(self)
 
     return HookedDDP
-
-
-def _offload_host_copy(original):
-    """FSDP2 copies an offloaded shard to the host unless the parameter is on meta (it expects meta
-    parameters to be materialised later): make the host copy it makes for a device parameter
-    (pinned where its policy pins)."""
-
-    def init(self, param, device, *rest):
-        original(self, param, device, *rest)
-        if self.offload_to_cpu and self._sharded_param_data.is_meta:
-            host = torch.zeros(self.padded_sharded_param_size, dtype=self._sharded_param_data.dtype)
-            self._sharded_param_data = host.view(-1)
-            rows = self.sharded_param._local_tensor.size(0) if host.dim() else 0
-            local = host.narrow(0, 0, rows) if host.dim() else host
-            self.sharded_param = torch.nn.Parameter(
-                self.to_sharded_dtensor(local), requires_grad=param.requires_grad
-            )
-            self._setattr_on_modules(self.sharded_param)
-            if self.pin_memory:  # as FSDP pins the host copy of a device parameter
-                pin(host)
-
-    return init
 
 
 @contextlib.contextmanager
@@ -225,10 +192,6 @@ def cuda_semantics(cfg, rank: int, messages: Path):
     """The fake process group and the stand-ins above, for one simulated rank. The group has the
     backends the product asks for, with the job's device in place of cuda; the pipeline's metadata
     goes through files in `messages`."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_init
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
     from fleetwise.runtime.mesh import process_group_backend
 
     backend = process_group_backend(cfg)
@@ -247,16 +210,7 @@ def cuda_semantics(cfg, rank: int, messages: Path):
         mock.patch.object(torch, "meta", _device_module(world), create=True),
         mock.patch("torch.autocast", autocast),
         mock.patch("fleetwise.runtime.parallelize.DistributedDataParallel", _ddp_class()),
-        # DDP's start-up checks compare parameter data across ranks: meaningless without data
-        mock.patch(
-            "torch.nn.parallel.distributed._verify_param_shape_across_processes", lambda *a, **k: None
-        ),
-        mock.patch("torch.nn.parallel.distributed._sync_module_states", lambda *a, **k: None),
-        mock.patch.object(_fsdp_init, "_get_device_from_mesh", lambda mesh: DEVICE),
-        mock.patch.object(FSDPParamGroup, "_validate_no_meta_params", lambda self: None),
-        mock.patch.object(
-            FSDPParam, "_init_sharded_param", _offload_host_copy(FSDPParam._init_sharded_param)
-        ),
+        torch_patches.fsdp_and_ddp_on_a_stand_in_device(DEVICE, pin),
     ]
     with contextlib.ExitStack() as stack:
         for p in patches:
@@ -334,4 +288,3 @@ def forked_rank(rank: int, messages: Path, overrides: list[str], steps: int, log
         os._exit(1)
     result.write_text(json.dumps(out))
     os._exit(0)  # the fake group needs no teardown
-

@@ -3,9 +3,10 @@
 The dry run (and the CUDA-semantics tests, through dryrun/fake.py) runs torch's own code on the
 fake process-group backend and fake tensors; where that differs from a real job in what it holds
 or needs, a function below patches torch in the simulating process only (never in a real rank).
-Each says why and what it measured. Every one was checked on torch 2.11, 2.12, 2.13 and 2.14
-(`CHECKED`: read in each version's source, and a pipelined hybrid dry run by `make test-torch`,
-whose numbers matched 2.13's to the byte); where torch's internals differ between them, the patch
+Each says why and what it measured. Every one of the dry run's was checked on torch 2.11, 2.12,
+2.13 and 2.14 (`CHECKED`: read in each version's source, and a pipelined hybrid dry run by `make
+test-torch`, whose numbers matched 2.13's to the byte; the stand-in device's at the end, for the
+CUDA-semantics tests, on 2.13); where torch's internals differ between them, the patch
 finds the version's own shape by name (pipelining's metadata exchange and initialization, the
 reduce-scatter's name), as compat does. On another version `validate` refuses the dry run
 (config/rules/torch_version.py) and the rank refuses to start (`require_checked_torch`, for a
@@ -17,6 +18,7 @@ Private torch names live here and in fleetwise.compat only (tests/unit/architect
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -380,3 +382,71 @@ def fsdp_copies_cross_to_the_host(live_tracker: Callable[[], Any]) -> None:
     foreach_reduce.original = reduce
     _fsdp_param_group.foreach_reduce = foreach_reduce
     FSDPParam.all_gather_inputs = property(all_gather_inputs)
+
+
+# ------------------------------------------------------------------------------------------------
+# A stand-in device: the CUDA-semantics tests (tests/helpers/cuda_semantics.py) run a job on the
+# `meta` device with NCCL's rule that a collective takes device tensors only. What FSDP2 and DDP
+# do differently on a device without data, and only that, is changed here (checked on torch 2.13,
+# the only version those tests run on).
+
+
+@contextlib.contextmanager
+def fsdp_and_ddp_on_a_stand_in_device(device: torch.device, pin: Callable[[torch.Tensor], Any]):
+    """While active: FSDP2 places its parameters on `device` (it asks the mesh's device type,
+    which has no device module), accepts meta parameters, and makes the host copy of an offloaded
+    shard that it skips for a meta parameter (expecting it to be materialised later), pinned by
+    `pin` where its policy pins; DDP skips its start-up checks, which compare parameter data
+    across ranks (meaningless without data)."""
+    from unittest import mock
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    init = FSDPParam._init_sharded_param
+
+    def init_with_host_copy(self, param, dev, *rest):
+        init(self, param, dev, *rest)
+        if self.offload_to_cpu and self._sharded_param_data.is_meta:
+            host = torch.zeros(self.padded_sharded_param_size, dtype=self._sharded_param_data.dtype)
+            self._sharded_param_data = host.view(-1)
+            rows = self.sharded_param._local_tensor.size(0) if host.dim() else 0
+            local = host.narrow(0, 0, rows) if host.dim() else host
+            self.sharded_param = torch.nn.Parameter(
+                self.to_sharded_dtensor(local), requires_grad=param.requires_grad
+            )
+            self._setattr_on_modules(self.sharded_param)
+            if self.pin_memory:  # as FSDP pins the host copy of a device parameter
+                pin(host)
+
+    ddp = "torch.nn.parallel.distributed"
+    with contextlib.ExitStack() as stack:
+        for p in (
+            mock.patch(f"{ddp}._verify_param_shape_across_processes", lambda *a, **k: None),
+            mock.patch(f"{ddp}._sync_module_states", lambda *a, **k: None),
+            mock.patch.object(_fsdp_init, "_get_device_from_mesh", lambda mesh: device),
+            mock.patch.object(FSDPParamGroup, "_validate_no_meta_params", lambda self: None),
+            mock.patch.object(FSDPParam, "_init_sharded_param", init_with_host_copy),
+        ):
+            stack.enter_context(p)
+        yield
+
+
+class _FirstBuckets:
+    """A DDP reducer that keeps its first bucket order: DDP re-buckets after the first backward,
+    broadcasting rank 0's order, and with no data in the broadcast that order is not one."""
+
+    def __init__(self, reducer):
+        self.reducer = reducer
+
+    def _rebuild_buckets(self):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.reducer, name)
+
+
+def ddp_keeps_its_first_buckets(ddp) -> None:
+    """Make a DDP module's reducer keep the buckets it started with (the stand-in device)."""
+    ddp.reducer = _FirstBuckets(ddp.reducer)
