@@ -18,9 +18,10 @@ PYTEST_ARGS ?=
 # Test files run TEST_WORKERS at a time (pytest-xdist, one file per worker so that module fixtures
 # such as the parity references run once). Most tests start a few CPU processes whose start-up
 # (torch imports, rendezvous) and single-process dry runs leave a core idle; on 2 cores two workers
-# ran the dry-run table 1.47x faster. Files go to the workers longest first, by tests/DURATIONS.md
-# (tests/conftest.py; xdist's own order, by number of tests, ran its one-minute one-test files last).
-# TEST_WORKERS=0 runs everything in one process.
+# ran the dry-run table 1.47x faster. Three ran the whole suite no faster than two (805 s against
+# 793 s back to back on 2026-11-30, both cores 98% busy against 91%). Files go to the workers
+# longest first, by tests/DURATIONS.md (tests/conftest.py; xdist's own order, by number of tests,
+# ran its one-minute one-test files last). TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 XDIST       := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
