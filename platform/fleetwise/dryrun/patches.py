@@ -5,9 +5,9 @@ fake process-group backend and fake tensors; where that differs from a real job 
 or needs, a function below patches torch in the simulating process only (never in a real rank).
 Each says why and what it measured. Every one of the dry run's was checked on torch 2.11, 2.12,
 2.13 and 2.14 (`CHECKED`: read in each version's source, and a pipelined hybrid dry run by `make
-test-torch`, whose numbers matched 2.13's to the byte; the stand-in device's at the end, for the
-CUDA-semantics tests, on 2.13); where torch's internals differ between them, the patch
-finds the version's own shape by name (pipelining's metadata exchange and initialization, the
+test-torch`, whose numbers matched 2.13's to the byte; the two test references at the end -- the
+CUDA-semantics tests' stand-in device, the planner tests' schedule action lists -- on 2.13);
+where torch's internals differ between them, the patch finds the version's own shape by name (pipelining's metadata exchange and initialization, the
 reduce-scatter's name), as compat does. On another version `validate` refuses the dry run
 (config/rules/torch_version.py) and the rank refuses to start (`require_checked_torch`, for a
 caller that skipped validation); a patch whose target is missing raises `compat.Unsupported`
@@ -450,3 +450,33 @@ class _FirstBuckets:
 def ddp_keeps_its_first_buckets(ddp) -> None:
     """Make a DDP module's reducer keep the buckets it started with (the stand-in device)."""
     ddp.reducer = _FirstBuckets(ddp.reducer)
+
+
+# ------------------------------------------------------------------------------------------------
+# A pipeline schedule's own action lists without stages or a process group: the reference the
+# planner's pipeline terms are held to (tests/unit/plan/test_planner.py: micro-batches in flight,
+# weight steps waiting, receive-buffer sets, the bubble). Read in torch 2.13's source, where those
+# tests run (`make test-torch` runs them on another version: a renamed internal fails by name).
+
+
+def action_lists(schedule_cls, pp: int, virtual: int, n: int) -> dict[int, list]:
+    """Per pipeline rank, the compute actions `schedule_cls` (a multi-stage schedule) runs for `n`
+    micro-batches over pp x `virtual` stages, empty slots dropped: only its order generator runs,
+    on an object holding the attributes that generator reads."""
+    sched = schedule_cls.__new__(schedule_cls)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, virtual, n
+    sched.number_of_rounds = max(1, n // pp)
+    sched.microbatches_per_round = n // sched.number_of_rounds
+    sched._num_stages = sched.num_stages = pp * virtual
+    order = _original(sched, "_calculate_single_rank_operations", "a schedule's action lists")
+    return {r: [a for a in order(r) if a is not None] for r in range(pp)}
+
+
+def lowered_action_lists(
+    compute: dict[int, list], stage_to_rank: Callable[[int], int], num_stages: int
+) -> dict[int, list]:
+    """`compute` (rank -> actions) with the sends and receives torch's runtime adds between ranks."""
+    from torch.distributed.pipelining import schedules
+
+    lower = _original(schedules, "_add_send_recv", "a schedule's lowered action lists")
+    return lower(compute, stage_to_rank=stage_to_rank, num_stages=num_stages)

@@ -162,26 +162,20 @@ def _torch_peak_in_flight(schedule: str, pp: int, v: int, n: int, rank: int) -> 
 
     from torch.distributed.pipelining import schedules as S
 
+    from fleetwise.dryrun import patches
+
     cls = {
         "interleaved_1F1B": S.ScheduleInterleaved1F1B,
         "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble,
         "ZBV_zero_bubble": S.ScheduleZBVZeroBubble,
     }[schedule]
-    # only the order generator runs: the attributes it reads, without stages or a process group
-    sched = cls.__new__(cls)
-    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, n
-    sched.number_of_rounds = max(1, n // pp)
-    sched.microbatches_per_round = n // sched.number_of_rounds
-    sched._num_stages = sched.num_stages = pp * v
     held: dict[int, int] = defaultdict(int)
     best, at = -1, {}
-    for action in sched._calculate_single_rank_operations(rank):
-        if action is None:
-            continue
+    for action in patches.action_lists(cls, pp, v, n)[rank]:
         kind = action.computation_type
-        if kind == S._ComputationType.FORWARD:
+        if kind == S.FORWARD:
             held[action.stage_index] += 1
-        if kind in (S._ComputationType.FULL_BACKWARD, S._ComputationType.BACKWARD_WEIGHT):
+        if kind in (S.FULL_BACKWARD, S.BACKWARD_WEIGHT):
             held[action.stage_index] -= 1
         if sum(held.values()) > best:
             best, at = sum(held.values()), dict(held)
@@ -205,24 +199,19 @@ def test_zero_bubble_weight_steps_waiting_follow_torchs_action_lists():
     the planner's moment is the one of those holding the most in flight."""
     from torch.distributed.pipelining import schedules as S
 
-    T = S._ComputationType
+    from fleetwise.dryrun import patches
+
     for pp, v, n in [(2, 2, 4), (2, 2, 8), (2, 2, 32), (4, 2, 8), (4, 2, 16), (4, 3, 8), (8, 2, 32)]:
+        lists = patches.action_lists(S.ScheduleInterleavedZeroBubble, pp, v, n)
         for rank in range(pp):
-            sched = S.ScheduleInterleavedZeroBubble.__new__(S.ScheduleInterleavedZeroBubble)
-            sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, n
-            sched.number_of_rounds = max(1, n // pp)
-            sched.microbatches_per_round = n // sched.number_of_rounds
-            sched._num_stages = sched.num_stages = pp * v
             stages = [rank + pp * i for i in range(v)]
             fwd, inp, best = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0), None
-            for a in sched._calculate_single_rank_operations(rank):
-                if a is None:
-                    continue
-                if a.computation_type == T.FORWARD:
+            for a in lists[rank]:
+                if a.computation_type == S.FORWARD:
                     fwd[a.stage_index] += 1
-                if a.computation_type == T.BACKWARD_INPUT:
+                if a.computation_type == S.BACKWARD_INPUT:
                     inp[a.stage_index] += 1
-                if a.computation_type == T.BACKWARD_WEIGHT:
+                if a.computation_type == S.BACKWARD_WEIGHT:
                     if a.stage_index == stages[-1]:  # the moment: its weight step about to run
                         moment = ({i: fwd[st] for i, st in enumerate(stages)}, inp[stages[-1]])
                         if best is None or sum(moment[0].values()) > sum(best[0].values()):
@@ -246,17 +235,17 @@ def _receive_pool_high_water(actions: list) -> dict[tuple[str, int], int]:
     """("act" | "grad", stage) -> the most receive sets runtime/pipeline_stage.py's pool holds at
     once over one rank's lowered action list: a set taken at a micro-batch's RECV_F / RECV_B, given
     back at its weight step."""
-    from torch.distributed.pipelining.schedules import _ComputationType as T
+    from torch.distributed.pipelining import schedules as S
 
     live: dict[tuple[str, int], set[int]] = {}
     most: dict[tuple[str, int], int] = {}
     for a in actions:
-        key = {T.RECV_F: "act", T.RECV_B: "grad"}.get(a.computation_type)
+        key = {S.RECV_F: "act", S.RECV_B: "grad"}.get(a.computation_type)
         if key:
             held = live.setdefault((key, a.stage_index), set())
             held.add(a.microbatch_index)
             most[key, a.stage_index] = max(most.get((key, a.stage_index), 0), len(held))
-        if a.computation_type == T.BACKWARD_WEIGHT:
+        if a.computation_type == S.BACKWARD_WEIGHT:
             for k in ("act", "grad"):
                 live.get((k, a.stage_index), set()).discard(a.microbatch_index)
     return most
@@ -269,9 +258,13 @@ def test_zero_bubble_receive_buffer_sets_follow_torchs_lowered_action_lists():
     chunk's activation sets, the last one's, and every chunk's gradient sets."""
     from torch.distributed.pipelining import schedules as S
 
+    from fleetwise.dryrun import patches
+
     for pp, v, n in [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 2, 16), (8, 2, 32), (4, 3, 8)]:
-        compute = _torch_action_lists(S.ScheduleInterleavedZeroBubble, pp, v, n)
-        lowered = S._add_send_recv(compute, stage_to_rank=lambda st, pp=pp: st % pp, num_stages=pp * v)
+        compute = patches.action_lists(S.ScheduleInterleavedZeroBubble, pp, v, n)
+        lowered = patches.lowered_action_lists(
+            compute, stage_to_rank=lambda st, pp=pp: st % pp, num_stages=pp * v
+        )
         for rank, actions in lowered.items():
             most = _receive_pool_high_water(actions)
             flight = chunks_in_flight("interleaved_zero_bubble", pp, v, n, rank)
@@ -291,10 +284,9 @@ def _zbv_action_lists(pp: int, n: int) -> dict:
     1 is stage 2pp-1-r)."""
     from torch.distributed.pipelining import schedules as S
 
-    sched = S.ScheduleZBVZeroBubble.__new__(S.ScheduleZBVZeroBubble)
-    sched.pp_group_size, sched._n_microbatches = pp, n
-    sched.num_stages = sched._num_stages = 2 * pp
-    return {r: [a for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(pp)}
+    from fleetwise.dryrun import patches
+
+    return patches.action_lists(S.ScheduleZBVZeroBubble, pp, 2, n)
 
 
 ZBV_CASES = [(2, 4), (2, 8), (2, 16), (3, 6), (4, 8), (4, 16), (8, 16), (8, 32)]
@@ -305,17 +297,17 @@ def test_zbv_weight_steps_follow_their_input_gradient_steps_at_once():
     few more input-gradient steps): no micro-batch waits for one at the planner's moment, which is
     inside an input-gradient step (weight_steps_waiting is empty; the transient is what it keeps
     for its weight step). Micro-batches in flight: test_micro_batches_in_flight_follow_torchs_action_lists."""
-    from torch.distributed.pipelining.schedules import _ComputationType as T
+    from torch.distributed.pipelining import schedules as S
 
     for pp, n in ZBV_CASES:
         for rank, actions in _zbv_action_lists(pp, n).items():
-            steady = [a for a in actions if a.computation_type == T.FORWARD][
+            steady = [a for a in actions if a.computation_type == S.FORWARD][
                 -1
             ]  # the cool-down starts after it
             steady_end = actions.index(steady)
             for a, after in zip(actions[:steady_end], actions[1 : steady_end + 1], strict=True):
-                if a.computation_type == T.BACKWARD_INPUT:
-                    assert after.computation_type == T.BACKWARD_WEIGHT, (pp, n, rank, str(a))
+                if a.computation_type == S.BACKWARD_INPUT:
+                    assert after.computation_type == S.BACKWARD_WEIGHT, (pp, n, rank, str(a))
                     assert (after.stage_index, after.microbatch_index) == (a.stage_index, a.microbatch_index)
             assert weight_steps_waiting("ZBV_zero_bubble", pp, 2, n, rank) == {}
 
@@ -324,26 +316,26 @@ def test_zbv_sends_made_at_the_first_moment_follow_torchs_action_lists():
     """ZB-V's first moment: the last chunk-1 input-gradient step with chunks_in_flight's counts in
     flight (forwards minus weight steps). The sends made by then, that step's own included, are
     its forwards (outputs) and input-gradient steps (input gradients) per chunk."""
-    from torch.distributed.pipelining.schedules import _ComputationType as T
+    from torch.distributed.pipelining import schedules as S
 
     for pp in (2, 3, 4, 8):
         for n in (2 * pp, 3 * pp, 4 * pp, 5 * pp, 8 * pp):
             for rank, actions in _zbv_action_lists(pp, n).items():
                 stages = (rank, 2 * pp - 1 - rank)
                 flight = chunks_in_flight("ZBV_zero_bubble", pp, 2, n, rank)
-                done = {k: {st: 0 for st in stages} for k in (T.FORWARD, T.BACKWARD_INPUT, T.BACKWARD_WEIGHT)}
+                done = {k: {st: 0 for st in stages} for k in (S.FORWARD, S.BACKWARD_INPUT, S.BACKWARD_WEIGHT)}
                 made = None
                 for a in actions:
                     done[a.computation_type][a.stage_index] += 1
-                    live = [done[T.FORWARD][st] - done[T.BACKWARD_WEIGHT][st] for st in stages]
+                    live = [done[S.FORWARD][st] - done[S.BACKWARD_WEIGHT][st] for st in stages]
                     if (
-                        a.computation_type == T.BACKWARD_INPUT
+                        a.computation_type == S.BACKWARD_INPUT
                         and a.stage_index == stages[1]
                         and live == [flight[0], flight[1]]
                     ):
                         made = [
                             {i: done[k][st] for i, st in enumerate(stages)}
-                            for k in (T.FORWARD, T.BACKWARD_INPUT)
+                            for k in (S.FORWARD, S.BACKWARD_INPUT)
                         ]
                 assert made == list(zbv_sends_made(pp, n, rank)), (pp, n, rank)
 
@@ -352,26 +344,26 @@ def test_zbv_cool_down_moment_follows_torchs_action_lists():
     """ZB-V's cool-down runs input-gradient steps ahead of their weight steps: at the one with the
     most micro-batches waiting (its own included), torch's list holds what zbv_cool_down says --
     in flight and waiting per local chunk, and chunk 0's input-gradient steps still to come."""
-    from torch.distributed.pipelining.schedules import _ComputationType as T
+    from torch.distributed.pipelining import schedules as S
 
     for pp, n in [*ZBV_CASES, (4, 4), (8, 8), (4, 12), (8, 24)]:
         for rank, actions in _zbv_action_lists(pp, n).items():
             stages = [rank, 2 * pp - 1 - rank]
             flight, waiting, best = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0), None
             for at, a in enumerate(actions):
-                if a.computation_type == T.FORWARD:
+                if a.computation_type == S.FORWARD:
                     flight[a.stage_index] += 1
-                if a.computation_type == T.BACKWARD_INPUT:
+                if a.computation_type == S.BACKWARD_INPUT:
                     waiting[a.stage_index] += 1
                     if rank == 0 and a.stage_index == 0:
                         continue  # stage 0's is a full backward: nothing waits (block_recomputes)
                     if best is None or sum(waiting.values()) > sum(best[1].values()):
                         to_come = sum(
-                            b.computation_type == T.BACKWARD_INPUT and b.stage_index == rank
+                            b.computation_type == S.BACKWARD_INPUT and b.stage_index == rank
                             for b in actions[at + 1 :]
                         )
                         best = (dict(flight), dict(waiting), to_come)
-                if a.computation_type == T.BACKWARD_WEIGHT:
+                if a.computation_type == S.BACKWARD_WEIGHT:
                     flight[a.stage_index] -= 1
                     waiting[a.stage_index] -= 1
             moment = tuple({i: m[st] for i, st in enumerate(stages)} for m in best[:2]) + (best[2],)
@@ -389,12 +381,13 @@ def test_zbv_receive_buffer_sets_follow_torchs_lowered_action_lists():
     tensor it hands over into the receiving chunk's set, taken at the handing chunk's forward
     (activations) or input-gradient step (gradients)."""
     from torch.distributed.pipelining import schedules as S
-    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    from fleetwise.dryrun import patches
 
     for pp, n in [*ZBV_CASES, (2, 2), (4, 4)]:
         # rank pp-1: stage pp's activation set from stage pp-1's forward to its own weight step,
         # stage pp-1's gradient set from stage pp's input-gradient step to its own weight step
-        taken = {(T.FORWARD, pp - 1): "act", (T.BACKWARD_INPUT, pp): "grad"}
+        taken = {(S.FORWARD, pp - 1): "act", (S.BACKWARD_INPUT, pp): "grad"}
         given_back = {pp: "act", pp - 1: "grad"}
         live, most = {"act": set(), "grad": set()}, {"act": 0, "grad": 0}
         for a in _zbv_action_lists(pp, n)[pp - 1]:
@@ -402,7 +395,7 @@ def test_zbv_receive_buffer_sets_follow_torchs_lowered_action_lists():
             if key:
                 live[key].add(a.microbatch_index)
                 most[key] = max(most[key], len(live[key]))
-            if a.computation_type == T.BACKWARD_WEIGHT:
+            if a.computation_type == S.BACKWARD_WEIGHT:
                 live[given_back[a.stage_index]].discard(a.microbatch_index)
         flight = chunks_in_flight("ZBV_zero_bubble", pp, 2, n, pp - 1)
         last = pp - 1
@@ -415,7 +408,7 @@ def test_zbv_receive_buffer_sets_follow_torchs_lowered_action_lists():
         )
         compute = _zbv_action_lists(pp, n)
         on_rank = lambda st, pp=pp: st if st < pp else 2 * pp - 1 - st  # noqa: E731
-        lowered = S._add_send_recv(compute, stage_to_rank=on_rank, num_stages=2 * pp)
+        lowered = patches.lowered_action_lists(compute, stage_to_rank=on_rank, num_stages=2 * pp)
         for rank, actions in lowered.items():
             most = _receive_pool_high_water(actions)
             flight = chunks_in_flight("ZBV_zero_bubble", pp, 2, n, rank)
@@ -427,22 +420,11 @@ def test_zbv_receive_buffer_sets_follow_torchs_lowered_action_lists():
                     assert most.get(("grad", stage), 0) == grads, (pp, n, rank, i)
 
 
-def _torch_action_lists(cls, pp: int, v: int, n: int) -> dict:
-    """torch 2.13's own per-rank action lists of a multi-stage schedule, without a process group."""
-    sched = cls.__new__(cls)
-    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, n
-    sched.number_of_rounds = max(1, n // pp)
-    sched.microbatches_per_round = n // sched.number_of_rounds
-    sched._num_stages = sched.num_stages = pp * v
-    sched.stage_index_to_group_rank = {}
-    return {r: [a for a in sched._calculate_single_rank_operations(r) if a is not None] for r in range(pp)}
-
-
 def _idle_fraction(lists: dict, last_stage: int) -> float:
     """Run the lists with F = I = W = 1 per chunk and micro-batch (stage 0's input-gradient pass
     a full backward of 2, its weight pass nothing: block_recomputes) and each action waiting for
     the one it consumes: the slowest rank's idle share of the step."""
-    from torch.distributed.pipelining.schedules import _ComputationType as T
+    from torch.distributed.pipelining import schedules as S
 
     done, clock, busy, at = {}, dict.fromkeys(lists, 0.0), dict.fromkeys(lists, 0.0), dict.fromkeys(lists, 0)
     moved = True
@@ -452,11 +434,11 @@ def _idle_fraction(lists: dict, last_stage: int) -> float:
             while at[r] < len(acts):
                 a = acts[at[r]]
                 s, m, kind = a.stage_index, a.microbatch_index, a.computation_type
-                if kind == T.FORWARD:
+                if kind == S.FORWARD:
                     key, dep, cost = "F", (s - 1, "F", m) if s else None, 1.0
-                elif kind in (T.BACKWARD_INPUT, T.FULL_BACKWARD):
+                elif kind in (S.BACKWARD_INPUT, S.FULL_BACKWARD):
                     dep = (s, "F", m) if s == last_stage else (s + 1, "I", m)
-                    key, cost = "I", 2.0 if (kind == T.FULL_BACKWARD or s == 0) else 1.0
+                    key, cost = "I", 2.0 if (kind == S.FULL_BACKWARD or s == 0) else 1.0
                 else:
                     key, dep, cost = "W", (s, "I", m), 0.0 if s == 0 else 1.0
                 if dep is not None and dep not in done:
@@ -476,6 +458,8 @@ def test_zero_bubble_bubbles_are_those_of_torchs_own_action_lists():
     m = 2p (the paper's), where torch's list idles the pipeline fill: 7.2% at pp 16, m = 32."""
     from torch.distributed.pipelining import schedules as S
 
+    from fleetwise.dryrun import patches
+
     for name, cls, vs in [
         ("interleaved_zero_bubble", S.ScheduleInterleavedZeroBubble, (2, 3)),
         ("ZBV_zero_bubble", S.ScheduleZBVZeroBubble, (2,)),
@@ -484,7 +468,7 @@ def test_zero_bubble_bubbles_are_those_of_torchs_own_action_lists():
         for pp in (2, 4, 8, 16):
             for v in vs:
                 for n in (pp, 2 * pp, 3 * pp, 4 * pp):
-                    real = _idle_fraction(_torch_action_lists(cls, pp, v, n), pp * v - 1)
+                    real = _idle_fraction(patches.action_lists(cls, pp, v, n), pp * v - 1)
                     assert bubble_fraction(name, pp, v, n) == pytest.approx(real, abs=1e-9), (name, pp, v, n)
     assert bubble_fraction("ZBV_zero_bubble", 16, 2, 32) == pytest.approx(15 / 207)
 

@@ -21,7 +21,9 @@ def test_follows_in_place_storage_resizes_like_fsdp_frees_parameters():
     """FSDP2 frees an unsharded parameter with storage.resize_(0) and re-allocates it for the next
     all-gather on the same storage object, outside dispatch: the tracker must see both."""
     p = torch.zeros(1024)
+    resize = torch.UntypedStorage.resize_
     with LiveTensorBytes([p]) as t:
+        assert torch.UntypedStorage.resize_ is not resize  # followed inside
         p.untyped_storage().resize_(0)
         assert t.current == 0
         q = torch.ones(256) * 2  # 1 KiB while the parameter is freed
@@ -29,7 +31,7 @@ def test_follows_in_place_storage_resizes_like_fsdp_frees_parameters():
         assert t.current == 4096 + 1024
         del q
     assert t.peak == 4096 + 1024
-    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # restored on exit
+    assert torch.UntypedStorage.resize_ is resize  # restored on exit
 
 
 def test_a_retained_graph_dies_with_its_last_reference_while_tracked():
